@@ -1,0 +1,119 @@
+"""The attention interface: paged KV write plus attention over block tables.
+
+Backends import nothing from the rest of Pagoda: they see tensors and this metadata.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Describes one step's flattened batch; built once per step, shared by all layers.
+
+    Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i + 1]``; its
+    queries are the last ``query_lens[i]`` of its ``seq_lens[i]`` tokens, whose K/V live
+    in the blocks ``block_tables[i]`` (padded with zeros past its last block).
+
+    Attributes:
+        num_tokens: Rows in the flattened batch.
+        query_lens: New tokens per request (Python list, for host-side loops).
+        seq_lens: Context length per request after this step (Python list).
+        query_start_loc: int32 [num_reqs + 1] cumulative query_lens.
+        seq_lens_tensor: int32 [num_reqs].
+        block_tables: int32 [num_reqs, max_blocks_per_req].
+        slot_mapping: int64 [num_tokens]: cache slot (block_id * block_size + offset)
+            where each new token's K/V is written.
+        block_size: Tokens per block.
+        max_query_len: Longest query.
+        max_seq_len: Longest context.
+        backend_data: Whatever the backend's prepare() derived from the above.
+    """
+
+    num_tokens: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    query_start_loc: torch.Tensor
+    seq_lens_tensor: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    backend_data: Any = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(ABC):
+    """One attention implementation over the paged KV cache.
+
+    The KV cache of a layer is a pair of tensors ``[num_blocks, block_size,
+    num_kv_heads, head_dim]`` (keys, values), allocated once by the worker.
+
+    Args:
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads (grouped-query attention when fewer).
+        head_dim: Size of one head.
+        scale: Softmax scale, usually head_dim ** -0.5.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> bool:
+        """Whether the backend can run on ``device`` in this environment."""
+        return True
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Derives per-step data shared by every layer into ``metadata.backend_data``."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Writes the new K/V into their slots, then attends over each request's context.
+
+        Args:
+            query: [num_tokens, num_heads, head_dim].
+            key: [num_tokens, num_kv_heads, head_dim], the new tokens' keys.
+            value: [num_tokens, num_kv_heads, head_dim].
+            kv_cache: This layer's (key_cache, value_cache).
+            metadata: The step's batch description.
+
+        Returns:
+            [num_tokens, num_heads, head_dim].
+        """
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+             slot_mapping: torch.Tensor) -> None:
+    """Stores new keys and values in their cache slots."""
+    key_cache, value_cache = kv_cache
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Cache slots of a request's first ``seq_len`` tokens, in order."""
+    positions = torch.arange(seq_len, device=block_table.device)
+    return block_table[positions // block_size].long() * block_size + positions % block_size

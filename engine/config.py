@@ -1,0 +1,86 @@
+"""EngineConfig: every knob of the engine, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "naive", "torch_sdpa", "triton", "flashinfer")
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Configuration of one engine (scheduler, KV cache and worker).
+
+    Attributes:
+        model: Model directory, GGUF file, or None for the default model.
+        dtype: Weight and activation dtype; "auto" picks bfloat16 on CPUs that run it
+            fast and on CUDA, float32 elsewhere.
+        block_size: Tokens per KV cache block.
+        kv_cache_bytes: Memory given to the KV cache; used when num_kv_blocks is None.
+        num_kv_blocks: Exact number of KV blocks (overrides kv_cache_bytes).
+        max_model_len: Longest prompt + output, in tokens; None means the model's own.
+        max_num_seqs: Most requests running in one step.
+        max_num_batched_tokens: Token budget of one step.
+        enable_chunked_prefill: Split long prompts over several steps.
+        seed: Seed of the worker's default random generator.
+        attention_backend: Name of the attention backend, or "auto".
+        device: "cpu", "cuda" or "auto".
+        num_threads: Torch threads in the worker; None keeps torch's default.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    attention_backend: str = "auto"
+    device: str = "auto"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "block_size")
+        _positive_int(self, "kv_cache_bytes")
+        _positive_int(self, "max_num_seqs")
+        _positive_int(self, "max_num_batched_tokens")
+        if self.num_kv_blocks is not None:
+            _positive_int(self, "num_kv_blocks")
+        if self.max_model_len is not None:
+            _positive_int(self, "max_model_len")
+        if self.num_threads is not None:
+            _positive_int(self, "num_threads")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer; got {self.seed!r}")
+
+    def check_model_len(self) -> None:
+        """Validates limits that depend on max_model_len once it is known."""
+        assert self.max_model_len is not None
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is disabled"
+            )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _positive_int(config: EngineConfig, name: str) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")

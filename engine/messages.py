@@ -1,0 +1,102 @@
+"""Typed messages between the engine and the worker subprocess.
+
+Per step, one SchedulerOutput goes to the worker and one RunnerOutput comes back. The
+worker keeps each request's tokens and block table between steps, so a step carries
+only what changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker has no state for: newly admitted or resumed after recompute."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the worker runs in one step.
+
+    Attributes:
+        step_id: Increasing step number.
+        new_requests: Requests to create in the worker before running.
+        new_block_ids: Blocks appended to the tables of requests the worker knows.
+        num_scheduled_tokens: Tokens each request runs this step, in batch order.
+        finished_request_ids: Requests whose worker state is to be dropped (finished,
+            aborted or preempted since the last step).
+    """
+
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token: its own, then the top ones (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """The worker's answer to one SchedulerOutput.
+
+    Attributes:
+        step_id: The step answered.
+        sampled: Request id to the token sampled for it; requests in the middle of a
+            chunked prefill sample nothing.
+        logprobs: Request id to logprobs, for requests that asked.
+        error: Set when the step failed; every request in it is failed.
+    """
+
+    step_id: int
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class WorkerReady:
+    """Sent once the worker has loaded the model and allocated the KV cache."""
+
+    device: str
+    dtype: str
+    attention_backend: str
+    kv_cache_bytes: int
+
+
+@dataclass(slots=True)
+class WorkerFailed:
+    """Sent when the worker cannot start (bad model, out of memory)."""
+
+    error: str
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Asks the worker to exit."""

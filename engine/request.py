@@ -1,0 +1,136 @@
+"""Per-request state kept by the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Finished states sort after PREEMPTED."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason of a finished status, None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    There is no prefill or decode phase: each step runs ``num_tokens - num_computed_tokens``
+    tokens (capped by the budget), which covers chunked prefill, decode and recompute.
+
+    Attributes:
+        request_id: Unique id.
+        prompt_token_ids: The prompt.
+        output_token_ids: Tokens generated so far.
+        all_token_ids: Prompt followed by output.
+        num_computed_tokens: Tokens whose K/V are in the cache.
+        max_tokens: Output length cap, already clamped to max_model_len.
+        stop_reason: The token id or string that stopped the request, if any.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "output_token_ids",
+        "all_token_ids",
+        "num_computed_tokens",
+        "status",
+        "arrival_time",
+        "max_tokens",
+        "eos_token_ids",
+        "stop_reason",
+        "num_preemptions",
+        "stop_token_set",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.max_tokens = max_tokens
+        self.eos_token_ids = frozenset() if sampling_params.ignore_eos else eos_token_ids
+        self.stop_token_set = frozenset(sampling_params.stop_token_ids)
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """Returns the finished status the last token implies, or None to go on."""
+        num_output = len(self.output_token_ids)
+        if num_output == 0:
+            return None
+        last = self.output_token_ids[-1]
+        if num_output >= self.sampling_params.min_tokens:
+            if last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in self.stop_token_set:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,92 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# NOTE: limits that keep one request from monopolising the engine; the server maps a
+# violation to a 400 naming the field.
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How tokens are chosen for one request, and when it stops.
+
+    Attributes:
+        n: Number of samples generated for the prompt.
+        temperature: 0 means greedy; higher flattens the distribution.
+        top_p: Nucleus sampling mass in (0, 1].
+        top_k: Keep the k most likely tokens; 0 or -1 disables.
+        min_p: Drop tokens whose probability is below ``min_p`` times the top one.
+        seed: Makes this request's samples reproducible, whatever it is batched with.
+        repetition_penalty: Multiplicative penalty (> 0) on tokens seen in prompt or output.
+        presence_penalty: Additive penalty on tokens present in the output, in [-2, 2].
+        frequency_penalty: Additive penalty scaled by output counts, in [-2, 2].
+        max_tokens: Maximum number of generated tokens; None means up to max_model_len.
+        min_tokens: EOS and stop tokens are suppressed until this many tokens exist.
+        stop: Strings that end generation; the match is left out of the text.
+        stop_token_ids: Token ids that end generation (kept out of the text).
+        ignore_eos: Keep generating past EOS.
+        logprobs: Number of top logprobs returned per token (None: none; 0: only the
+            sampled token's).
+        prompt_logprobs: Not supported yet; must be None.
+        skip_special_tokens: Leave special tokens out of the detokenized text.
+        include_stop_str_in_output: Keep a matched stop string in the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        _check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
+        _check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {message}")

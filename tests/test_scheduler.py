@@ -1,0 +1,140 @@
+"""Scheduler tests without a model: the worker's answer is simulated from the step."""
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.messages import RunnerOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+EOS = 0
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=8, max_model_len=256, chunked=True):
+    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget, max_model_len=max_model_len, enable_chunked_prefill=chunked)
+
+
+def add(scheduler, request_id, prompt_len, max_tokens=8, **params):
+    request = Request(request_id, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **params),
+                      max_tokens=max_tokens, eos_token_ids=frozenset({EOS}))
+    scheduler.add_request(request)
+    return request
+
+
+def step(scheduler, next_token=lambda request: 7):
+    """One schedule/update round; samples for requests whose tokens are all computed."""
+    out = scheduler.schedule()
+    assert out.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+    sampled = {}
+    for request_id, num in out.num_scheduled_tokens.items():
+        request = scheduler.requests[request_id]
+        assert request.num_computed_tokens + num <= request.num_tokens
+        if request.num_computed_tokens + num == request.num_tokens:
+            sampled[request_id] = next_token(request)
+    updates = scheduler.update(out, RunnerOutput(step_id=out.step_id, sampled=sampled))
+    scheduler.kv_cache_manager.check_invariants()
+    return out, updates
+
+
+def test_long_prompt_is_prefilled_in_chunks_then_decodes():
+    scheduler = make_scheduler(budget=16)
+    request = add(scheduler, "a", prompt_len=40, max_tokens=3)
+    chunks = [step(scheduler)[0].num_scheduled_tokens["a"] for _ in range(5)]
+    assert chunks == [16, 16, 8, 1, 1]
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert request.output_token_ids == [7, 7, 7]
+    assert scheduler.kv_cache_manager.get_num_free_blocks() == 64
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget():
+    scheduler = make_scheduler(budget=16, chunked=False)
+    add(scheduler, "a", prompt_len=10)
+    add(scheduler, "b", prompt_len=10)
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"a": 10}
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 10}
+
+
+def test_running_requests_go_first_and_decode_mixes_with_prefill():
+    scheduler = make_scheduler(budget=12)
+    add(scheduler, "a", prompt_len=4)
+    step(scheduler)
+    add(scheduler, "b", prompt_len=20)
+    out, _ = step(scheduler)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 11)]
+
+
+def test_eos_and_stop_token_and_min_tokens():
+    scheduler = make_scheduler()
+    a = add(scheduler, "a", prompt_len=3, max_tokens=10)
+    b = add(scheduler, "b", prompt_len=3, max_tokens=10, stop_token_ids=[5])
+    c = add(scheduler, "c", prompt_len=3, max_tokens=10, min_tokens=3)
+    tokens = {"a": [4, EOS], "b": [5], "c": [EOS, EOS, EOS]}
+    for _ in range(4):
+        step(scheduler, lambda r: tokens[r.request_id].pop(0) if tokens[r.request_id] else 9)
+    assert a.output_token_ids == [4, EOS] and a.status.finish_reason == "stop"
+    assert b.output_token_ids == [5] and b.stop_reason == 5
+    assert c.output_token_ids == [EOS, EOS, EOS] and c.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", prompt_len=3, max_tokens=4, ignore_eos=True)
+    for _ in range(4):
+        step(scheduler, lambda r: EOS)
+    assert request.output_token_ids == [EOS] * 4
+    assert request.status.finish_reason == "length"
+
+
+def test_preemption_by_recompute_under_a_small_budget_frees_everything():
+    # 8 blocks of 4 tokens = 32 slots for 6 requests that each grow to 14 tokens.
+    scheduler = make_scheduler(num_blocks=8, block_size=4, budget=64)
+    requests = [add(scheduler, f"r{i}", prompt_len=6, max_tokens=8) for i in range(6)]
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        step(scheduler, lambda r: 10 + r.num_output_tokens)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in requests)
+    assert all(r.output_token_ids == list(range(10, 18)) for r in requests)
+    assert scheduler.stats.num_preemptions > 0
+    assert scheduler.kv_cache_manager.get_num_free_blocks() == 8
+    assert not scheduler.kv_cache_manager.req_to_blocks
+
+
+def test_the_most_recently_admitted_request_is_preempted_and_keeps_its_place():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    first = add(scheduler, "first", prompt_len=8, max_tokens=8)
+    second = add(scheduler, "second", prompt_len=8, max_tokens=8)
+    step(scheduler)  # both admitted: 4 blocks used, both full
+    assert [r.request_id for r in scheduler.running] == ["first", "second"]
+    late = add(scheduler, "late", prompt_len=2, max_tokens=2)
+    out, _ = step(scheduler)  # first needs a block: second is the victim
+    assert second.status == RequestStatus.PREEMPTED and second.num_computed_tokens == 0
+    assert "second" in out.finished_request_ids
+    assert [r.request_id for r in scheduler.waiting] == ["second", "late"]
+    assert first.status == RequestStatus.RUNNING
+
+
+def test_abort_frees_blocks_and_tells_the_worker():
+    scheduler = make_scheduler()
+    add(scheduler, "a", prompt_len=10)
+    step(scheduler)
+    assert scheduler.kv_cache_manager.get_num_free_blocks() < 64
+    scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.kv_cache_manager.get_num_free_blocks() == 64
+    out, _ = step(scheduler)
+    assert out.finished_request_ids == ["a"]
+    # Aborting a waiting request needs no worker message.
+    add(scheduler, "b", prompt_len=3)
+    scheduler.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    assert step(scheduler)[0].finished_request_ids == []
+
+
+def test_max_num_seqs_caps_running_requests():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        add(scheduler, f"r{i}", prompt_len=2)
+    out, _ = step(scheduler)
+    assert sorted(out.num_scheduled_tokens) == ["r0", "r1"]
