@@ -1,0 +1,308 @@
+"""Turns one step's logits into sampled token ids, batched over requests.
+
+The model worker calls :meth:`SamplingMetadata.build` once per step for the rows that
+sample, then :class:`Sampler` on the ``[B, V]`` logits. Everything is vectorized over the
+batch; the only per-row Python loop draws the noise of seeded rows, so that a seeded
+request is reproducible whatever it is batched with.
+
+Order of operations (as in vLLM V1):
+    1. logprobs from the raw logits (``log_softmax`` before any penalty or temperature);
+    2. min_tokens: EOS and stop token ids of rows still short of ``min_tokens`` get -inf;
+    3. repetition, presence and frequency penalties;
+    4. greedy rows: argmax of the penalized logits;
+    5. random rows: temperature, top-k, top-p, min-p, then exponential-race sampling
+       (``argmax(probs / Exponential(1) noise)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
+
+# NOTE: like vLLM, temperatures this small are treated as greedy: dividing by them
+# overflows or makes sampling numerically meaningless.
+_GREEDY_TEMPERATURE = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-step, per-row sampling tensors; optional parts are None when unused.
+
+    Attributes:
+        num_reqs: Number of rows ``B``.
+        vocab_size: Width ``V`` of the logits.
+        all_greedy: Every row is greedy: no temperature, filtering or noise.
+        all_random: No row is greedy: no argmax pass.
+        temperature: ``[B]`` float32, 1.0 on greedy rows; None when all greedy.
+        greedy_mask: ``[B]`` bool, True on greedy rows; None unless the batch is mixed.
+        top_k: ``[B]`` int64, ``V`` where disabled; None when no random row uses it.
+        top_p: ``[B]`` float32, 1.0 where disabled; None when no random row uses it.
+        min_p: ``[B]`` float32, 0.0 where disabled; None when no random row uses it.
+        seeded_rows: ``(row, step_seed)`` for random rows with a seed; ``step_seed``
+            mixes the request seed with its number of output tokens.
+        max_num_logprobs: Largest ``logprobs`` requested in the batch; None if none.
+        min_tokens_rows: ``[N]`` int64 row index of each (row, token) to suppress.
+        min_tokens_token_ids: ``[N]`` int64 token id of each (row, token) to suppress.
+        repetition_penalties: ``[B]`` float32; None when no row uses any penalty.
+        presence_penalties: ``[B]`` float32; None when no row uses any penalty.
+        frequency_penalties: ``[B]`` float32; None when no row uses any penalty.
+        prompt_token_ids: ``[B, Lp]`` int64 padded with ``V``; None unless some row
+            has a repetition penalty.
+        output_token_ids: ``[B, Lo]`` int64 padded with ``V``; None when no penalty.
+    """
+
+    num_reqs: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    temperature: torch.Tensor | None = None
+    greedy_mask: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    seeded_rows: list[tuple[int, int]] | None = None
+    max_num_logprobs: int | None = None
+    min_tokens_rows: torch.Tensor | None = None
+    min_tokens_token_ids: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    prompt_token_ids: torch.Tensor | None = None
+    output_token_ids: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Builds the metadata for one step; row ``i`` is request ``i``.
+
+        Args:
+            params: Sampling parameters of each row.
+            prompt_token_ids: Prompt of each row (read only for repetition penalty).
+            output_token_ids: Tokens generated so far by each row.
+            eos_token_ids: Token ids that end generation unless ``ignore_eos``.
+            vocab_size: Width of the logits the sampler will get.
+            device: Device of those logits.
+
+        Returns:
+            The metadata; parts no row needs are left None.
+        """
+        num_reqs = len(params)
+        assert len(prompt_token_ids) == num_reqs and len(output_token_ids) == num_reqs
+        greedy = [p.temperature < _GREEDY_TEMPERATURE for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+        md = cls(num_reqs=num_reqs, vocab_size=vocab_size, all_greedy=all_greedy, all_random=all_random)
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        if not all_greedy:
+            md.temperature = f32([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+            if not all_random:
+                md.greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+            random = [p for p, g in zip(params, greedy) if not g]
+            if any(0 < p.top_k < vocab_size for p in random):
+                ks = [p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size for p, g in zip(params, greedy)]
+                md.top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+            if any(p.top_p < 1.0 for p in random):
+                md.top_p = f32([1.0 if g else p.top_p for p, g in zip(params, greedy)])
+            if any(p.min_p > 0.0 for p in random):
+                md.min_p = f32([0.0 if g else p.min_p for p, g in zip(params, greedy)])
+            md.seeded_rows = [
+                (i, _mix_seed(p.seed, len(out)))
+                for i, (p, g, out) in enumerate(zip(params, greedy, output_token_ids))
+                if not g and p.seed is not None
+            ]
+
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        md.max_num_logprobs = max(requested) if requested else None
+
+        rows: list[int] = []
+        toks: list[int] = []
+        for i, (p, out) in enumerate(zip(params, output_token_ids)):
+            if len(out) < p.min_tokens:
+                banned = set(p.stop_token_ids) if p.ignore_eos else {*p.stop_token_ids, *eos_token_ids}
+                banned = sorted(t for t in banned if 0 <= t < vocab_size)
+                rows += [i] * len(banned)
+                toks += banned
+        if rows:
+            md.min_tokens_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            md.min_tokens_token_ids = torch.tensor(toks, dtype=torch.int64, device=device)
+
+        use_rep = any(p.repetition_penalty != 1.0 for p in params)
+        if use_rep or any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            md.repetition_penalties = f32([p.repetition_penalty for p in params])
+            md.presence_penalties = f32([p.presence_penalty for p in params])
+            md.frequency_penalties = f32([p.frequency_penalty for p in params])
+            md.output_token_ids = _pad(output_token_ids, vocab_size, device)
+            if use_rep:
+                md.prompt_token_ids = _pad(prompt_token_ids, vocab_size, device)
+        return md
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """What one step sampled.
+
+    Attributes:
+        sampled_token_ids: ``[B]`` int64.
+        logprobs: ``[B, 1+K]`` float32 raw logprobs: the sampled token's first, then the
+            top ``K`` in descending order, ``K`` being the batch's largest ``logprobs``.
+            Rows that asked for fewer ignore the extra columns. None when no row asked.
+        logprob_token_ids: ``[B, 1+K]`` int64 token ids matching ``logprobs``.
+    """
+
+    sampled_token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    logprob_token_ids: torch.Tensor | None = None
+
+
+class Sampler:
+    """Samples one token per row; stateless apart from its random generators.
+
+    Args:
+        seed: Seed of the generator used by unseeded rows; None seeds it from the OS.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed
+        self._default_generators: dict[torch.device, torch.Generator] = {}
+        self._seeded_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Samples from ``[B, V]`` logits of any float dtype (computed in float32).
+
+        Args:
+            logits: Raw model logits, one row per request; not modified.
+            metadata: This step's :class:`SamplingMetadata`.
+
+        Returns:
+            The sampled ids, plus logprobs when some row asked for them.
+        """
+        md = metadata
+        assert logits.shape == (md.num_reqs, md.vocab_size), (logits.shape, md.num_reqs, md.vocab_size)
+        no_edits = md.min_tokens_rows is None and md.repetition_penalties is None
+        if md.all_greedy and no_edits and md.max_num_logprobs is None:
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))  # the common path
+        # NOTE: copy, so the in-place edits below never touch the caller's tensor.
+        logits = logits.to(torch.float32, copy=not no_edits or not md.all_greedy)
+        raw_logprobs = None if md.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        if md.min_tokens_rows is not None:
+            logits[md.min_tokens_rows, md.min_tokens_token_ids] = float("-inf")
+        if md.repetition_penalties is not None:
+            _apply_penalties(logits, md)
+
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        if md.all_greedy:
+            sampled = greedy
+        else:
+            sampled = self._sample(logits, md)
+            if greedy is not None:
+                sampled = torch.where(md.greedy_mask, greedy, sampled)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        top = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
+        ids = torch.cat([sampled.unsqueeze(1), top.indices], dim=1)
+        values = torch.cat([raw_logprobs.gather(1, sampled.unsqueeze(1)), top.values], dim=1)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=values, logprob_token_ids=ids)
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Temperature, filters and the exponential race; edits ``logits`` in place."""
+        logits.div_(md.temperature.unsqueeze(1))
+        logits = _apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = logits.softmax(dim=-1)
+        if md.min_p is not None:
+            threshold = probs.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
+            probs.masked_fill_(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        seeded = md.seeded_rows or []
+        if len(seeded) < md.num_reqs:
+            noise.exponential_(generator=self._generator(self._default_generators, probs.device, self._seed))
+        if seeded:
+            gen = self._generator(self._seeded_generators, probs.device, 0)
+            for row, step_seed in seeded:
+                gen.manual_seed(step_seed)
+                noise[row].exponential_(generator=gen)
+        # NOTE: exponential_ may return exactly 0; clamping keeps 0/0 from making NaNs.
+        return probs.div_(noise.clamp_(min=1e-20)).argmax(dim=-1)
+
+    @staticmethod
+    def _generator(cache: dict[torch.device, torch.Generator], device: torch.device, seed: int | None) -> torch.Generator:
+        gen = cache.get(device)
+        if gen is None:
+            gen = cache[device] = torch.Generator(device=device)
+            if seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(seed & _MASK64)
+        return gen
+
+
+def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """Applies repetition, presence and frequency penalties in place."""
+    num_reqs, vocab = logits.shape
+    counts = torch.zeros(num_reqs, vocab + 1, dtype=torch.float32, device=logits.device)
+    out = md.output_token_ids
+    counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.float32))
+    counts = counts[:, :vocab]
+    seen_in_output = counts > 0
+    if md.prompt_token_ids is not None:
+        seen = torch.zeros(num_reqs, vocab + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, md.prompt_token_ids, True)
+        seen = seen[:, :vocab] | seen_in_output
+        rep = md.repetition_penalties.unsqueeze(1).expand_as(logits)
+        scale = torch.where(logits > 0, 1.0 / rep, rep)
+        logits.copy_(torch.where(seen, logits * scale, logits))
+    logits.sub_(md.frequency_penalties.unsqueeze(1) * counts)
+    logits.sub_(md.presence_penalties.unsqueeze(1) * seen_in_output)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Masks (to -inf) the tokens outside each row's top-k, then outside its top-p mass."""
+    if top_k is None and top_p is None:
+        return logits
+    if top_p is None:
+        # NOTE: topk of the largest k needed avoids a full sort; ties at the k-th value stay.
+        kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
+        return logits.masked_fill_(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # always keep the most likely token
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def _pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:
+    """Stacks ragged token lists into ``[B, max_len]`` int64, padded with ``pad``."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out.to(device)
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    """Mixes a request seed and its output length into a 64-bit generator seed (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + step + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
