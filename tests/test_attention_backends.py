@@ -1,0 +1,89 @@
+"""Paged attention backends against a dense reference and against the naive backend."""
+
+import pytest
+import torch
+
+from attention_backends import AttentionMetadata, get_attention_backend
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
+
+
+def dense_attention(q, k, v):
+    """Causal attention over one contiguous sequence; q is the last rows of k's positions."""
+    group = NUM_HEADS // NUM_KV_HEADS
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q, k) * HEAD_DIM**-0.5
+    seq_len, query_len = k.shape[0], q.shape[0]
+    mask = torch.arange(seq_len)[None, :] > torch.arange(seq_len - query_len, seq_len)[:, None]
+    return torch.einsum("hls,shd->lhd", scores.masked_fill(mask, float("-inf")).softmax(-1), v)
+
+
+def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32):
+    """Fills caches for the context, runs one mixed step, returns (output, reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    cache_shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    kv_cache = (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
+    # Scatter each request's blocks over the pool in a shuffled order.
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, full_k, full_v = [], [], []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(perm[:n])
+        perm = perm[n:]
+        full_k.append(torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=dtype))
+        full_v.append(torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=dtype))
+    # Context tokens (all but the step's queries) are already in the cache.
+    for table, k, v, s, q in zip(tables, full_k, full_v, seq_lens, query_lens):
+        for pos in range(s - q):
+            kv_cache[0][table[pos // block_size], pos % block_size] = k[pos]
+            kv_cache[1][table[pos // block_size], pos % block_size] = v[pos]
+    queries = [torch.randn(q, NUM_HEADS, HEAD_DIM, generator=gen, dtype=dtype) for q in query_lens]
+    max_blocks = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+    slots = [table[p // block_size] * block_size + p % block_size
+             for table, s, q in zip(tables, seq_lens, query_lens) for p in range(s - q, s)]
+    query_start = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_tokens=sum(query_lens), query_lens=list(query_lens), seq_lens=list(seq_lens),
+        query_start_loc=query_start, seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables, slot_mapping=torch.tensor(slots, dtype=torch.int64), block_size=block_size,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    backend = get_attention_backend(backend_name, torch.device("cpu"))(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                                                                       HEAD_DIM**-0.5)
+    backend.prepare(metadata)
+    new_k = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens)])
+    new_v = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens)])
+    out = backend.forward(torch.cat(queries), new_k, new_v, kv_cache, metadata)
+    reference = torch.cat([dense_attention(q.float(), k.float(), v.float())
+                           for q, k, v in zip(queries, full_k, full_v)])
+    return out, reference
+
+
+MIXED = [
+    ([5], [5]),  # one prefill from scratch
+    ([9, 17, 3], [1, 1, 1]),  # decodes
+    ([12, 30, 7, 40], [12, 1, 3, 1]),  # prefill, decode, chunk over context, decode
+]
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch_sdpa"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("seq_lens,query_lens", MIXED)
+def test_backend_matches_dense_attention(backend, block_size, seq_lens, query_lens):
+    out, reference = run_step(backend, block_size, seq_lens, query_lens)
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_sdpa_matches_naive_in_bfloat16(block_size):
+    seq_lens, query_lens = [12, 30, 7, 40, 1], [12, 1, 3, 1, 1]
+    naive, _ = run_step("naive", block_size, seq_lens, query_lens, seed=3, dtype=torch.bfloat16)
+    sdpa, _ = run_step("torch_sdpa", block_size, seq_lens, query_lens, seed=3, dtype=torch.bfloat16)
+    torch.testing.assert_close(sdpa.float(), naive.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_unknown_backend_lists_the_known_ones():
+    with pytest.raises(ValueError, match="naive"):
+        get_attention_backend("nope", torch.device("cpu"))
