@@ -55,8 +55,11 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """One attention implementation over the paged KV cache.
 
-    The KV cache of a layer is a pair of tensors ``[num_blocks, block_size,
-    num_kv_heads, head_dim]`` (keys, values), allocated once by the worker.
+    The KV cache of a layer is a pair of tensors (keys, values) of the shape the
+    backend asks for in ``kv_cache_shape`` (by default ``[num_blocks, block_size,
+    num_kv_heads, head_dim]``), allocated once by the worker; only the backend reads or
+    writes inside it, and cache slot ``block_id * block_size + offset`` is how the rest
+    of the engine names a token's place.
 
     Args:
         num_heads: Query heads.
@@ -77,6 +80,18 @@ class AttentionBackend(ABC):
     def is_available(cls, device: torch.device) -> bool:
         """Whether the backend can run on ``device`` in this environment."""
         return True
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's key (and value) cache tensor."""
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                 slot_mapping: torch.Tensor) -> None:
+        """Stores new keys and values ([num_tokens, num_kv_heads, head_dim]) in their slots."""
+        key_cache, value_cache = kv_cache
+        key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping,
+                                                                           value.to(value_cache.dtype))
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Derives per-step data shared by every layer into ``metadata.backend_data``."""
@@ -102,15 +117,6 @@ class AttentionBackend(ABC):
         Returns:
             [num_tokens, num_heads, head_dim].
         """
-
-
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-             slot_mapping: torch.Tensor) -> None:
-    """Stores new keys and values in their cache slots."""
-    key_cache, value_cache = kv_cache
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
 def context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:

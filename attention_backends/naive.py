@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attention_backends.base import AttentionBackend, AttentionMetadata, context_slots, write_kv
+from attention_backends.base import AttentionBackend, AttentionMetadata, context_slots
 
 
 class NaiveAttentionBackend(AttentionBackend):
@@ -14,7 +14,7 @@ class NaiveAttentionBackend(AttentionBackend):
     name = "naive"
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         key_cache, value_cache = kv_cache
         flat_keys = key_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_values = value_cache.view(-1, self.num_kv_heads, self.head_dim)

@@ -169,8 +169,10 @@ class Scheduler:
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
         """Applies a step's results: advances computed tokens, appends samples, finishes."""
+        updates: list[RequestUpdate] = []
+        if scheduler_output.is_empty:
+            return updates
         self.stats.num_steps += 1
-        updates = []
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -22,8 +22,10 @@ def dense_attention(q, k, v):
 def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32):
     """Fills caches for the context, runs one mixed step, returns (output, reference)."""
     gen = torch.Generator().manual_seed(seed)
+    backend = get_attention_backend(backend_name, torch.device("cpu"))(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                                                                       HEAD_DIM**-0.5)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    cache_shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    cache_shape = backend.kv_cache_shape(num_blocks, block_size)
     kv_cache = (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
     # Scatter each request's blocks over the pool in a shuffled order.
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -36,9 +38,9 @@ def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch
         full_v.append(torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=dtype))
     # Context tokens (all but the step's queries) are already in the cache.
     for table, k, v, s, q in zip(tables, full_k, full_v, seq_lens, query_lens):
-        for pos in range(s - q):
-            kv_cache[0][table[pos // block_size], pos % block_size] = k[pos]
-            kv_cache[1][table[pos // block_size], pos % block_size] = v[pos]
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(s - q)],
+                             dtype=torch.int64)
+        backend.write_kv(k[: s - q], v[: s - q], kv_cache, slots)
     queries = [torch.randn(q, NUM_HEADS, HEAD_DIM, generator=gen, dtype=dtype) for q in query_lens]
     max_blocks = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
@@ -50,8 +52,6 @@ def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch
         query_start_loc=query_start, seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=block_tables, slot_mapping=torch.tensor(slots, dtype=torch.int64), block_size=block_size,
         max_query_len=max(query_lens), max_seq_len=max(seq_lens))
-    backend = get_attention_backend(backend_name, torch.device("cpu"))(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                                                                       HEAD_DIM**-0.5)
     backend.prepare(metadata)
     new_k = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens)])
     new_v = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens)])

@@ -1,0 +1,375 @@
+"""AsyncEngine: the asyncio core loop that the offline LLM class and the server share.
+
+The loop pulls new requests, asks the scheduler for a step, awaits the worker, applies
+the result and pushes text to each request's stream. While the worker computes, the
+event loop is free to serve HTTP, tokenize and stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import suppress
+from dataclasses import replace
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.executor import WorkerDiedError, WorkerProcess
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import load_tokenizer, resolve_model
+from engine.models.config import ModelConfig
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.platform import resolve_device, resolve_dtype
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestUpdate, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The worker died; the engine cannot serve any more requests."""
+
+
+class StepError(RuntimeError):
+    """A step failed in the worker; the requests in it were failed."""
+
+
+class _Sample:
+    """Engine-side state of one of a request's n samples."""
+
+    __slots__ = ("request", "detokenizer", "output")
+
+    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer, index: int) -> None:
+        self.request = request
+        self.detokenizer = detokenizer
+        logprobs = [] if request.sampling_params.logprobs is not None else None
+        self.output = CompletionOutput(index=index, logprobs=logprobs)
+
+
+class _RequestStream:
+    """Collects a request's progress; the consumer wakes on ``event`` and takes a snapshot."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "samples", "event", "error", "num_finished")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.samples: list[_Sample] = []
+        self.event = asyncio.Event()
+        self.error: BaseException | None = None
+        self.num_finished = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.samples)
+
+    def snapshot(self) -> RequestOutput:
+        outputs = []
+        for sample in self.samples:
+            out = sample.output
+            outputs.append(replace(out, token_ids=list(out.token_ids),
+                                   logprobs=None if out.logprobs is None else list(out.logprobs)))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished)
+
+
+class AsyncEngine:
+    """The engine: scheduler and KV cache manager here, the model in a worker process.
+
+    Use ``await engine.start()`` (or ``async with engine``), then ``generate()``.
+
+    Args:
+        config: The engine configuration.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = None
+        self.model_config: ModelConfig | None = None
+        self.scheduler: Scheduler | None = None
+        self.worker: WorkerProcess | None = None
+        self.max_model_len = 0
+        self._streams: dict[str, _RequestStream] = {}
+        self._samples: dict[str, tuple[_RequestStream, _Sample]] = {}
+        self._pending_aborts: set[str] = set()
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._dead: BaseException | None = None
+        self._ids = itertools.count()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Resolves the model, sizes the KV cache, spawns the worker and starts the loop."""
+        config = self.config
+        model_dir = await asyncio.to_thread(resolve_model, config.model)
+        self.model_config = model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        num_blocks, self.max_model_len = self._size_kv_cache(model_config)
+        self.scheduler = Scheduler(
+            KVCacheManager(num_blocks, config.block_size),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.worker = WorkerProcess(config, model_dir, model_config, num_blocks, self.max_model_len)
+        await self.worker.start()
+        self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="pagoda-engine-loop")
+
+    async def shutdown(self) -> None:
+        """Stops the loop, fails whatever is still running, and stops the worker."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        if self.worker is not None:
+            await self.worker.shutdown()
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.shutdown()
+
+    def _size_kv_cache(self, model_config: ModelConfig) -> tuple[int, int]:
+        config = self.config
+        dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+        bytes_per_block = (2 * model_config.num_hidden_layers * config.block_size * model_config.num_key_value_heads
+                           * model_config.head_dim * dtype.itemsize)
+        model_len = model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's context "
+                             f"length ({model_len})")
+        wanted_len = config.max_model_len or model_len
+        window = model_config.sliding_window
+        if window is not None and wanted_len > window:
+            # NOTE: no sliding-window attention yet; within the window it is exact.
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's sliding window "
+                                 f"({window}), which Pagoda does not implement yet")
+            logger.warning("limiting max_model_len to the sliding window (%d tokens)", window)
+            wanted_len = window
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            # NOTE: never more blocks than max_num_seqs full-length requests can use.
+            num_blocks = min(config.kv_cache_bytes // bytes_per_block,
+                             config.max_num_seqs * -(-wanted_len // config.block_size))
+        capacity = num_blocks * config.block_size
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            raise ValueError(f"max_model_len ({config.max_model_len}) does not fit in the KV cache "
+                             f"({num_blocks} blocks of {config.block_size} tokens = {capacity} tokens); "
+                             "give the cache more memory or lower max_model_len")
+        max_model_len = min(wanted_len, capacity)
+        if max_model_len < 2:
+            raise ValueError(f"the KV cache ({num_blocks} blocks) is too small to serve any request")
+        replace_config = replace(config, max_model_len=max_model_len)
+        replace_config.check_model_len()
+        return num_blocks, max_model_len
+
+    # -- requests ---------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and self._dead is None
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Tokenizes a text prompt, or validates a token-id prompt."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        vocab_size = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        return token_ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> _RequestStream:
+        """Validates and queues a request; returns its stream.
+
+        Raises:
+            ValueError: Bad prompt or parameters (the message names the field).
+            EngineDeadError: The worker has died.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is not running: {self._dead}")
+        if self._loop_task is None:
+            raise EngineDeadError("the engine has not been started")
+        if prompt_token_ids is None:
+            prompt_token_ids = self.encode_prompt(prompt)
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"prompt is {num_prompt} tokens long, but max_model_len is {self.max_model_len} "
+                             "(prompt plus at least one generated token must fit)")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        room = self.max_model_len - num_prompt
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        stream = _RequestStream(request_id, prompt if isinstance(prompt, str) else None, list(prompt_token_ids))
+        eos = frozenset(self.model_config.eos_token_ids)
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = replace(params, n=1, seed=seed)
+            child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+            request = Request(child_id, prompt_token_ids, child_params, max_tokens, eos)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params)
+            sample = _Sample(request, detokenizer, index)
+            stream.samples.append(sample)
+            self._samples[child_id] = (stream, sample)
+            self.scheduler.add_request(request)
+        self._streams[request_id] = stream
+        self._wakeup.set()
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Runs one request, yielding snapshots as tokens arrive; the last one is finished.
+
+        Leaving the iteration early (or being cancelled) aborts the request.
+        """
+        params = params or SamplingParams()
+        prompt_token_ids = None
+        if isinstance(prompt, str) and prompt:
+            prompt_token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+        stream = self.add_request(prompt, params, request_id, prompt_token_ids)
+        async for output in self.stream_outputs(stream):
+            yield output
+
+    async def stream_outputs(self, stream: _RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yields snapshots of a request added with add_request() until it finishes.
+
+        Leaving the iteration early (or being cancelled) aborts the request.
+        """
+        try:
+            while True:
+                await stream.event.wait()
+                stream.event.clear()
+                if stream.error is not None:
+                    raise stream.error
+                output = stream.snapshot()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+            self._forget(stream)
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (all its samples); it frees its blocks before the next step."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        for sample in stream.samples:
+            if not sample.output.finished:
+                self._pending_aborts.add(sample.request.request_id)
+        self._wakeup.set()
+
+    # -- the loop ---------------------------------------------------------------------
+
+    async def _run_loop(self) -> None:
+        scheduler = self.scheduler
+        try:
+            while True:
+                if not scheduler.has_unfinished_requests() and not self._pending_aborts:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                self._apply_aborts()
+                scheduler_output = scheduler.schedule()
+                if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
+                    await asyncio.sleep(0.001)  # nothing runnable yet; do not spin
+                    continue
+                runner_output = await self.worker.execute(scheduler_output)
+                if runner_output.error is not None:
+                    self._fail_step(scheduler_output.num_scheduled_tokens, runner_output.error)
+                    continue
+                self._process_updates(scheduler.update(scheduler_output, runner_output))
+        except WorkerDiedError as exc:
+            logger.error("worker died: %s", exc)
+            self._dead = exc
+            self._fail_all(EngineDeadError(str(exc)))
+        except Exception as exc:  # a bug in the loop must not leave requests hanging
+            logger.exception("engine loop crashed")
+            self._dead = exc
+            self._fail_all(EngineDeadError(f"the engine loop crashed: {exc!r}"))
+
+    def _apply_aborts(self) -> None:
+        for child_id in self._pending_aborts:
+            request = self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
+            if request is not None:
+                self._finish_sample(child_id, request)
+        self._pending_aborts.clear()
+
+    def _process_updates(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            entry = self._samples.get(update.request.request_id)
+            if entry is None:
+                continue
+            stream, sample = entry
+            out = sample.output
+            out.token_ids.extend(update.new_token_ids)
+            if out.logprobs is not None:
+                out.logprobs.extend(update.new_logprobs)
+            # EOS or a stop token id: the token ends the text and is left out of it.
+            stop_terminated = update.finished and update.request.status == RequestStatus.FINISHED_STOPPED
+            stopped = sample.detokenizer.update(update.new_token_ids, stop_terminated)
+            if stopped and not update.finished:
+                self.scheduler.finish_request(update.request.request_id, RequestStatus.FINISHED_STOPPED)
+                update.request.stop_reason = sample.detokenizer.stop_reason
+            elif stopped:
+                update.request.stop_reason = sample.detokenizer.stop_reason
+            if update.request.is_finished:
+                self._finish_sample(update.request.request_id, update.request)
+            else:
+                out.text += sample.detokenizer.get_delta()
+                stream.event.set()
+
+    def _finish_sample(self, child_id: str, request: Request) -> None:
+        entry = self._samples.pop(child_id, None)
+        if entry is None:
+            return
+        stream, sample = entry
+        out = sample.output
+        sample.detokenizer.finish()
+        out.text = sample.detokenizer.output_text
+        out.finish_reason = request.status.finish_reason
+        out.stop_reason = request.stop_reason
+        stream.num_finished += 1
+        stream.event.set()
+
+    def _fail_step(self, request_ids, error: str) -> None:
+        logger.error("step failed in the worker:\n%s", error)
+        for child_id in list(request_ids):
+            entry = self._samples.get(child_id)
+            request = self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR)
+            if entry is not None and request is not None:
+                entry[0].error = StepError(f"the model step failed: {error.strip().splitlines()[-1]}")
+                self._finish_sample(child_id, request)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for child_id, (stream, _sample) in list(self._samples.items()):
+            if self.scheduler is not None:
+                self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR)
+            stream.error = error
+            stream.event.set()
+        self._samples.clear()
+
+    def _forget(self, stream: _RequestStream) -> None:
+        self._streams.pop(stream.request_id, None)
+        for sample in stream.samples:
+            self._samples.pop(sample.request.request_id, None)

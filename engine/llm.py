@@ -1,0 +1,134 @@
+"""LLM: offline batch generation on the same core loop as the server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class LLM:
+    """Generates for a batch of prompts, vLLM style.
+
+    Example:
+        >>> llm = LLM(dtype="float32", max_model_len=512)
+        >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+        >>> out[0].outputs[0].text
+
+    Args:
+        model: Model directory or GGUF file; None for the default model.
+        **kwargs: Any EngineConfig field (dtype, block_size, num_kv_blocks,
+            max_model_len, max_num_seqs, max_num_batched_tokens,
+            enable_chunked_prefill, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        unknown = sorted(set(kwargs) - set(EngineConfig.field_names()))
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; "
+                            f"known: {', '.join(EngineConfig.field_names())}")
+        self.config = EngineConfig(model=model, **kwargs)
+        self._loop = new_event_loop()
+        self.engine = AsyncEngine(self.config)
+        try:
+            self._loop.run_until_complete(self.engine.start())
+        except BaseException:
+            self._loop.run_until_complete(self.engine.shutdown())
+            self._loop.close()
+            raise
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generates for each prompt (a string or a list of token ids).
+
+        Returns:
+            One finished RequestOutput per prompt, in order.
+
+        Raises:
+            ValueError: A prompt or parameter is invalid; nothing was run.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        return self._loop.run_until_complete(self._run(prompts, params_list))
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _run(self, prompts: list[Prompt], params_list: list[SamplingParams]) -> list[RequestOutput]:
+        streams = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                streams.append(self.engine.add_request(prompt, params))
+        except BaseException:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            raise
+        results = await asyncio.gather(*(self._last(stream) for stream in streams))
+        return list(results)
+
+    async def _last(self, stream) -> RequestOutput:
+        output = None
+        async for output in self.engine.stream_outputs(stream):
+            pass
+        return output
+
+    def shutdown(self) -> None:
+        """Stops the worker process; the LLM cannot be used afterwards."""
+        if self._loop.is_closed():
+            return
+        self._loop.run_until_complete(self.engine.shutdown())
+        self._loop.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        loop = getattr(self, "_loop", None)
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            try:
+                self.shutdown()
+            except Exception:
+                pass

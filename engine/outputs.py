@@ -1,0 +1,54 @@
+"""What callers of the engine get back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.messages import TokenLogprobs
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request, as far as it has got.
+
+    Attributes:
+        index: Which of the request's n samples this is.
+        text: Detokenized output. While the request runs it stops short of any text
+            that could still turn out to be the start of a stop string.
+        token_ids: Generated token ids.
+        finish_reason: "stop", "length", "abort" or "error" once finished, else None.
+        stop_reason: The stop string or stop token id that ended it, if any.
+        logprobs: Per generated token, when the request asked for logprobs.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A snapshot of one request and all its samples.
+
+    Attributes:
+        request_id: The request's id.
+        prompt: The prompt text, when the prompt was given as text.
+        prompt_token_ids: The tokenized prompt.
+        outputs: One CompletionOutput per sample.
+        finished: Whether every sample has finished.
+        num_cached_tokens: Prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0

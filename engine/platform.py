@@ -1,0 +1,38 @@
+"""Device and dtype resolution shared by the engine and the worker."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" is CUDA when available, else the CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(device)
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU has native bfloat16 matrix instructions (AVX-512 BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto" is bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere."""
+    if dtype == "auto":
+        if device.type == "cuda" or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    return _DTYPES[dtype]

@@ -1,0 +1,44 @@
+"""The worker subprocess: loads the model, then answers one message per step."""
+
+from __future__ import annotations
+
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.messages import SchedulerOutput, Shutdown, WorkerFailed, WorkerReady
+from engine.models.config import ModelConfig
+
+
+def worker_main(conn: Connection, config: EngineConfig, model_dir: Path, model_config: ModelConfig,
+                num_blocks: int, max_model_len: int) -> None:
+    """Entry point of the spawned worker process.
+
+    Exits when told to (Shutdown) or when the engine's end of the pipe closes, so a dead
+    engine never leaves an orphan worker behind.
+    """
+    import torch
+
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    try:
+        from engine.model_runner import ModelRunner
+
+        torch.manual_seed(config.seed)
+        runner = ModelRunner(config, model_dir, model_config, num_blocks, max_model_len)
+    except Exception:
+        conn.send(WorkerFailed(traceback.format_exc()))
+        return
+    conn.send(WorkerReady(device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+                          attention_backend=runner.attention_backend.name,
+                          kv_cache_bytes=runner.kv_cache_bytes))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if isinstance(message, Shutdown):
+            return
+        assert isinstance(message, SchedulerOutput), f"unexpected message {type(message).__name__}"
+        conn.send(runner.execute(message))

@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny random-weight models written once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from model_factory import make_tiny_model_dir  # noqa: E402
+
+# NOTE: a wider init than transformers' 0.02 gives peaked logits, so greedy parity is
+# not decided by float noise between near-tied tokens.
+TINY_INIT = {"initializer_range": 0.3}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama", **TINY_INIT)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1, **TINY_INIT)

