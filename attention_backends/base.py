@@ -93,6 +93,12 @@ class AttentionBackend(ABC):
         value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping,
                                                                            value.to(value_cache.dtype))
 
+    def copy_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, src_ids: torch.Tensor,
+                    dst_ids: torch.Tensor, block_size: int) -> None:
+        """Copies whole blocks ``src_ids`` of one cache tensor into ``dst_ids`` of another
+        (or the same: copy-on-write). Used for swapping and copy-on-write."""
+        dst_cache[dst_ids.to(dst_cache.device)] = src_cache[src_ids.to(src_cache.device)].to(dst_cache.device)
+
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Derives per-step data shared by every layer into ``metadata.backend_data``."""
 

@@ -49,6 +49,11 @@ class TorchSdpaAttentionBackend(AttentionBackend):
         key_cache.index_copy_(1, slot_mapping, key.transpose(0, 1).to(key_cache.dtype))
         value_cache.index_copy_(1, slot_mapping, value.transpose(0, 1).to(value_cache.dtype))
 
+    def copy_blocks(self, src_cache, dst_cache, src_ids, dst_ids, block_size) -> None:
+        src = src_cache.view(self.num_kv_heads, -1, block_size * self.head_dim)
+        dst = dst_cache.view(self.num_kv_heads, -1, block_size * self.head_dim)
+        dst[:, dst_ids.to(dst.device)] = src[:, src_ids.to(src.device)].to(dst.device)
+
     def prepare(self, metadata: AttentionMetadata) -> None:
         device = metadata.block_tables.device
         block_size = metadata.block_size

@@ -73,7 +73,8 @@ class _RequestStream:
             out = sample.output
             outputs.append(replace(out, token_ids=list(out.token_ids),
                                    logprobs=None if out.logprobs is None else list(out.logprobs)))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished)
+        metrics = replace(self.samples[0].request.metrics, events=list(self.samples[0].request.metrics.events))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, metrics)
 
 
 class AsyncEngine:
@@ -109,14 +110,17 @@ class AsyncEngine:
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         num_blocks, self.max_model_len = self._size_kv_cache(model_config)
+        num_cpu_blocks = config.swap_space_bytes // self._bytes_per_block(model_config)
         self.scheduler = Scheduler(
-            KVCacheManager(num_blocks, config.block_size),
+            KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                           num_cpu_blocks=num_cpu_blocks),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode,
         )
-        self.worker = WorkerProcess(config, model_dir, model_config, num_blocks, self.max_model_len)
+        self.worker = WorkerProcess(config, model_dir, model_config, num_blocks, self.max_model_len, num_cpu_blocks)
         await self.worker.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="pagoda-engine-loop")
 
@@ -138,11 +142,15 @@ class AsyncEngine:
     async def __aexit__(self, *exc_info) -> None:
         await self.shutdown()
 
-    def _size_kv_cache(self, model_config: ModelConfig) -> tuple[int, int]:
+    def _bytes_per_block(self, model_config: ModelConfig) -> int:
         config = self.config
         dtype = resolve_dtype(config.dtype, resolve_device(config.device))
-        bytes_per_block = (2 * model_config.num_hidden_layers * config.block_size * model_config.num_key_value_heads
-                           * model_config.head_dim * dtype.itemsize)
+        return (2 * model_config.num_hidden_layers * config.block_size * model_config.num_key_value_heads
+                * model_config.head_dim * dtype.itemsize)
+
+    def _size_kv_cache(self, model_config: ModelConfig) -> tuple[int, int]:
+        config = self.config
+        bytes_per_block = self._bytes_per_block(model_config)
         model_len = model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's context "
@@ -193,8 +201,17 @@ class AsyncEngine:
         return token_ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    prompt_token_ids: list[int] | None = None) -> _RequestStream:
+                    prompt_token_ids: list[int] | None = None, *, cache_salt: str | None = None,
+                    priority: int = 0) -> _RequestStream:
         """Validates and queues a request; returns its stream.
+
+        Args:
+            prompt: Text, or token ids.
+            params: Sampling parameters; n > 1 samples share the prompt's blocks.
+            request_id: Unique id (generated when None).
+            prompt_token_ids: The prompt already tokenized, if it is text.
+            cache_salt: Keeps this request's prefix-cache entries apart from other salts.
+            priority: Scheduling priority, lower first, for policies that use it.
 
         Raises:
             ValueError: Bad prompt or parameters (the message names the field).
@@ -220,24 +237,28 @@ class AsyncEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stream = _RequestStream(request_id, prompt if isinstance(prompt, str) else None, list(prompt_token_ids))
         eos = frozenset(self.model_config.eos_token_ids)
+        requests = []
         for index in range(params.n):
             child_params = params
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + index
                 child_params = replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}-{index}"
-            request = Request(child_id, prompt_token_ids, child_params, max_tokens, eos)
+            request = Request(child_id, prompt_token_ids, child_params, max_tokens, eos, cache_salt=cache_salt,
+                              priority=priority)
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params)
             sample = _Sample(request, detokenizer, index)
             stream.samples.append(sample)
-            self._samples[child_id] = (stream, sample)
-            self.scheduler.add_request(request)
+            requests.append(request)
+        self.scheduler.add_request(requests[0], forks=requests[1:])
+        for sample in stream.samples:
+            self._samples[sample.request.request_id] = (stream, sample)
         self._streams[request_id] = stream
         self._wakeup.set()
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
         """Runs one request, yielding snapshots as tokens arrive; the last one is finished.
 
         Leaving the iteration early (or being cancelled) aborts the request.
@@ -246,7 +267,7 @@ class AsyncEngine:
         prompt_token_ids = None
         if isinstance(prompt, str) and prompt:
             prompt_token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
-        stream = self.add_request(prompt, params, request_id, prompt_token_ids)
+        stream = self.add_request(prompt, params, request_id, prompt_token_ids, **kwargs)
         async for output in self.stream_outputs(stream):
             yield output
 
@@ -291,7 +312,7 @@ class AsyncEngine:
                     await self._wakeup.wait()
                 self._apply_aborts()
                 scheduler_output = scheduler.schedule()
-                if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
+                if not scheduler_output.has_work:
                     await asyncio.sleep(0.001)  # nothing runnable yet; do not spin
                     continue
                 runner_output = await self.worker.execute(scheduler_output)

@@ -17,18 +17,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f.name)
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif f.name in ("model", "dtype", "attention_backend", "device"):
+        elif f.name in ("model", "dtype", "attention_backend", "device", "preemption_mode"):
             parser.add_argument(flag, default=default)
         else:
             parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="KV cache size in GiB (alternative to --kv-cache-bytes)")
+    parser.add_argument("--swap-space", type=float, default=None,
+                        help="CPU swap space in GiB (alternative to --swap-space-bytes)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
     if args.kv_cache_gib is not None:
         values["kv_cache_bytes"] = int(args.kv_cache_gib * 1024**3)
+    if args.swap_space is not None:
+        values["swap_space_bytes"] = int(args.swap_space * 1024**3)
     return EngineConfig(**values)
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "naive", "torch_sdpa", "triton", "flashinfer")
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+DEFAULT_SWAP_SPACE_BYTES = 4 * 1024**3
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass(slots=True)
@@ -28,6 +30,9 @@ class EngineConfig:
         attention_backend: Name of the attention backend, or "auto".
         device: "cpu", "cuda" or "auto".
         num_threads: Torch threads in the worker; None keeps torch's default.
+        enable_prefix_caching: Reuse the KV of shared prompt prefixes.
+        swap_space_bytes: CPU memory for swapped-out requests (0: recompute only).
+        preemption_mode: "auto" (a chooser decides per victim), "swap" or "recompute".
     """
 
     model: str | None = None
@@ -43,6 +48,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "auto"
     num_threads: int | None = None
+    enable_prefix_caching: bool = True
+    swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")
@@ -63,6 +71,11 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be a non-negative integer; got {self.swap_space_bytes!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
+                             f"got {self.preemption_mode!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
 

@@ -26,8 +26,8 @@ class WorkerProcess:
     """
 
     def __init__(self, config: EngineConfig, model_dir: Path, model_config: ModelConfig, num_blocks: int,
-                 max_model_len: int) -> None:
-        self._args = (config, model_dir, model_config, num_blocks, max_model_len)
+                 max_model_len: int, num_cpu_blocks: int = 0) -> None:
+        self._args = (config, model_dir, model_config, num_blocks, max_model_len, num_cpu_blocks)
         self._process: mp.process.BaseProcess | None = None
         self._conn = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-worker-io")

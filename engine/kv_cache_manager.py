@@ -1,10 +1,18 @@
-"""KVCacheManager: per-request block tables on top of the block pool."""
+"""KVCacheManager: per-request block tables on top of the block pool.
+
+Prefix caching, copy-on-write for forked requests and swapping to a CPU swap space are
+all block-table operations, so they live here; the scheduler only asks for slots.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.block_pool import BlockPool, KVBlock
+from engine.block_pool import BlockKey, BlockPool, KVBlock
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 
 @dataclass(slots=True)
@@ -14,20 +22,47 @@ class KVCacheUsage:
     Attributes:
         num_blocks: Blocks in the pool.
         num_used_blocks: Blocks held by at least one request.
-        num_free_blocks: Blocks on the free queue.
+        num_free_blocks: Blocks on the free queue (cached or not).
+        num_cached_free_blocks: Free blocks that still hold a reusable cached prefix.
+        num_shared_blocks: Blocks held by more than one request.
         num_tokens: Token slots that hold (or are being filled with) a request's K/V.
         num_unused_slots: Slots allocated to requests but not holding a token yet.
+        num_cpu_blocks: Blocks of the CPU swap space.
+        num_free_cpu_blocks: Free blocks of the swap space.
+        num_swapped_requests: Requests whose KV is in the swap space.
     """
 
     num_blocks: int
     num_used_blocks: int
     num_free_blocks: int
+    num_cached_free_blocks: int
+    num_shared_blocks: int
     num_tokens: int
     num_unused_slots: int
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    num_swapped_requests: int
 
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
+
+
+@dataclass(slots=True)
+class SlotAllocation:
+    """What allocate_slots changed in a request's block table.
+
+    Attributes:
+        new_block_ids: Blocks appended to the table.
+        copies: (source, destination) block copies to run before the step: the
+            copy-on-write of a shared partial block that the step writes into.
+        table_changed: A block other than the appended ones was replaced, so the
+            worker needs the whole table.
+    """
+
+    new_block_ids: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    table_changed: bool = False
 
 
 class KVCacheManager:
@@ -39,13 +74,23 @@ class KVCacheManager:
     Args:
         num_blocks: Number of physical blocks.
         block_size: Tokens per block.
+        enable_prefix_caching: Reuse cached full blocks across requests.
+        num_cpu_blocks: Blocks in the CPU swap space (0: no swapping).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0) -> None:
         self.block_size = block_size
-        self.block_pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_num_tokens: dict[str, int] = {}
+        self.req_to_hashes: dict[str, list[tuple[int, BlockKey]]] = {}
+        # Leading blocks of each request already registered in the prefix cache.
+        self.req_to_num_cached: dict[str, int] = {}
+        self.num_cpu_blocks = num_cpu_blocks
+        self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.req_to_cpu_blocks: dict[str, list[int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -57,53 +102,192 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int) -> list[int] | None:
-        """Grows a request's block table to hold ``num_total_tokens`` tokens.
+    # -- prefix caching ---------------------------------------------------------------
 
-        Args:
-            request_id: The request.
-            num_total_tokens: Tokens the request will hold once this step has run
-                (computed tokens plus the step's new ones).
+    def block_hashes(self, request: Request, num_blocks: int) -> list[tuple[int, BlockKey]]:
+        """Hashes of the request's first ``num_blocks`` full blocks, computed once each.
+
+        A block's key is (parent hash, its token ids, extra keys); the first block's
+        extra keys carry the request's cache salt, which the chain passes on to every
+        later block, so requests with different salts never share.
+        """
+        hashes = self.req_to_hashes.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        size = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1][0] if hashes else None
+            extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
+            key = (parent, tuple(tokens[i * size : (i + 1) * size]), extra)
+            hashes.append((hash(key), key))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest run of cached full blocks that starts the request's tokens.
+
+        At least the last token is always left to compute, so that the step that
+        admits the request produces its logits.
 
         Returns:
-            The ids of newly allocated blocks (possibly empty), or None when the pool
-            has too few free blocks; nothing is allocated then.
+            The blocks and the number of tokens they hold.
         """
-        blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_new_blocks = self.num_blocks_needed(num_total_tokens) - len(blocks)
-        new_blocks: list[KVBlock] = []
+        if not self.enable_prefix_caching or request.request_id in self.req_to_blocks:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash, key in self.block_hashes(request, max_blocks):
+            block = self.block_pool.get_cached_block(block_hash, key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    # -- allocation -------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> SlotAllocation | None:
+        """Grows a request's block table to hold the step's new tokens.
+
+        Args:
+            request: The request; ``request.num_computed_tokens`` tokens are in cache.
+            num_new_tokens: Tokens the step computes for it.
+            computed_blocks: Prefix-cache hits from get_computed_blocks (first
+                allocation only); they count as computed tokens.
+
+        Returns:
+            What changed, or None when the pool has too few free blocks; nothing is
+            allocated then.
+        """
+        request_id = request.request_id
+        computed_blocks = computed_blocks or []
+        blocks = self.req_to_blocks.get(request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        num_new_blocks = self.num_blocks_needed(num_total) - len(blocks) - len(computed_blocks)
+        # The first new token lands in a partial block shared with another request:
+        # that block is copied before the step writes into it.
+        cow_index = num_computed // self.block_size
+        needs_cow = (num_computed % self.block_size != 0 and cow_index < len(blocks)
+                     and blocks[cow_index].ref_cnt > 1)
+        num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        if max(num_new_blocks, 0) + needs_cow > self.get_num_free_blocks() - num_revived:
+            return None
+
+        result = SlotAllocation()
+        if computed_blocks:
+            self.block_pool.touch(computed_blocks)
+            blocks = list(computed_blocks)
+        self.req_to_blocks[request_id] = blocks
+        if needs_cow:
+            source = blocks[cow_index]
+            (copy,) = self.block_pool.get_new_blocks(1)
+            blocks[cow_index] = copy
+            self.block_pool.free_blocks([source])
+            result.copies.append((source.block_id, copy.block_id))
+            result.table_changed = True
         if num_new_blocks > 0:
-            got = self.block_pool.get_new_blocks(num_new_blocks)
-            if got is None:
-                if not blocks:
-                    del self.req_to_blocks[request_id]
-                return None
-            new_blocks = got
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
             blocks.extend(new_blocks)
-        self.req_to_num_tokens[request_id] = max(num_total_tokens, self.req_to_num_tokens.get(request_id, 0))
-        return [block.block_id for block in new_blocks]
+            result.new_block_ids = [block.block_id for block in new_blocks]
+        self.req_to_num_tokens[request_id] = max(num_total, self.req_to_num_tokens.get(request_id, 0))
+        self._cache_full_blocks(request, num_total)
+        return result
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        request_id = request.request_id
+        num_full = num_tokens // self.block_size
+        start = self.req_to_num_cached.get(request_id, 0)
+        if num_full <= start:
+            return
+        blocks = self.req_to_blocks[request_id]
+        for i, (block_hash, key) in enumerate(self.block_hashes(request, num_full)[start:num_full], start):
+            self.block_pool.cache_block(blocks[i], block_hash, key)
+        self.req_to_num_cached[request_id] = num_full
+
+    def fork(self, parent: Request, child: Request) -> list[int]:
+        """Gives ``child`` the parent's whole block table, partial last block included.
+
+        Returns:
+            The child's block ids.
+        """
+        blocks = list(self.req_to_blocks[parent.request_id])
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = blocks
+        self.req_to_num_tokens[child.request_id] = self.req_to_num_tokens.get(parent.request_id, 0)
+        self.req_to_hashes[child.request_id] = list(self.req_to_hashes.get(parent.request_id, []))
+        self.req_to_num_cached[child.request_id] = self.req_to_num_cached.get(parent.request_id, 0)
+        return [block.block_id for block in blocks]
 
     def free(self, request_id: str) -> None:
-        """Releases every block of a request, tail first. Unknown ids are ignored."""
+        """Releases every block of a request (and its swap space), tail first."""
         blocks = self.req_to_blocks.pop(request_id, None)
         self.req_to_num_tokens.pop(request_id, None)
+        self.req_to_hashes.pop(request_id, None)
+        self.req_to_num_cached.pop(request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+        self.free_cpu_blocks.extend(self.req_to_cpu_blocks.pop(request_id, ()))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
+    # -- swapping ---------------------------------------------------------------------
+
+    def can_swap_out(self, request_id: str) -> bool:
+        return len(self.req_to_blocks.get(request_id, ())) <= len(self.free_cpu_blocks)
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+        """Moves a request's blocks to the swap space and frees them.
+
+        Returns:
+            (block id, cpu block id) pairs for the worker to copy before the step.
+        """
+        blocks = self.req_to_blocks.pop(request_id)
+        cpu_blocks = [self.free_cpu_blocks.pop() for _ in blocks]
+        self.req_to_cpu_blocks[request_id] = cpu_blocks
+        self.req_to_num_cached.pop(request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+        return [(block.block_id, cpu) for block, cpu in zip(blocks, cpu_blocks)]
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self.req_to_cpu_blocks
+
+    def can_swap_in(self, request_id: str, num_extra_blocks: int) -> bool:
+        return len(self.req_to_cpu_blocks[request_id]) + num_extra_blocks <= self.get_num_free_blocks()
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Brings a swapped request back into fresh blocks (check can_swap_in first).
+
+        Returns:
+            (cpu block id, block id) pairs for the worker to copy before the step.
+        """
+        cpu_blocks = self.req_to_cpu_blocks.pop(request.request_id)
+        blocks = self.block_pool.get_new_blocks(len(cpu_blocks))
+        assert blocks is not None, "can_swap_in was not checked"
+        self.req_to_blocks[request.request_id] = blocks
+        self.free_cpu_blocks.extend(cpu_blocks)
+        self._cache_full_blocks(request, request.num_computed_tokens)
+        return [(cpu, block.block_id) for cpu, block in zip(cpu_blocks, blocks)]
+
+    # -- introspection ----------------------------------------------------------------
+
     def usage(self) -> KVCacheUsage:
         num_free = self.get_num_free_blocks()
-        num_used = self.num_blocks - num_free
-        num_tokens = sum(self.req_to_num_tokens.values())
+        num_tokens = sum(self.req_to_num_tokens.get(r, 0) for r in self.req_to_blocks)
         num_slots = sum(len(blocks) for blocks in self.req_to_blocks.values()) * self.block_size
         return KVCacheUsage(
             num_blocks=self.num_blocks,
-            num_used_blocks=num_used,
+            num_used_blocks=self.num_blocks - num_free,
             num_free_blocks=num_free,
+            num_cached_free_blocks=sum(1 for b in self.block_pool.free_block_queue if b.block_hash is not None),
+            num_shared_blocks=self.block_pool.num_shared_blocks(),
             num_tokens=num_tokens,
             num_unused_slots=num_slots - num_tokens,
+            num_cpu_blocks=self.num_cpu_blocks,
+            num_free_cpu_blocks=len(self.free_cpu_blocks),
+            num_swapped_requests=len(self.req_to_cpu_blocks),
         )
 
     def check_invariants(self) -> None:
@@ -118,5 +302,12 @@ class KVCacheManager:
             num_holders = holders.get(block.block_id, 0)
             assert block.ref_cnt == num_holders, f"{block}: held by {num_holders} block tables"
             assert (block.block_id in free_ids) == (block.ref_cnt == 0), f"{block}: free and owned"
+            if block.block_hash is not None:
+                assert self.block_pool.cached_blocks.get(block.block_hash) is block, f"{block}: stale hash"
+        for block_hash, block in self.block_pool.cached_blocks.items():
+            assert block.block_hash == block_hash and hash(block.block_key) == block_hash
         for request_id, blocks in self.req_to_blocks.items():
             assert self.num_blocks_needed(self.req_to_num_tokens.get(request_id, 0)) <= len(blocks)
+        owned_cpu = [cpu for cpu_blocks in self.req_to_cpu_blocks.values() for cpu in cpu_blocks]
+        assert sorted(owned_cpu + self.free_cpu_blocks) == list(range(self.num_cpu_blocks)), "swap space leak"
+        assert not set(self.req_to_blocks) & set(self.req_to_cpu_blocks), "request both swapped and resident"

@@ -35,6 +35,14 @@ class SchedulerOutput:
         num_scheduled_tokens: Tokens each request runs this step, in batch order.
         finished_request_ids: Requests whose worker state is to be dropped (finished,
             aborted or preempted since the last step).
+        block_tables: Whole new tables of known requests whose table changed other than
+            by appending (a copy-on-write replaced a block).
+        swap_out: (block, cpu block) copies into the swap space.
+        swap_in: (cpu block, block) copies out of the swap space.
+        copy_blocks: (source, destination) block copies (copy-on-write).
+
+    The worker applies them in this order: drop finished, swap out, swap in, copy,
+    then runs the step.
     """
 
     step_id: int
@@ -42,6 +50,10 @@ class SchedulerOutput:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_request_ids: list[str] = field(default_factory=list)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -50,6 +62,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+    @property
+    def has_work(self) -> bool:
+        """Whether the worker has anything to do (run, drop or move blocks)."""
+        return bool(self.num_scheduled_tokens or self.finished_request_ids or self.swap_out)
 
 
 @dataclass(slots=True)

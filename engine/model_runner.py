@@ -49,7 +49,7 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, model_dir: Path, model_config: ModelConfig, num_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, num_cpu_blocks: int = 0) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
@@ -73,6 +73,14 @@ class ModelRunner:
             for _ in range(model_config.num_hidden_layers)
         ]
         self.kv_cache_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+        # The swap space: the same layout in CPU memory (pinned when the cache is on a GPU).
+        cpu_shape = backend.kv_cache_shape(num_cpu_blocks, self.block_size)
+        pin = self.device.type == "cuda"
+        self.cpu_caches = [
+            (torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin),
+             torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin))
+            for _ in range(model_config.num_hidden_layers)
+        ] if num_cpu_blocks else []
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.eos_token_ids = list(model_config.eos_token_ids)
@@ -90,10 +98,16 @@ class ModelRunner:
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
+        # NOTE: the order matters: a swapped-out block may be reused by this very step.
+        self._move_blocks(sched.swap_out, self.kv_caches, self.cpu_caches)
+        self._move_blocks(sched.swap_in, self.cpu_caches, self.kv_caches)
+        self._move_blocks(sched.copy_blocks, self.kv_caches, self.kv_caches)
         for data in sched.new_requests:
             self.requests[data.request_id] = CachedRequestState(data)
         for request_id, block_ids in sched.new_block_ids.items():
             self.requests[request_id].block_ids.extend(block_ids)
+        for request_id, block_ids in sched.block_tables.items():
+            self.requests[request_id].block_ids = list(block_ids)
         out = RunnerOutput(step_id=sched.step_id)
         if sched.is_empty:
             return out
@@ -141,6 +155,15 @@ class ModelRunner:
                     top_logprobs=logprobs[row][1 : 1 + num_top],
                 )
         return out
+
+    def _move_blocks(self, pairs: list[tuple[int, int]], src_caches, dst_caches) -> None:
+        if not pairs:
+            return
+        src_ids = torch.tensor([src for src, _ in pairs])
+        dst_ids = torch.tensor([dst for _, dst in pairs])
+        for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
+            self.attention_backend.copy_blocks(src_k, dst_k, src_ids, dst_ids, self.block_size)
+            self.attention_backend.copy_blocks(src_v, dst_v, src_ids, dst_ids, self.block_size)
 
     def _prepare_inputs(self, states: list[CachedRequestState], query_lens: list[int]):
         """Builds the flattened token batch and the attention metadata in one go."""

@@ -8,6 +8,31 @@ from engine.messages import TokenLogprobs
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """Timings of one request, in time.time() seconds, for metrics and tracing.
+
+    Attributes:
+        arrival_time: When the engine accepted the request.
+        first_scheduled_time: When it first ran a step.
+        first_token_time: When its first output token came back.
+        last_token_time: When its latest output token came back.
+        finished_time: When it finished.
+        num_preemptions: How often it was preempted.
+        num_cached_tokens: Prompt tokens served from the prefix cache.
+        events: (name, time) pairs: queued, scheduled, first_token, preempted, finished.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    events: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request, as far as it has got.
 
@@ -43,7 +68,7 @@ class RequestOutput:
         prompt_token_ids: The tokenized prompt.
         outputs: One CompletionOutput per sample.
         finished: Whether every sample has finished.
-        num_cached_tokens: Prompt tokens served from the prefix cache.
+        metrics: Timings of the request (of its first sample when n > 1).
     """
 
     request_id: str
@@ -51,4 +76,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

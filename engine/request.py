@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 
 
@@ -51,6 +52,9 @@ class Request:
         num_computed_tokens: Tokens whose K/V are in the cache.
         max_tokens: Output length cap, already clamped to max_model_len.
         stop_reason: The token id or string that stopped the request, if any.
+        cache_salt: Extra key of the prefix cache; requests with different salts
+            never share cached blocks.
+        priority: Scheduling priority (lower runs first) for policies that use it.
     """
 
     __slots__ = (
@@ -61,12 +65,14 @@ class Request:
         "all_token_ids",
         "num_computed_tokens",
         "status",
-        "arrival_time",
+        "metrics",
         "max_tokens",
         "eos_token_ids",
         "stop_reason",
-        "num_preemptions",
         "stop_token_set",
+        "cache_salt",
+        "priority",
+        "pending_forks",
     )
 
     def __init__(
@@ -77,6 +83,8 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -85,12 +93,17 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        self.metrics.events.append(("queued", self.metrics.arrival_time))
         self.max_tokens = max_tokens
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else eos_token_ids
         self.stop_token_set = frozenset(sampling_params.stop_token_ids)
         self.stop_reason: int | str | None = None
-        self.num_preemptions = 0
+        self.cache_salt = cache_salt
+        self.priority = priority
+        # Samples of an n > 1 request that fork from this one once its prompt (all
+        # but the last token) is in the cache.
+        self.pending_forks: list[Request] = []
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +120,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
+
+    def record(self, event: str, now: float | None = None) -> float:
+        """Appends a timed event to the request's metrics; returns the time."""
+        now = time.time() if now is None else now
+        self.metrics.events.append((event, now))
+        return now
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, SlotAllocation
 from engine.messages import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
+from plugins.preemption import choose_preemption_mode
 
 
 @dataclass(slots=True)
@@ -26,6 +28,11 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_swapped_out: int = 0
+    num_recomputed: int = 0
+    num_forks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -34,10 +41,11 @@ class Scheduler:
     There is no prefill or decode phase: a request runs ``num_tokens -
     num_computed_tokens`` new tokens, capped by the step's token budget. Running
     requests go first (a decode, or the next chunk of a chunked prefill), then waiting
-    ones in arrival order while their blocks can be allocated. When a running request
-    cannot get a block, the most recently admitted running request is preempted by
-    recompute: its blocks are freed and it is prefilled again when it resumes, ahead of
-    requests that arrived after it.
+    ones in arrival order while their blocks can be allocated, after their prefix-cache
+    hit is counted. When a running request cannot get a block, the most recently
+    admitted running request is preempted — swapped out or dropped for recompute, as
+    the preemption-mode chooser says — and resumes ahead of requests that arrived after
+    it.
 
     Args:
         kv_cache_manager: Owner of the block tables.
@@ -45,6 +53,7 @@ class Scheduler:
         max_num_batched_tokens: Token budget of one step.
         max_model_len: No request holds more tokens than this.
         enable_chunked_prefill: Whether a prompt may be split over steps.
+        preemption_mode: "auto" (ask the chooser), "swap" or "recompute".
     """
 
     def __init__(
@@ -54,12 +63,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        preemption_mode: str = "auto",
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -69,15 +80,31 @@ class Scheduler:
         self._in_worker: set[str] = set()
         self._step_id = 0
         self._preempted_this_step = False
+        self._out: SchedulerOutput | None = None
         self.stats = SchedulerStats()
 
     # -- requests in and out ---------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+    def add_request(self, request: Request, forks: list[Request] | None = None) -> None:
+        """Queues a request.
+
+        Args:
+            request: The request (for n > 1, its first sample).
+            forks: The other samples of an n > 1 request. They share the first
+                sample's blocks: its prompt is prefilled once, they fork from it when
+                all but the last prompt token are cached.
+        """
+        for r in [request, *(forks or [])]:
+            if r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        for fork in forks or []:
+            self.requests[fork.request_id] = fork
+        if forks and request.num_prompt_tokens >= 2:
+            request.pending_forks = list(forks)
+            forks = []
         self.waiting.append(request)
+        self.waiting.extend(forks or [])
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Ends a request (abort, stop string, error) and frees its blocks."""
@@ -87,12 +114,18 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        else:  # a sample still waiting to fork
+            for parent in self.waiting + self.running:
+                if request in parent.pending_forks:
+                    parent.pending_forks.remove(request)
+        if request.pending_forks:
+            # NOTE: samples that have not forked yet are admitted on their own.
+            self.waiting.extendleft(reversed(request.pending_forks))
+            request.pending_forks = []
         request.status = status
+        request.metrics.finished_time = request.record("finished")
         self._release(request)
         return request
 
@@ -112,60 +145,119 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Builds the next step. Returns an output with nothing scheduled when idle."""
         self._step_id += 1
-        out = SchedulerOutput(step_id=self._step_id)
+        out = self._out = SchedulerOutput(step_id=self._step_id)
         budget = self.max_num_batched_tokens
         self._preempted_this_step = False
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.pending_forks and request.num_computed_tokens == request.num_prompt_tokens - 1:
+                self._fork(request)
             num_new = min(self._num_tokens_to_run(request), budget)
             if num_new <= 0:
                 index += 1
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new)
-            if new_block_ids is None:
+            allocation = self._allocate_or_preempt(request, num_new)
+            if allocation is None:
                 break  # the request preempted itself: it was the last one running
-            if new_block_ids:
-                out.new_block_ids[request.request_id] = new_block_ids
-            out.num_scheduled_tokens[request.request_id] = num_new
+            self._schedule_running(request, num_new, allocation)
             budget -= num_new
             index += 1
 
         # NOTE: no admission in a step that preempted: the freed blocks would go straight
         # to a newer request and the victim would starve.
-        while self.waiting and budget > 0 and not self._preempted_this_step and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and not self._preempted_this_step:
             request = self.waiting[0]
-            num_new = self._num_tokens_to_run(request)
-            if num_new > budget:
-                if not self.enable_chunked_prefill:
-                    break
-                num_new = budget
-            new_block_ids = self.kv_cache_manager.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new
-            )
-            if new_block_ids is None:
+            if len(self.running) + 1 + len(request.pending_forks) > self.max_num_seqs:
                 break
-            self.waiting.popleft()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            self._in_worker.add(request.request_id)
-            out.new_requests.append(
-                NewRequestData(
-                    request_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
-            out.num_scheduled_tokens[request.request_id] = num_new
-            budget -= num_new
+            if not self._admit(request, budget):
+                break
+            budget -= out.num_scheduled_tokens.get(request.request_id, 0)
         # NOTE: taken last so that this step's preemptions reach the worker now.
         out.finished_request_ids = self._finished_ids
         self._finished_ids = []
+        self._out = None
         return out
+
+    def _admit(self, request: Request, budget: int) -> bool:
+        """Admits the first waiting request if its blocks can be had; False if not."""
+        kv = self.kv_cache_manager
+        request_id = request.request_id
+        out = self._out
+        computed_blocks: list = []
+        num_hit = 0
+        swapped = kv.is_swapped(request_id)
+        if not swapped and request.num_computed_tokens == 0:
+            computed_blocks, num_hit = kv.get_computed_blocks(request)
+        num_new = request.num_tokens - request.num_computed_tokens - num_hit
+        if request.pending_forks:
+            num_new -= 1  # the last prompt token runs once per sample, after the fork
+        if num_new > budget:
+            if not self.enable_chunked_prefill:
+                return False
+            num_new = budget
+        if swapped:
+            extra = kv.num_blocks_needed(request.num_computed_tokens + num_new) - len(kv.req_to_cpu_blocks[request_id])
+            if not kv.can_swap_in(request_id, max(extra, 0)):
+                return False
+            out.swap_in.extend(kv.swap_in(request))
+        allocation = kv.allocate_slots(request, num_new, computed_blocks)
+        if allocation is None:
+            return False
+        if computed_blocks or request.num_computed_tokens == 0:
+            self.stats.prefix_cache_queries += request.num_tokens
+            self.stats.prefix_cache_hits += num_hit
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.num_cached_tokens = num_hit
+        request.num_computed_tokens += num_hit
+        self.waiting.popleft()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        now = request.record("scheduled")
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = now
+        out.copy_blocks.extend(allocation.copies)
+        if num_new > 0:  # zero only for a cached prompt that forks first, next step
+            self._send_new(request)
+            out.num_scheduled_tokens[request_id] = num_new
+        return True
+
+    def _schedule_running(self, request: Request, num_new: int, allocation: SlotAllocation) -> None:
+        out = self._out
+        out.copy_blocks.extend(allocation.copies)
+        if request.request_id not in self._in_worker:
+            self._send_new(request)  # a sample that just forked
+        elif allocation.table_changed:
+            out.block_tables[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
+        elif allocation.new_block_ids:
+            out.new_block_ids[request.request_id] = allocation.new_block_ids
+        out.num_scheduled_tokens[request.request_id] = num_new
+
+    def _send_new(self, request: Request) -> None:
+        self._in_worker.add(request.request_id)
+        self._out.new_requests.append(
+            NewRequestData(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        )
+
+    def _fork(self, parent: Request) -> None:
+        """Starts the pending samples of ``parent``, sharing all its blocks."""
+        now = time.time()
+        for child in parent.pending_forks:
+            self.kv_cache_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            child.metrics.first_scheduled_time = child.record("scheduled", now)
+            self.running.append(child)
+            self.stats.num_forks += 1
+        parent.pending_forks = []
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
         """Applies a step's results: advances computed tokens, appends samples, finishes."""
@@ -173,6 +265,7 @@ class Scheduler:
         if scheduler_output.is_empty:
             return updates
         self.stats.num_steps += 1
+        now = time.time()
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -185,6 +278,9 @@ class Scheduler:
                 continue
             request.append_output_token(token_id)
             self.stats.num_generation_tokens += 1
+            request.metrics.last_token_time = now
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = request.record("first_token", now)
             update = RequestUpdate(request, [token_id])
             logprobs = runner_output.logprobs.get(request_id)
             if logprobs is not None:
@@ -201,30 +297,44 @@ class Scheduler:
     # -- internals --------------------------------------------------------------------
 
     def _num_tokens_to_run(self, request: Request) -> int:
+        if request.pending_forks:
+            return request.num_prompt_tokens - 1 - request.num_computed_tokens
         return request.num_tokens - request.num_computed_tokens
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> SlotAllocation | None:
         """Allocates the step's slots, preempting newer requests until they fit.
 
-        Returns the new block ids, or None when ``request`` itself was preempted.
+        Returns what changed, or None when ``request`` itself was preempted.
         """
         while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new
-            )
-            if new_block_ids is not None:
-                return new_block_ids
+            allocation = self.kv_cache_manager.allocate_slots(request, num_new)
+            if allocation is not None:
+                return allocation
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
                 return None
 
     def _preempt(self, request: Request) -> None:
+        kv = self.kv_cache_manager
+        request_id = request.request_id
         self.running.remove(request)
-        self._release(request)
+        mode = self.preemption_mode
+        if mode == "auto":
+            mode = choose_preemption_mode(num_computed_tokens=request.num_computed_tokens,
+                                          num_blocks=len(kv.req_to_blocks.get(request_id, ())),
+                                          num_free_cpu_blocks=len(kv.free_cpu_blocks))
+        if mode == "swap" and kv.can_swap_out(request_id):
+            self._out.swap_out.extend(kv.swap_out(request_id))
+            self._drop_worker_state(request_id)
+            self.stats.num_swapped_out += 1
+        else:
+            self._release(request)
+            request.num_computed_tokens = 0
+            self.stats.num_recomputed += 1
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+        request.metrics.num_preemptions += 1
+        request.record("preempted")
         self.stats.num_preemptions += 1
         self._preempted_this_step = True
         # NOTE: a preempted request keeps its place ahead of later arrivals.
@@ -232,6 +342,9 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
-        if request.request_id in self._in_worker:
-            self._in_worker.discard(request.request_id)
-            self._finished_ids.append(request.request_id)
+        self._drop_worker_state(request.request_id)
+
+    def _drop_worker_state(self, request_id: str) -> None:
+        if request_id in self._in_worker:
+            self._in_worker.discard(request_id)
+            self._finished_ids.append(request_id)

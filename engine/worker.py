@@ -12,7 +12,7 @@ from engine.models.config import ModelConfig
 
 
 def worker_main(conn: Connection, config: EngineConfig, model_dir: Path, model_config: ModelConfig,
-                num_blocks: int, max_model_len: int) -> None:
+                num_blocks: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
     """Entry point of the spawned worker process.
 
     Exits when told to (Shutdown) or when the engine's end of the pipe closes, so a dead
@@ -26,7 +26,7 @@ def worker_main(conn: Connection, config: EngineConfig, model_dir: Path, model_c
         from engine.model_runner import ModelRunner
 
         torch.manual_seed(config.seed)
-        runner = ModelRunner(config, model_dir, model_config, num_blocks, max_model_len)
+        runner = ModelRunner(config, model_dir, model_config, num_blocks, max_model_len, num_cpu_blocks)
     except Exception:
         conn.send(WorkerFailed(traceback.format_exc()))
         return

@@ -9,13 +9,16 @@ from engine.scheduler import Scheduler
 EOS = 0
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=8, max_model_len=256, chunked=True):
-    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, max_model_len=max_model_len, enable_chunked_prefill=chunked)
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=8, max_model_len=256, chunked=True,
+                   caching=False, num_cpu_blocks=0, preemption_mode="recompute"):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, num_cpu_blocks=num_cpu_blocks)
+    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                     enable_chunked_prefill=chunked, preemption_mode=preemption_mode)
 
 
-def add(scheduler, request_id, prompt_len, max_tokens=8, **params):
-    request = Request(request_id, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **params),
+def add(scheduler, request_id, prompt_len, max_tokens=8, prompt=None, **params):
+    prompt = prompt or list(range(1, prompt_len + 1))
+    request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params),
                       max_tokens=max_tokens, eos_token_ids=frozenset({EOS}))
     scheduler.add_request(request)
     return request
@@ -138,3 +141,57 @@ def test_max_num_seqs_caps_running_requests():
         add(scheduler, f"r{i}", prompt_len=2)
     out, _ = step(scheduler)
     assert sorted(out.num_scheduled_tokens) == ["r0", "r1"]
+
+
+def test_prefix_hit_prefills_only_the_new_tokens():
+    scheduler = make_scheduler(caching=True, budget=64)
+    first = add(scheduler, "first", 0, max_tokens=1, prompt=list(range(1, 21)))
+    step(scheduler)
+    assert first.is_finished
+    second = add(scheduler, "second", 0, max_tokens=1, prompt=list(range(1, 17)) + [90, 91])
+    out, _ = step(scheduler)
+    assert out.new_requests[0].num_computed_tokens == 16
+    assert out.num_scheduled_tokens == {"second": 2}
+    assert second.metrics.num_cached_tokens == 16
+    assert (scheduler.stats.prefix_cache_queries, scheduler.stats.prefix_cache_hits) == (38, 16)
+
+
+def test_n_samples_prefill_the_prompt_once_and_fork():
+    scheduler = make_scheduler(caching=True, budget=64)
+    parent = Request("p-0", list(range(1, 11)), SamplingParams(max_tokens=3), max_tokens=3)
+    children = [Request(f"p-{i}", list(range(1, 11)), SamplingParams(max_tokens=3), max_tokens=3) for i in (1, 2)]
+    scheduler.add_request(parent, forks=children)
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"p-0": 9}  # all but the last prompt token, once
+    out, _ = step(scheduler)
+    # Each sample runs the last prompt token over the shared blocks; the shared partial
+    # block is copied for all but the last writer.
+    assert out.num_scheduled_tokens == {"p-0": 1, "p-1": 1, "p-2": 1}
+    assert [n.request_id for n in out.new_requests] == ["p-1", "p-2"]
+    assert len(out.copy_blocks) == 2
+    kv = scheduler.kv_cache_manager
+    assert kv.get_block_ids("p-0")[:2] == kv.get_block_ids("p-1")[:2] == kv.get_block_ids("p-2")[:2]
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert all(r.num_output_tokens == 3 for r in [parent, *children])
+    assert scheduler.stats.num_prompt_tokens == 9 + 3
+    assert kv.get_num_free_blocks() == kv.num_blocks
+
+
+def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=64, num_cpu_blocks=8, preemption_mode="swap")
+    first = add(scheduler, "first", prompt_len=8, max_tokens=8)
+    second = add(scheduler, "second", prompt_len=8, max_tokens=8)
+    step(scheduler, lambda r: 10 + r.num_output_tokens)
+    out, _ = step(scheduler, lambda r: 10 + r.num_output_tokens)  # first needs a block: second swaps out
+    assert second.status == RequestStatus.PREEMPTED and second.num_computed_tokens == 8
+    assert [gpu for gpu, _ in out.swap_out] == [2, 3] and scheduler.stats.num_swapped_out == 1
+    while first.status == RequestStatus.RUNNING:
+        out, _ = step(scheduler, lambda r: 10 + r.num_output_tokens)
+    out, _ = step(scheduler, lambda r: 10 + r.num_output_tokens)
+    assert len(out.swap_in) == 2 and out.new_requests[0].num_computed_tokens == 8
+    assert out.num_scheduled_tokens == {"second": 1}
+    while scheduler.has_unfinished_requests():
+        step(scheduler, lambda r: 10 + r.num_output_tokens)
+    assert second.output_token_ids == list(range(10, 18))
+    assert scheduler.kv_cache_manager.usage().num_free_cpu_blocks == 8
