@@ -28,8 +28,8 @@ class NaiveAttentionBackend(AttentionBackend):
             q = query[starts[i] : starts[i] + query_len].float()  # [L, H, D]
             scores = torch.einsum("lhd,shd->hls", q, k) * self.scale
             # Query j sits at position seq_len - query_len + j and sees keys up to it.
-            query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
-            key_pos = torch.arange(seq_len).unsqueeze(0)
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device).unsqueeze(1)
+            key_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
             scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             output[starts[i] : starts[i] + query_len] = torch.einsum("hls,shd->lhd", probs, v).to(query.dtype)

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from contextlib import suppress
 from dataclasses import replace
 
+import pluggy
+
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import WorkerDiedError, WorkerProcess
@@ -22,6 +24,8 @@ from engine.model_loader import load_tokenizer, resolve_model
 from engine.models.config import ModelConfig
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.platform import resolve_device, resolve_dtype
+from engine.plugin_manager import check_policy_names, create_plugin_manager
+from engine.policy import Policy
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestUpdate, Scheduler
@@ -84,10 +88,14 @@ class AsyncEngine:
 
     Args:
         config: The engine configuration.
+        plugin_manager: Plugins to use; by default one is built from the config
+            (built-ins, installed entry points, then ``config.plugins``).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, plugin_manager: pluggy.PluginManager | None = None) -> None:
         self.config = config
+        self.plugin_manager = plugin_manager
+        self.policy: Policy | None = None
         self.tokenizer = None
         self.model_config: ModelConfig | None = None
         self.scheduler: Scheduler | None = None
@@ -106,6 +114,10 @@ class AsyncEngine:
     async def start(self) -> None:
         """Resolves the model, sizes the KV cache, spawns the worker and starts the loop."""
         config = self.config
+        if self.plugin_manager is None:
+            self.plugin_manager = create_plugin_manager(config.plugins)
+        check_policy_names(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
+        self.policy = Policy(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
         model_dir = await asyncio.to_thread(resolve_model, config.model)
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
@@ -113,12 +125,13 @@ class AsyncEngine:
         num_cpu_blocks = config.swap_space_bytes // self._bytes_per_block(model_config)
         self.scheduler = Scheduler(
             KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                           num_cpu_blocks=num_cpu_blocks),
+                           num_cpu_blocks=num_cpu_blocks, evictor=self.policy.make_evictor()),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             preemption_mode=config.preemption_mode,
+            policy=self.policy,
         )
         self.worker = WorkerProcess(config, model_dir, model_config, num_blocks, self.max_model_len, num_cpu_blocks)
         await self.worker.start()
@@ -202,7 +215,7 @@ class AsyncEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     prompt_token_ids: list[int] | None = None, *, cache_salt: str | None = None,
-                    priority: int = 0) -> _RequestStream:
+                    priority: int = 0, kv_retention: int = 0) -> _RequestStream:
         """Validates and queues a request; returns its stream.
 
         Args:
@@ -212,9 +225,12 @@ class AsyncEngine:
             prompt_token_ids: The prompt already tokenized, if it is text.
             cache_salt: Keeps this request's prefix-cache entries apart from other salts.
             priority: Scheduling priority, lower first, for policies that use it.
+            kv_retention: Eviction priority of the request's cached blocks, higher kept
+                longer, for eviction policies that use it.
 
         Raises:
             ValueError: Bad prompt or parameters (the message names the field).
+            RequestRejected: An admission plugin turned the request away.
             EngineDeadError: The worker has died.
         """
         if self._dead is not None:
@@ -233,6 +249,9 @@ class AsyncEngine:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) is larger than max_num_seqs ({self.config.max_num_seqs}): "
+                             "the samples of one request must be able to run together")
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stream = _RequestStream(request_id, prompt if isinstance(prompt, str) else None, list(prompt_token_ids))
@@ -245,11 +264,12 @@ class AsyncEngine:
                 child_params = replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}-{index}"
             request = Request(child_id, prompt_token_ids, child_params, max_tokens, eos, cache_salt=cache_salt,
-                              priority=priority)
+                              priority=priority, kv_retention=kv_retention)
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params)
             sample = _Sample(request, detokenizer, index)
             stream.samples.append(sample)
             requests.append(request)
+        self.policy.admit(requests[0].view, self.scheduler.num_waiting, self.scheduler.num_running)
         self.scheduler.add_request(requests[0], forks=requests[1:])
         for sample in stream.samples:
             self._samples[sample.request.request_id] = (stream, sample)
@@ -317,6 +337,7 @@ class AsyncEngine:
                     continue
                 runner_output = await self.worker.execute(scheduler_output)
                 if runner_output.error is not None:
+                    scheduler.discard_step(scheduler_output)
                     self._fail_step(scheduler_output.num_scheduled_tokens, runner_output.error)
                     continue
                 self._process_updates(scheduler.update(scheduler_output, runner_output))
@@ -383,12 +404,19 @@ class AsyncEngine:
                 self._finish_sample(child_id, request)
 
     def _fail_all(self, error: BaseException) -> None:
-        for child_id, (stream, _sample) in list(self._samples.items()):
-            if self.scheduler is not None:
-                self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR)
+        entries = list(self._samples.items())
+        self._samples.clear()
+        # NOTE: every stream learns of the error first, so none hangs if cleaning up
+        # the scheduler below fails too.
+        for _child_id, (stream, _sample) in entries:
             stream.error = error
             stream.event.set()
-        self._samples.clear()
+        for child_id, _entry in entries:
+            try:
+                if self.scheduler is not None:
+                    self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR)
+            except Exception:
+                logger.exception("could not clean up request %s", child_id)
 
     def _forget(self, stream: _RequestStream) -> None:
         self._streams.pop(stream.request_id, None)

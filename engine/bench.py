@@ -104,3 +104,8 @@ def add_bench_parser(sub) -> None:
     tp.add_argument("--bench-seed", type=int, default=0)
     add_engine_args(tp)
     tp.set_defaults(func=run_throughput)
+    from engine.bench_kv import add_kv_bench_parsers
+    from engine.bench_plugins import add_plugins_bench_parser
+
+    add_kv_bench_parsers(bench_sub)
+    add_plugins_bench_parser(bench_sub)

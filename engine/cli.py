@@ -15,9 +15,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        if isinstance(default, bool):
+        if f.name == "plugins":
+            parser.add_argument("--plugin", dest="plugins", action="append", default=[], metavar="MODULE:OBJECT",
+                                help="load a plugin (repeatable), after those installed under the 'pagoda' group")
+        elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif f.name in ("model", "dtype", "attention_backend", "device", "preemption_mode"):
+        elif isinstance(default, str) or f.name == "model":
             parser.add_argument(flag, default=default)
         else:
             parser.add_argument(flag, type=int, default=default)

@@ -33,6 +33,10 @@ class EngineConfig:
         enable_prefix_caching: Reuse the KV of shared prompt prefixes.
         swap_space_bytes: CPU memory for swapped-out requests (0: recompute only).
         preemption_mode: "auto" (a chooser decides per victim), "swap" or "recompute".
+        scheduling_policy: A registered scheduling policy (fcfs, priority,
+            shortest-prompt-first, or a plugin's).
+        eviction_policy: A registered eviction policy (lru, retention-priority, ...).
+        plugins: ``module:object`` plugins to load after the installed ones.
     """
 
     model: str | None = None
@@ -51,6 +55,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
     preemption_mode: str = "auto"
+    scheduling_policy: str = "fcfs"
+    eviction_policy: str = "lru"
+    plugins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")
@@ -76,6 +83,9 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
                              f"got {self.preemption_mode!r}")
+        self.plugins = tuple(self.plugins)
+        if not all(isinstance(p, str) and p for p in self.plugins):
+            raise ValueError(f"plugins must be 'module:object' strings; got {self.plugins!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
 

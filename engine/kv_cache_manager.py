@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.block_pool import BlockKey, BlockPool, KVBlock
+from plugins.eviction import Evictor
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -76,13 +77,15 @@ class KVCacheManager:
         block_size: Tokens per block.
         enable_prefix_caching: Reuse cached full blocks across requests.
         num_cpu_blocks: Blocks in the CPU swap space (0: no swapping).
+        evictor: Eviction order of cached free blocks (an eviction-policy plugin's).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, evictor: Evictor | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, evictor=evictor)
+        self.req_retention: dict[str, int] = {}
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_num_tokens: dict[str, int] = {}
         self.req_to_hashes: dict[str, list[tuple[int, BlockKey]]] = {}
@@ -178,11 +181,12 @@ class KVCacheManager:
             self.block_pool.touch(computed_blocks)
             blocks = list(computed_blocks)
         self.req_to_blocks[request_id] = blocks
+        self.req_retention[request_id] = request.kv_retention
         if needs_cow:
             source = blocks[cow_index]
             (copy,) = self.block_pool.get_new_blocks(1)
             blocks[cow_index] = copy
-            self.block_pool.free_blocks([source])
+            self.block_pool.free_blocks([source], request.kv_retention)
             result.copies.append((source.block_id, copy.block_id))
             result.table_changed = True
         if num_new_blocks > 0:
@@ -218,6 +222,7 @@ class KVCacheManager:
         self.req_to_num_tokens[child.request_id] = self.req_to_num_tokens.get(parent.request_id, 0)
         self.req_to_hashes[child.request_id] = list(self.req_to_hashes.get(parent.request_id, []))
         self.req_to_num_cached[child.request_id] = self.req_to_num_cached.get(parent.request_id, 0)
+        self.req_retention[child.request_id] = child.kv_retention
         return [block.block_id for block in blocks]
 
     def free(self, request_id: str) -> None:
@@ -226,9 +231,16 @@ class KVCacheManager:
         self.req_to_num_tokens.pop(request_id, None)
         self.req_to_hashes.pop(request_id, None)
         self.req_to_num_cached.pop(request_id, None)
+        retention = self.req_retention.pop(request_id, 0)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks), retention)
         self.free_cpu_blocks.extend(self.req_to_cpu_blocks.pop(request_id, ()))
+
+    def uncache(self, request_id: str) -> None:
+        """Takes a request's blocks out of the prefix cache (their contents are suspect)."""
+        for block in self.req_to_blocks.get(request_id, ()):
+            self.block_pool.uncache_block(block)
+        self.req_to_num_cached.pop(request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
@@ -248,7 +260,7 @@ class KVCacheManager:
         cpu_blocks = [self.free_cpu_blocks.pop() for _ in blocks]
         self.req_to_cpu_blocks[request_id] = cpu_blocks
         self.req_to_num_cached.pop(request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(blocks), self.req_retention.get(request_id, 0))
         return [(block.block_id, cpu) for block, cpu in zip(blocks, cpu_blocks)]
 
     def is_swapped(self, request_id: str) -> bool:
@@ -281,7 +293,7 @@ class KVCacheManager:
             num_blocks=self.num_blocks,
             num_used_blocks=self.num_blocks - num_free,
             num_free_blocks=num_free,
-            num_cached_free_blocks=sum(1 for b in self.block_pool.free_block_queue if b.block_hash is not None),
+            num_cached_free_blocks=len(self.block_pool.evictor),
             num_shared_blocks=self.block_pool.num_shared_blocks(),
             num_tokens=num_tokens,
             num_unused_slots=num_slots - num_tokens,
@@ -296,8 +308,9 @@ class KVCacheManager:
         for blocks in self.req_to_blocks.values():
             for block in blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        free_ids = {block.block_id for block in self.block_pool.free_block_queue}
-        assert len(free_ids) == self.get_num_free_blocks(), "free queue count is off"
+        free_ids = set(self.block_pool.free_block_ids())
+        assert len(free_ids) == self.get_num_free_blocks(), "free block count is off"
+        assert all(b.block_hash is None for b in self.block_pool.free_uncached), "cached block among uncached"
         for block in self.block_pool.blocks:
             num_holders = holders.get(block.block_id, 0)
             assert block.ref_cnt == num_holders, f"{block}: held by {num_holders} block tables"

@@ -32,19 +32,21 @@ class LLM:
 
     Args:
         model: Model directory or GGUF file; None for the default model.
+        plugin_manager: A pluggy PluginManager to use instead of building one from
+            the config (see engine.plugin_manager.create_plugin_manager).
         **kwargs: Any EngineConfig field (dtype, block_size, num_kv_blocks,
             max_model_len, max_num_seqs, max_num_batched_tokens,
             enable_chunked_prefill, ...).
     """
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
+    def __init__(self, model: str | None = None, plugin_manager=None, **kwargs) -> None:
         unknown = sorted(set(kwargs) - set(EngineConfig.field_names()))
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; "
                             f"known: {', '.join(EngineConfig.field_names())}")
         self.config = EngineConfig(model=model, **kwargs)
         self._loop = new_event_loop()
-        self.engine = AsyncEngine(self.config)
+        self.engine = AsyncEngine(self.config, plugin_manager)
         try:
             self._loop.run_until_complete(self.engine.start())
         except BaseException:
@@ -57,8 +59,14 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generates for each prompt (a string or a list of token ids).
+
+        Args:
+            prompts: One prompt or a list.
+            sampling_params: One for all prompts, or one per prompt.
+            priority: Per-prompt priority (lower first) for the priority policy.
 
         Returns:
             One finished RequestOutput per prompt, in order.
@@ -77,7 +85,10 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        return self._loop.run_until_complete(self._run(prompts, params_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        return self._loop.run_until_complete(self._run(prompts, params_list, priorities))
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -94,11 +105,12 @@ class LLM:
                                                   tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _run(self, prompts: list[Prompt], params_list: list[SamplingParams]) -> list[RequestOutput]:
+    async def _run(self, prompts: list[Prompt], params_list: list[SamplingParams],
+                   priorities: list[int]) -> list[RequestOutput]:
         streams = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                streams.append(self.engine.add_request(prompt, params))
+            for prompt, params, priority in zip(prompts, params_list, priorities):
+                streams.append(self.engine.add_request(prompt, params, priority=priority))
         except BaseException:
             for stream in streams:
                 self.engine.abort(stream.request_id)

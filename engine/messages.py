@@ -65,8 +65,9 @@ class SchedulerOutput:
 
     @property
     def has_work(self) -> bool:
-        """Whether the worker has anything to do (run, drop or move blocks)."""
-        return bool(self.num_scheduled_tokens or self.finished_request_ids or self.swap_out)
+        """Whether the worker has anything to do (run, drop, add or move blocks)."""
+        return bool(self.num_scheduled_tokens or self.finished_request_ids or self.new_requests
+                    or self.swap_out or self.swap_in or self.copy_blocks)
 
 
 @dataclass(slots=True)

@@ -135,6 +135,7 @@ class ModelRunner:
             [s.output_token_ids for s in sampling_states],
             self.eos_token_ids,
             self.model_config.vocab_size,
+            device=self.device,
         )
         result = self.sampler(logits, sampling_metadata)
         token_ids = result.sampled_token_ids.tolist()

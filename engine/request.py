@@ -7,6 +7,7 @@ import time
 
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
+from plugins.views import RequestView
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,6 +56,9 @@ class Request:
         cache_salt: Extra key of the prefix cache; requests with different salts
             never share cached blocks.
         priority: Scheduling priority (lower runs first) for policies that use it.
+        kv_retention: Eviction priority of its cached blocks (higher is kept longer)
+            for eviction policies that use it.
+        view: The read-only view plugins see.
     """
 
     __slots__ = (
@@ -72,7 +76,9 @@ class Request:
         "stop_token_set",
         "cache_salt",
         "priority",
+        "kv_retention",
         "pending_forks",
+        "view",
     )
 
     def __init__(
@@ -85,6 +91,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_retention: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -101,6 +108,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.cache_salt = cache_salt
         self.priority = priority
+        self.kv_retention = kv_retention
+        self.view = RequestView(self)
         # Samples of an n > 1 request that fork from this one once its prompt (all
         # but the last token) is in the cache.
         self.pending_forks: list[Request] = []

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager, SlotAllocation
+from engine.policy import Policy
+from engine.request_queue import WaitingQueue
 from engine.messages import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
-from plugins.preemption import choose_preemption_mode
+from plugins.views import KVCacheView, StepView
 
 
 @dataclass(slots=True)
@@ -41,11 +42,12 @@ class Scheduler:
     There is no prefill or decode phase: a request runs ``num_tokens -
     num_computed_tokens`` new tokens, capped by the step's token budget. Running
     requests go first (a decode, or the next chunk of a chunked prefill), then waiting
-    ones in arrival order while their blocks can be allocated, after their prefix-cache
-    hit is counted. When a running request cannot get a block, the most recently
-    admitted running request is preempted — swapped out or dropped for recompute, as
-    the preemption-mode chooser says — and resumes ahead of requests that arrived after
-    it.
+    ones in the policy's order while their blocks can be allocated, after their
+    prefix-cache hit is counted. When a running request cannot get a block, the policy
+    picks a victim (fcfs: the most recently admitted), which is swapped out or dropped
+    for recompute, as the preemption-mode chooser says, and goes back to the waiting
+    queue under its sort key (fcfs: ahead of requests that arrived after it). A policy
+    may also let the first waiting request preempt a running one (priority).
 
     Args:
         kv_cache_manager: Owner of the block tables.
@@ -54,6 +56,7 @@ class Scheduler:
         max_model_len: No request holds more tokens than this.
         enable_chunked_prefill: Whether a prompt may be split over steps.
         preemption_mode: "auto" (ask the chooser), "swap" or "recompute".
+        policy: The plugin hooks (built-in fcfs and lru when None).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "auto",
+        policy: Policy | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -71,8 +75,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
+        self.policy = policy if policy is not None else Policy()
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         # Worker state to drop in the next step: finished, aborted or preempted requests.
         self._finished_ids: list[str] = []
@@ -81,6 +86,9 @@ class Scheduler:
         self._step_id = 0
         self._preempted_this_step = False
         self._out: SchedulerOutput | None = None
+        # Within schedule(): the step's budget left and the running-walk position.
+        self._budget = 0
+        self._cursor = 0
         self.stats = SchedulerStats()
 
     # -- requests in and out ---------------------------------------------------------
@@ -103,8 +111,8 @@ class Scheduler:
         if forks and request.num_prompt_tokens >= 2:
             request.pending_forks = list(forks)
             forks = []
-        self.waiting.append(request)
-        self.waiting.extend(forks or [])
+        for r in [request, *(forks or [])]:
+            self._enqueue(r)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Ends a request (abort, stop string, error) and frees its blocks."""
@@ -114,19 +122,17 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        else:  # a sample still waiting to fork
-            for parent in self.waiting + self.running:
+        elif not self.waiting.remove(request):  # a sample still waiting to fork
+            for parent in [*self.waiting, *self.running]:
                 if request in parent.pending_forks:
                     parent.pending_forks.remove(request)
-        if request.pending_forks:
-            # NOTE: samples that have not forked yet are admitted on their own.
-            self.waiting.extendleft(reversed(request.pending_forks))
-            request.pending_forks = []
+        for fork in request.pending_forks:
+            self._enqueue(fork)  # NOTE: samples that have not forked yet go on their own
+        request.pending_forks = []
         request.status = status
         request.metrics.finished_time = request.record("finished")
         self._release(request)
+        self.policy.request_finished(request.view, status.finish_reason)
         return request
 
     def has_unfinished_requests(self) -> bool:
@@ -146,42 +152,52 @@ class Scheduler:
         """Builds the next step. Returns an output with nothing scheduled when idle."""
         self._step_id += 1
         out = self._out = SchedulerOutput(step_id=self._step_id)
-        budget = self.max_num_batched_tokens
+        self._budget = self.max_num_batched_tokens
         self._preempted_this_step = False
 
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        # NOTE: an index walk, not a for loop: forks append to running during the walk,
+        # and a preemption may remove a request before the cursor (_preempt moves it).
+        self._cursor = 0
+        while self._cursor < len(self.running) and self._budget > 0:
+            request = self.running[self._cursor]
             if request.pending_forks and request.num_computed_tokens == request.num_prompt_tokens - 1:
                 self._fork(request)
-            num_new = min(self._num_tokens_to_run(request), budget)
+            num_new = min(self._num_tokens_to_run(request), self._budget)
             if num_new <= 0:
-                index += 1
+                self._cursor += 1
                 continue
             allocation = self._allocate_or_preempt(request, num_new)
             if allocation is None:
-                break  # the request preempted itself: it was the last one running
+                continue  # the request preempted itself; the cursor already moved past it
             self._schedule_running(request, num_new, allocation)
-            budget -= num_new
-            index += 1
+            self._budget -= num_new
+            self._cursor += 1
 
         # NOTE: no admission in a step that preempted: the freed blocks would go straight
         # to a newer request and the victim would starve.
-        while self.waiting and budget > 0 and not self._preempted_this_step:
-            request = self.waiting[0]
-            if len(self.running) + 1 + len(request.pending_forks) > self.max_num_seqs:
+        while self.waiting and self._budget > 0 and not self._preempted_this_step:
+            request = self.waiting.peek()
+            # NOTE: samples yet to fork from running parents hold their places too.
+            num_reserved = len(self.running) + sum(len(r.pending_forks) for r in self.running)
+            fits_seqs = num_reserved + 1 + len(request.pending_forks) <= self.max_num_seqs
+            refusal = self._admit(request, self._budget) if fits_seqs else "seqs"
+            if refusal is not None:
+                if refusal != "budget":
+                    self._preempt_for_waiting(request)
                 break
-            if not self._admit(request, budget):
-                break
-            budget -= out.num_scheduled_tokens.get(request.request_id, 0)
+            self._budget -= out.num_scheduled_tokens.get(request.request_id, 0)
         # NOTE: taken last so that this step's preemptions reach the worker now.
         out.finished_request_ids = self._finished_ids
         self._finished_ids = []
         self._out = None
         return out
 
-    def _admit(self, request: Request, budget: int) -> bool:
-        """Admits the first waiting request if its blocks can be had; False if not."""
+    def _admit(self, request: Request, budget: int) -> str | None:
+        """Admits the first waiting request if its blocks can be had.
+
+        Returns:
+            None when admitted, else why not: "budget" or "memory".
+        """
         kv = self.kv_cache_manager
         request_id = request.request_id
         out = self._out
@@ -195,23 +211,23 @@ class Scheduler:
             num_new -= 1  # the last prompt token runs once per sample, after the fork
         if num_new > budget:
             if not self.enable_chunked_prefill:
-                return False
+                return "budget"
             num_new = budget
         if swapped:
             extra = kv.num_blocks_needed(request.num_computed_tokens + num_new) - len(kv.req_to_cpu_blocks[request_id])
             if not kv.can_swap_in(request_id, max(extra, 0)):
-                return False
+                return "memory"
             out.swap_in.extend(kv.swap_in(request))
         allocation = kv.allocate_slots(request, num_new, computed_blocks)
         if allocation is None:
-            return False
+            return "memory"
         if computed_blocks or request.num_computed_tokens == 0:
             self.stats.prefix_cache_queries += request.num_tokens
             self.stats.prefix_cache_hits += num_hit
         if request.metrics.first_scheduled_time is None:
             request.metrics.num_cached_tokens = num_hit
         request.num_computed_tokens += num_hit
-        self.waiting.popleft()
+        self.waiting.pop()
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         now = request.record("scheduled")
@@ -221,7 +237,7 @@ class Scheduler:
         if num_new > 0:  # zero only for a cached prompt that forks first, next step
             self._send_new(request)
             out.num_scheduled_tokens[request_id] = num_new
-        return True
+        return None
 
     def _schedule_running(self, request: Request, num_new: int, allocation: SlotAllocation) -> None:
         out = self._out
@@ -259,6 +275,23 @@ class Scheduler:
             self.stats.num_forks += 1
         parent.pending_forks = []
 
+    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Undoes what a step that failed in the worker may have left half done.
+
+        Blocks the step was to fill are taken out of the prefix cache (their K/V was
+        never written), and requests it swapped out fall back to recompute (their
+        copies may be incomplete). The caller then fails the step's requests.
+        """
+        kv = self.kv_cache_manager
+        for request_id in scheduler_output.num_scheduled_tokens:
+            kv.uncache(request_id)
+        swapped_cpu_blocks = {cpu for _, cpu in scheduler_output.swap_out}
+        for request in list(self.waiting):
+            cpu_blocks = kv.req_to_cpu_blocks.get(request.request_id, ())
+            if swapped_cpu_blocks.intersection(cpu_blocks):
+                kv.free(request.request_id)
+                request.num_computed_tokens = 0
+
     def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
         """Applies a step's results: advances computed tokens, appends samples, finishes."""
         updates: list[RequestUpdate] = []
@@ -292,6 +325,15 @@ class Scheduler:
                 self.finish_request(request_id, status)
                 update.finished = True
             updates.append(update)
+        kv = self.kv_cache_manager
+        self.policy.step_finished(StepView(
+            step_id=scheduler_output.step_id,
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.stats.num_preemptions,
+            kv_cache_usage=1 - kv.get_num_free_blocks() / kv.num_blocks,
+        ))
         return updates
 
     # -- internals --------------------------------------------------------------------
@@ -310,20 +352,40 @@ class Scheduler:
             allocation = self.kv_cache_manager.allocate_slots(request, num_new)
             if allocation is not None:
                 return allocation
-            victim = self.running[-1]
+            victim = self._select_victim(request)
             self._preempt(victim)
             if victim is request:
                 return None
 
+    def _select_victim(self, needing: Request) -> Request | None:
+        view = self.policy.select_victim([r.view for r in self.running], needing.view)
+        return None if view is None else self.requests[view.request_id]
+
+    def _preempt_for_waiting(self, request: Request) -> None:
+        """Lets a policy preempt a running request for the first waiting one.
+
+        It is admitted in a later step, once the victim's blocks are out (a step that
+        preempts admits nothing).
+        """
+        if self.running:
+            victim = self._select_victim(request)
+            if victim is not None:
+                self._preempt(victim)
+
     def _preempt(self, request: Request) -> None:
         kv = self.kv_cache_manager
         request_id = request.request_id
+        if self.running.index(request) < self._cursor:
+            self._cursor -= 1
         self.running.remove(request)
         mode = self.preemption_mode
-        if mode == "auto":
-            mode = choose_preemption_mode(num_computed_tokens=request.num_computed_tokens,
-                                          num_blocks=len(kv.req_to_blocks.get(request_id, ())),
-                                          num_free_cpu_blocks=len(kv.free_cpu_blocks))
+        if self._unschedule(request):
+            mode = "recompute"  # its copy-on-write copy never ran: there is nothing whole to swap
+        elif mode == "auto":
+            view = KVCacheView(block_size=kv.block_size, num_free_blocks=kv.get_num_free_blocks(),
+                               num_free_cpu_blocks=len(kv.free_cpu_blocks),
+                               victim_num_blocks=len(kv.req_to_blocks.get(request_id, ())))
+            mode = self.policy.preemption_mode(request.view, view)
         if mode == "swap" and kv.can_swap_out(request_id):
             self._out.swap_out.extend(kv.swap_out(request_id))
             self._drop_worker_state(request_id)
@@ -337,8 +399,34 @@ class Scheduler:
         request.record("preempted")
         self.stats.num_preemptions += 1
         self._preempted_this_step = True
-        # NOTE: a preempted request keeps its place ahead of later arrivals.
-        self.waiting.appendleft(request)
+        self._enqueue(request)
+
+    def _unschedule(self, request: Request) -> bool:
+        """Takes a victim that was already scheduled in this step back out of it.
+
+        Returns:
+            Whether a copy-on-write copy into its blocks was dropped with it.
+        """
+        out = self._out
+        request_id = request.request_id
+        if out is None or request_id not in out.num_scheduled_tokens:
+            return False
+        self._budget += out.num_scheduled_tokens.pop(request_id)
+        blocks = set(self.kv_cache_manager.get_block_ids(request_id))
+        copies = [copy for copy in out.copy_blocks if copy[1] in blocks]
+        for copy in copies:
+            out.copy_blocks.remove(copy)
+        out.new_block_ids.pop(request_id, None)
+        out.block_tables.pop(request_id, None)
+        sent_now = [data for data in out.new_requests if data.request_id == request_id]
+        if sent_now:
+            # The worker has never seen it: forget it here instead of dropping it there.
+            out.new_requests.remove(sent_now[0])
+            self._in_worker.discard(request_id)
+        return bool(copies)
+
+    def _enqueue(self, request: Request) -> None:
+        self.waiting.push(request, self.policy.sort_key(request.view))
 
     def _release(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)

@@ -16,10 +16,10 @@ def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=8, max_m
                      enable_chunked_prefill=chunked, preemption_mode=preemption_mode)
 
 
-def add(scheduler, request_id, prompt_len, max_tokens=8, prompt=None, **params):
+def add(scheduler, request_id, prompt_len, max_tokens=8, prompt=None, priority=0, **params):
     prompt = prompt or list(range(1, prompt_len + 1))
     request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params),
-                      max_tokens=max_tokens, eos_token_ids=frozenset({EOS}))
+                      max_tokens=max_tokens, eos_token_ids=frozenset({EOS}), priority=priority)
     scheduler.add_request(request)
     return request
 
@@ -195,3 +195,51 @@ def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in():
         step(scheduler, lambda r: 10 + r.num_output_tokens)
     assert second.output_token_ids == list(range(10, 18))
     assert scheduler.kv_cache_manager.usage().num_free_cpu_blocks == 8
+
+
+def make_priority_scheduler(**kwargs):
+    from engine.policy import Policy
+
+    scheduler = make_scheduler(**kwargs)
+    scheduler.policy = Policy(scheduling_policy="priority")
+    return scheduler
+
+
+def test_priority_victim_already_scheduled_in_the_step_is_taken_back_out():
+    scheduler = make_priority_scheduler(num_blocks=4, block_size=4, budget=64)
+    low = add(scheduler, "low", prompt_len=8, max_tokens=8, priority=9)
+    step(scheduler)  # low: 9 tokens
+    high = add(scheduler, "high", prompt_len=4, max_tokens=8, priority=0)
+    step(scheduler)  # low takes a third block, high the fourth
+    assert [r.request_id for r in scheduler.running] == ["low", "high"]
+    # low fits in its blocks and is scheduled first; high then needs a block and the
+    # policy's victim is low, which must leave the step it was already in.
+    out, _ = step(scheduler)
+    assert low.status == RequestStatus.PREEMPTED
+    assert "low" not in out.num_scheduled_tokens and "low" in out.finished_request_ids
+    assert out.num_scheduled_tokens == {"high": 1}
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert low.num_output_tokens == 8 and high.num_output_tokens == 8
+
+
+def test_aborting_an_n_request_before_it_forks():
+    scheduler = make_scheduler(caching=True, budget=4)
+    parent = Request("p-0", list(range(1, 11)), SamplingParams(max_tokens=3), max_tokens=3)
+    children = [Request(f"p-{i}", list(range(1, 11)), SamplingParams(max_tokens=3), max_tokens=3) for i in (1, 2)]
+    scheduler.add_request(parent, forks=children)
+    step(scheduler)  # a first chunk of the prompt
+    for request_id in ("p-2", "p-0", "p-1"):
+        scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished_requests() and not scheduler.waiting
+    step(scheduler)
+    kv = scheduler.kv_cache_manager
+    assert kv.get_num_free_blocks() == kv.num_blocks
+
+
+def test_a_step_that_only_swaps_in_still_goes_to_the_worker():
+    from engine.messages import SchedulerOutput
+
+    assert SchedulerOutput(step_id=1, swap_in=[(0, 1)]).has_work
+    assert SchedulerOutput(step_id=1, copy_blocks=[(0, 1)]).has_work
+    assert not SchedulerOutput(step_id=1).has_work

@@ -1,0 +1,85 @@
+"""Loading plugins: built-ins, then installed packages, then --plugin module:object."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+import pluggy
+
+from plugins import PROJECT_NAME, hookspecs
+from plugins.builtin import BuiltinPolicies
+
+logger = logging.getLogger(__name__)
+
+#: Set to a non-empty value to skip plugins installed under the `pagoda` entry-point group.
+DISABLE_AUTOLOAD_ENV = "PAGODA_DISABLE_PLUGIN_AUTOLOAD"
+
+
+def load_object(spec: str) -> object:
+    """Imports ``module:object`` (or a bare module) for --plugin.
+
+    Raises:
+        ValueError: The module or attribute does not exist.
+    """
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"plugin {spec!r}: cannot import {module_name!r}: {exc}") from exc
+    if not attr:
+        return module
+    try:
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError as exc:
+        raise ValueError(f"plugin {spec!r}: {module_name!r} has no attribute {attr!r}") from exc
+    # A class is instantiated, so a plugin may keep state per engine.
+    return obj() if isinstance(obj, type) else obj
+
+
+def create_plugin_manager(plugins: list[str] | tuple[str, ...] = (), load_entry_points: bool = True,
+                          extra: list[object] | tuple[object, ...] = ()) -> pluggy.PluginManager:
+    """Builds the plugin manager of one engine.
+
+    Args:
+        plugins: ``module:object`` specs, registered last.
+        load_entry_points: Load packages under the ``pagoda`` entry-point group (unless
+            the PAGODA_DISABLE_PLUGIN_AUTOLOAD variable is set).
+        extra: Plugin objects to register as they are (tests, embedding).
+
+    Raises:
+        ValueError: A plugin cannot be loaded or implements an unknown hook.
+    """
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    pm.register(BuiltinPolicies(), name="pagoda-builtin")
+    if load_entry_points and not os.environ.get(DISABLE_AUTOLOAD_ENV):
+        pm.load_setuptools_entrypoints(PROJECT_NAME)
+    for spec in plugins:
+        pm.register(load_object(spec), name=spec)
+    for obj in extra:
+        pm.register(obj)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise ValueError(f"a plugin implements a hook Pagoda does not have: {exc}") from exc
+    return pm
+
+
+def known_policies(pm: pluggy.PluginManager) -> tuple[list[str], list[str]]:
+    """(scheduling policy names, eviction policy names) registered with ``pm``."""
+    scheduling = sorted({name for names in pm.hook.pagoda_scheduling_policies() for name in names})
+    eviction = sorted({name for names in pm.hook.pagoda_eviction_policies() for name in names})
+    return scheduling, eviction
+
+
+def check_policy_names(pm: pluggy.PluginManager, scheduling_policy: str, eviction_policy: str) -> None:
+    """Raises ValueError listing the known names when a chosen policy is unknown."""
+    scheduling, eviction = known_policies(pm)
+    if scheduling_policy not in scheduling:
+        raise ValueError(f"unknown scheduling policy {scheduling_policy!r}; known: {', '.join(scheduling)}")
+    if eviction_policy not in eviction:
+        raise ValueError(f"unknown eviction policy {eviction_policy!r}; known: {', '.join(eviction)}")

@@ -1,0 +1,184 @@
+"""The plugin API: built-in policies, a pip-installed third-party plugin, failures."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.plugin_manager import create_plugin_manager
+from engine.policy import Policy, RequestRejected
+from plugins import hookimpl
+
+EXAMPLE = Path(__file__).parent / "plugin_example"
+
+
+class Recorder:
+    """An observer plugin: finish order and step count."""
+
+    def __init__(self):
+        self.finished: list[tuple[str, str]] = []
+        self.arrivals: list[float] = []
+        self.steps = 0
+
+    @hookimpl
+    def pagoda_request_finished(self, request, finish_reason):
+        self.finished.append((request.request_id, finish_reason))
+        self.arrivals.append(request.arrival_time)
+
+    @hookimpl
+    def pagoda_step_finished(self, step):
+        self.steps += 1
+
+
+def run_late_high_priority(model_dir, policy):
+    """Three long low-priority requests run; a short high-priority one arrives last."""
+    recorder = Recorder()
+    pm = create_plugin_manager(load_entry_points=False, extra=[recorder])
+    config = EngineConfig(model=str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=64,
+                          max_num_seqs=3, scheduling_policy=policy)
+
+    async def main():
+        async with AsyncEngine(config, pm) as engine:
+            long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+            async def consume(prompt, params, request_id, priority, started=None):
+                async for out in engine.generate(prompt, params, request_id, priority=priority):
+                    if started is not None and out.outputs[0].token_ids:
+                        started.set()
+
+            started = [asyncio.Event() for _ in range(3)]
+            tasks = [asyncio.create_task(consume(f"background job {i}", long, f"low-{i}", 5, started[i]))
+                     for i in range(3)]
+            await asyncio.gather(*(event.wait() for event in started))
+            tasks.append(asyncio.create_task(consume("urgent", SamplingParams(temperature=0, max_tokens=5,
+                                                                              ignore_eos=True), "high", 0)))
+            await asyncio.gather(*tasks)
+            return engine.scheduler.stats.num_preemptions
+
+    preemptions = asyncio.run(main())
+    return [request_id for request_id, _ in recorder.finished], preemptions, recorder
+
+
+def test_priority_lets_a_late_high_priority_request_finish_first(tiny_llama_dir):
+    order, preemptions, recorder = run_late_high_priority(tiny_llama_dir, "priority")
+    assert order[0] == "high"
+    assert preemptions > 0
+    assert recorder.steps > 0
+
+
+def test_fcfs_keeps_arrival_order(tiny_llama_dir):
+    order, preemptions, recorder = run_late_high_priority(tiny_llama_dir, "fcfs")
+    assert order[-1] == "high"
+    assert recorder.arrivals == sorted(recorder.arrivals)  # finished in arrival order
+    assert preemptions == 0
+
+
+def test_unknown_policy_lists_the_known_ones(tiny_llama_dir):
+    with pytest.raises(ValueError, match="fcfs, priority, shortest-prompt-first"):
+        LLM(str(tiny_llama_dir), scheduling_policy="lottery")
+    with pytest.raises(ValueError, match="lru, retention-priority"):
+        LLM(str(tiny_llama_dir), eviction_policy="random")
+
+
+class Broken:
+    """A plugin whose every decision raises."""
+
+    @hookimpl(tryfirst=True)
+    def pagoda_select_victim(self, policy, running, needing):
+        raise RuntimeError("victim chooser exploded")
+
+    @hookimpl(tryfirst=True)
+    def pagoda_request_sort_key(self, policy, request):
+        raise RuntimeError("sort key exploded")
+
+    @hookimpl
+    def pagoda_step_finished(self, step):
+        raise RuntimeError("observer exploded")
+
+
+def test_a_raising_plugin_falls_back_to_the_builtin_policy(tiny_llama_dir):
+    pm = create_plugin_manager(load_entry_points=False, extra=[Broken()])
+    prompts = [f"Request {i} with a few words to fill the cache" for i in range(12)]
+    with LLM(str(tiny_llama_dir), plugin_manager=pm, dtype="float32", block_size=4, num_kv_blocks=40,
+             max_model_len=64, preemption_mode="recompute") as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 20 for o in outputs)
+        assert llm.engine.scheduler.stats.num_preemptions > 0
+        assert llm.engine.policy.num_plugin_errors > 0
+        kv = llm.engine.scheduler.kv_cache_manager
+        assert kv.get_num_free_blocks() == kv.num_blocks
+
+
+class Quota:
+    @hookimpl
+    def pagoda_admit_request(self, request, num_waiting, num_running):
+        return "over quota" if request.priority < 0 else None
+
+
+def test_admission_plugin_rejects_with_its_reason(tiny_llama_dir):
+    pm = create_plugin_manager(load_entry_points=False, extra=[Quota()])
+    with LLM(str(tiny_llama_dir), plugin_manager=pm, dtype="float32", max_model_len=64, num_kv_blocks=32) as llm:
+        with pytest.raises(RequestRejected, match="over quota"):
+            llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[0, -1])
+        assert llm.generate("c", SamplingParams(max_tokens=2))[0].finished
+
+
+def test_policy_without_plugins_uses_builtins():
+    policy = Policy()
+    assert policy.make_evictor().__class__.__name__ == "LRUEvictor"
+
+
+@pytest.fixture(scope="module")
+def installed_example_plugin():
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", str(EXAMPLE)], check=True,
+                   timeout=300)
+    yield
+    subprocess.run(pip + ["uninstall", "-y", "pagoda-example-plugin"], check=True, timeout=120)
+
+
+def test_pip_installed_plugin_runs_when_named(installed_example_plugin, tiny_llama_dir):
+    script = textwrap.dedent(f"""
+        from engine import LLM, SamplingParams
+        from engine.policy import RequestRejected
+
+        if __name__ == "__main__":
+            prompts = ["short", "a somewhat longer prompt here", "the longest prompt of them all, by several words"]
+            with LLM({str(tiny_llama_dir)!r}, dtype="float32", max_model_len=64, num_kv_blocks=64,
+                     max_num_seqs=1, scheduling_policy="longest-prompt-first") as llm:
+                outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+                order = sorted(range(3), key=lambda i: outs[i].metrics.finished_time)
+                print("ORDER", order)
+                try:
+                    llm.generate([[1000] * 30], SamplingParams(max_tokens=1))
+                except RequestRejected as exc:
+                    print("REJECTED", exc)
+    """)
+    env = {**os.environ, "PAGODA_EXAMPLE_MAX_PROMPT_TOKENS": "20"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "ORDER [2, 1, 0]" in result.stdout
+    assert "REJECTED request rejected: prompts are limited to 20 tokens by the example quota" in result.stdout
+
+
+def test_plugin_named_on_the_command_line(tiny_llama_dir):
+    env_path = str(EXAMPLE)
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {env_path!r})
+        from engine.cli import main
+        if __name__ == "__main__":
+            sys.exit(main(["generate", "--raw", "hi", "--model", {str(tiny_llama_dir)!r}, "--max-model-len", "64",
+                           "--num-kv-blocks", "32", "--max-tokens", "2", "--plugin", "pagoda_example_plugin",
+                           "--scheduling-policy", "longest-prompt-first"]))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PAGODA_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert result.returncode == 0, result.stderr
