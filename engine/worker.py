@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -18,6 +19,9 @@ def worker_main(conn: Connection, config: EngineConfig, model_dir: Path, model_c
     Exits when told to (Shutdown) or when the engine's end of the pipe closes, so a dead
     engine never leaves an orphan worker behind.
     """
+    # NOTE: Ctrl-C reaches the whole process group; the engine process decides when the
+    # worker stops (it drains requests first), so the worker leaves SIGINT to it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
     if config.num_threads is not None:

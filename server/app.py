@@ -1,0 +1,293 @@
+"""The aiohttp application: routes, middlewares, and the engine's lifecycle.
+
+``create_app`` builds the app; the engine (its loop task and its worker process) is
+started by a cleanup context when the app starts and stopped when it stops, after the
+in-flight requests have drained. ``run_server`` runs the app on uvloop with the signal
+handling ``pagoda serve`` needs: SIGTERM or SIGINT stops listening, lets in-flight
+requests finish for up to ``shutdown_timeout`` seconds, then cancels the rest (which
+aborts them in the engine) and stops the worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from server.config import ServerConfig
+from server.errors import APIError, bad_request, error_middleware
+from server.metrics import ServerMetrics
+from server.protocol import Body, parse_messages
+from server.responses import TokenStrings
+from server.serving import chat_completions, completions, read_json
+from server.state import STATE_KEY, ServerState, load_chat_template, served_model_names
+from server.tracing import Tracing, build_tracer_provider
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+logger = logging.getLogger(__name__)
+
+#: Reachable without the API key (load balancers and orchestrators probe it).
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+def _json(payload: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pagoda")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# -- middlewares --------------------------------------------------------------------------
+
+
+def auth_middleware(api_key: str):
+    """Requires ``Authorization: Bearer <api_key>`` on every path but /health.
+
+    The keys are compared as SHA-256 digests with ``hmac.compare_digest``, so the time
+    taken depends on neither the key's content nor its length.
+    """
+    expected = hashlib.sha256(api_key.encode()).digest()
+    challenge = {"WWW-Authenticate": "Bearer"}
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        if request.path not in PUBLIC_PATHS:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key", headers=challenge)
+            if not hmac.compare_digest(hashlib.sha256(token.strip().encode()).digest(), expected):
+                raise APIError(401, "Incorrect API key provided.", code="invalid_api_key", headers=challenge)
+        return await handler(request)
+
+    return middleware
+
+
+def body_size_middleware(max_bytes: int):
+    """413 for a declared Content-Length over the limit, before reading the body.
+
+    Bodies without a Content-Length (chunked) hit aiohttp's ``client_max_size`` (the same
+    limit) while being read; the error middleware reshapes that 413 too.
+    """
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        length = request.content_length
+        if length is not None and length > max_bytes:
+            raise APIError(413, f"Request body too large: {length} bytes; the limit is {max_bytes} bytes.",
+                           code="request_too_large")
+        return await handler(request)
+
+    return middleware
+
+
+# -- small endpoints ----------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health: 200 while the engine can serve, 503 when its worker is dead or it is stopping."""
+    state = request.app[STATE_KEY]
+    if state.draining:
+        return APIError(503, "The server is shutting down.", code="shutting_down").to_response()
+    if not state.is_healthy():
+        return APIError(503, "The engine's worker process is dead.", code="engine_dead").to_response()
+    return _json({"status": "ok"})
+
+
+async def version(request: web.Request) -> web.Response:
+    """GET /version."""
+    return _json({"version": _version()})
+
+
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "pagoda",
+            "root": state.engine.config.model or state.model_names[0], "parent": None,
+            "max_model_len": state.engine.max_model_len}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1/models."""
+    state = request.app[STATE_KEY]
+    return _json({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}."""
+    state = request.app[STATE_KEY]
+    return _json(_model_card(state, state.resolve_model(request.match_info["model"])))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text format."""
+    body = request.app[STATE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /tokenize: ``{"prompt": str}`` or ``{"messages": [...]}`` to token ids (vLLM's API)."""
+    state = request.app[STATE_KEY]
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    known = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
+             "chat_template_kwargs", "return_token_strs"}
+    for name in body:
+        if name not in known:
+            raise bad_request(f"Unrecognized request argument supplied: {name}", name, code="unrecognized_argument")
+    b = Body(body)
+    state.resolve_model(b.str_("model"))
+    if ("prompt" in body) == ("messages" in body):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+    if "prompt" in body:
+        prompt = b.str_("prompt")
+        if prompt is None:
+            raise bad_request("'prompt' must be a string", "prompt")
+        ids = await state.run_tokenizer(state.encode, prompt, b.bool_("add_special_tokens", True))
+    else:
+        messages = parse_messages(body.get("messages"))
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        text = await state.run_tokenizer(state.render_chat, messages, b.bool_("add_generation_prompt", True),
+                                         b.bool_("continue_final_message", False), kwargs)
+        ids = await state.run_tokenizer(state.encode, text, b.bool_("add_special_tokens", False))
+    result = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
+    if b.bool_("return_token_strs", False):
+        result["token_strs"] = state.engine.tokenizer.convert_ids_to_tokens(ids)
+    return _json(result)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """POST /detokenize: ``{"tokens": [ids]}`` to ``{"prompt": text}`` (vLLM's API)."""
+    state = request.app[STATE_KEY]
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    for name in body:
+        if name not in ("model", "tokens"):
+            raise bad_request(f"Unrecognized request argument supplied: {name}", name, code="unrecognized_argument")
+    state.resolve_model(Body(body).str_("model"))
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise bad_request("'tokens' must be a list of token ids", "tokens")
+    try:
+        ids = state.engine.encode_prompt(tokens) if tokens else []
+    except ValueError as exc:
+        raise bad_request(str(exc).replace("prompt token ids", "'tokens'"), "tokens") from None
+    text = await state.run_tokenizer(state.engine.tokenizer.decode, ids)
+    return _json({"prompt": text})
+
+
+# -- the app ------------------------------------------------------------------------------
+
+
+def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
+               tracer_provider: TracerProvider | None = None) -> web.Application:
+    """Builds the server app; the engine starts when the app starts.
+
+    Args:
+        engine_config: The engine to run.
+        config: Server options (defaults when None).
+        tracer_provider: A tracer provider to use instead of the one the OTEL_*
+            variables and ``config.otlp_traces_endpoint`` describe; the caller owns it.
+
+    Raises:
+        ValueError: A tracing option asks for an exporter that is not installed.
+    """
+    config = config or ServerConfig()
+    owned_provider = None
+    if tracer_provider is None:
+        tracer_provider = owned_provider = build_tracer_provider(config.otlp_traces_endpoint)
+    chat_template = load_chat_template(config.chat_template)
+    model_names, accepted_names = served_model_names(engine_config.model, config.served_model_names)
+
+    middlewares = [error_middleware]
+    if config.api_key is not None:
+        middlewares.append(auth_middleware(config.api_key))
+    middlewares.append(body_size_middleware(config.max_body_bytes))
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+
+    async def engine_context(app: web.Application) -> AsyncIterator[None]:
+        engine = AsyncEngine(engine_config)
+        try:
+            await engine.start()
+        except BaseException:
+            await engine.shutdown()
+            raise
+        state = ServerState(
+            engine=engine, config=config, metrics=ServerMetrics(engine, model_names[0]),
+            tracing=Tracing(tracer_provider) if tracer_provider is not None else None,
+            token_str=TokenStrings(engine.tokenizer), model_names=model_names, accepted_names=accepted_names,
+            chat_template=chat_template,
+        )
+        app[STATE_KEY] = state
+        logger.info("serving %s (max_model_len %d)", ", ".join(model_names), engine.max_model_len)
+        try:
+            yield
+        finally:
+            state.draining = True
+            await engine.shutdown()
+            logger.info("engine stopped")
+            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def tracing_context(app: web.Application) -> AsyncIterator[None]:
+        yield
+        if owned_provider is not None:
+            owned_provider.shutdown()  # flushes the spans still queued
+
+    async def drain(app: web.Application) -> None:
+        # NOTE: on_shutdown runs once the listening sockets are closed and before aiohttp
+        # waits for its handlers (up to twice its own timeout); draining here makes
+        # shutdown_timeout the bound. New requests on kept-alive connections get 503.
+        state = app.get(STATE_KEY)
+        if state is not None:
+            state.draining = True
+            await state.drain(config.shutdown_timeout)
+
+    # NOTE: cleanup runs in reverse order: the engine stops before the last spans flush.
+    app.cleanup_ctx.append(tracing_context)
+    app.cleanup_ctx.append(engine_context)
+    app.on_shutdown.append(drain)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
+    """Serves until SIGTERM or SIGINT, on uvloop when it is installed; blocks."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        import asyncio
+
+        loop = asyncio.new_event_loop()
+    else:
+        loop = uvloop.new_event_loop()
+    app = create_app(engine_config, config)
+    web.run_app(
+        app, host=config.host, port=config.port, loop=loop, handler_cancellation=True,
+        shutdown_timeout=config.shutdown_timeout, access_log=logging.getLogger("aiohttp.access") if config.access_log
+        else None, print=lambda message: logger.info("%s", " ".join(message.replace("=", "").split())),
+    )

@@ -1,0 +1,96 @@
+"""``pagoda serve``: the OpenAI-compatible server's command line.
+
+``engine/cli.py`` calls :func:`add_serve_parser` on its subcommands. Every engine flag of
+``pagoda generate`` is accepted too (``--max-model-len``, ``--dtype``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from engine.sampling_params import MAX_LOGPROBS, MAX_N
+from server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
+
+API_KEY_ENV = "PAGODA_API_KEY"
+
+
+def _add(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
+    # NOTE: an engine flag of the same name wins, so a new EngineConfig field never
+    # breaks the command line.
+    if flag not in parser._option_string_actions:
+        parser.add_argument(flag, **kwargs)
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the ``serve`` subcommand."""
+    from engine.cli import add_engine_args
+
+    parser = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (see docs/server.md).",
+    )
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve (same as --model); default: SmolLM2-135M-Instruct")
+    add_engine_args(parser)
+    _add(parser, "--host", default="127.0.0.1",
+         help="interface to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    _add(parser, "--port", type=int, default=8000, help="TCP port (default 8000)")
+    _add(parser, "--api-key", default=None,
+         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV})")
+    _add(parser, "--served-model-name", nargs="+", default=[], metavar="NAME",
+         help="names the model answers to (default: the --model value)")
+    _add(parser, "--max-waiting-requests", type=int, default=None,
+         help="answer 503 with Retry-After while this many requests wait (default: no limit)")
+    _add(parser, "--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+         help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    _add(parser, "--shutdown-timeout", type=float, default=30.0,
+         help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default 30)")
+    _add(parser, "--max-n", type=int, default=MAX_N, help=f"largest n (default {MAX_N})")
+    _add(parser, "--max-logprobs", type=int, default=MAX_LOGPROBS,
+         help=f"largest logprobs / top_logprobs (default {MAX_LOGPROBS})")
+    _add(parser, "--max-stop", type=int, default=16, help="most stop strings per request (default 16)")
+    _add(parser, "--max-prompts", type=int, default=2048,
+         help="most prompts in one /v1/completions request (default 2048)")
+    _add(parser, "--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    _add(parser, "--otlp-traces-endpoint", default=None,
+         help="export OpenTelemetry traces to this OTLP endpoint (needs opentelemetry-exporter-otlp)")
+    _add(parser, "--access-log", action=argparse.BooleanOptionalAction, default=True,
+         help="log one line per HTTP request")
+    _add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.set_defaults(func=serve)
+    return parser
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        served_model_names=list(args.served_model_name), max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout, max_n=args.max_n,
+        max_logprobs=args.max_logprobs, max_stop=args.max_stop, max_prompts=args.max_prompts,
+        chat_template=args.chat_template, otlp_traces_endpoint=args.otlp_traces_endpoint,
+        access_log=args.access_log,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs ``pagoda serve``; returns the exit status."""
+    from engine.cli import engine_config_from_args
+    from server.app import run_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    engine_config = engine_config_from_args(args)
+    config = server_config_from_args(args)
+    try:
+        run_server(engine_config, config)
+    except Exception as exc:  # noqa: BLE001 - startup failures (bad model, port in use) end the command
+        logging.getLogger("server").debug("server failed", exc_info=True)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

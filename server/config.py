@@ -1,0 +1,68 @@
+"""ServerConfig: every knob of the HTTP server, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import MAX_LOGPROBS, MAX_N
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024**2
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Configuration of the OpenAI-compatible server (the engine has its own).
+
+    Attributes:
+        host: Interface to listen on.
+        port: TCP port.
+        api_key: When set, every endpoint but /health requires ``Authorization: Bearer <key>``.
+        served_model_names: Names the model answers to; the first is the one /v1/models
+            lists first and the default for requests that leave ``model`` out. Empty means
+            the ``--model`` value (or the default model's name).
+        max_waiting_requests: Turn requests away with 503 while this many wait to be
+            scheduled; None means no limit.
+        max_body_bytes: Largest request body; larger ones get 413.
+        shutdown_timeout: Seconds that in-flight requests get to finish on SIGTERM/SIGINT.
+        max_n: Largest ``n``.
+        max_logprobs: Largest ``logprobs`` (completions) / ``top_logprobs`` (chat).
+        max_stop: Most stop strings in one request.
+        max_prompts: Most prompts in one /v1/completions request.
+        chat_template: A Jinja chat template (text, or a path to a file) overriding the
+            tokenizer's.
+        otlp_traces_endpoint: Export traces to this OTLP endpoint (turns tracing on).
+        access_log: Log one line per HTTP request.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: list[str] = field(default_factory=list)
+    max_waiting_requests: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout: float = 30.0
+    max_n: int = MAX_N
+    max_logprobs: int = MAX_LOGPROBS
+    max_stop: int = 16
+    max_prompts: int = 2048
+    chat_template: str | None = None
+    otlp_traces_endpoint: str | None = None
+    access_log: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535]; got {self.port!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        for name in ("max_body_bytes", "max_n", "max_stop", "max_prompts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0; got {self.max_waiting_requests!r}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}]; got {self.max_logprobs!r}")
+        if self.max_n > MAX_N:
+            raise ValueError(f"max_n must be <= {MAX_N}; got {self.max_n!r}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0; got {self.shutdown_timeout!r}")

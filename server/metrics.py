@@ -1,0 +1,192 @@
+"""Prometheus metrics with vLLM's names and meanings, under the prefix ``pagoda:``.
+
+A dashboard built for vLLM works after renaming ``vllm:`` to ``pagoda:``. Engine-wide
+gauges and counters (requests running and waiting, KV cache usage, token and
+preemption counts, prefix cache queries and hits) are read from the engine at scrape
+time; per-request histograms are observed by the request handlers.
+
+Every metric carries the labels ``model_name`` (the first served model name) and
+``engine`` ("0"), as vLLM's do. The registry belongs to the app: no global state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.outputs import RequestOutput
+
+PREFIX = "pagoda:"
+LABELS = ("model_name", "engine")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class _EngineCollector:
+    """Reads the engine's own counters at scrape time, so nothing is counted twice."""
+
+    def __init__(self, engine: AsyncEngine, labels: list[str]) -> None:
+        self._engine = engine
+        self._labels = labels
+
+    def _family(self, cls, name: str, doc: str, value: float):
+        family = cls(PREFIX + name, doc, labels=LABELS)
+        family.add_metric(self._labels, value)
+        return family
+
+    def collect(self):
+        scheduler = self._engine.scheduler
+        if scheduler is None:
+            return
+        stats = scheduler.stats
+        usage = scheduler.kv_cache_manager.usage()
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(gauge, "num_requests_running", "Number of requests in model execution batches.",
+                           scheduler.num_running)
+        yield self._family(gauge, "num_requests_waiting", "Number of requests waiting to be processed.",
+                           scheduler.num_waiting)
+        yield self._family(gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage.usage)
+        yield self._family(counter, "prefix_cache_queries",
+                           "Prefix cache queries, in terms of number of queried tokens.",
+                           getattr(stats, "prefix_cache_queries", 0))
+        yield self._family(counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                           getattr(stats, "prefix_cache_hits", 0))
+        yield self._family(counter, "num_preemptions", "Cumulative number of preemptions from the engine.",
+                           stats.num_preemptions)
+        yield self._family(counter, "prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
+        yield self._family(counter, "generation_tokens", "Number of generation tokens processed.",
+                           stats.num_generation_tokens)
+
+
+class ServerMetrics:
+    """The app's registry and the per-request metrics.
+
+    Args:
+        engine: The engine whose counters are exported.
+        model_name: Value of the ``model_name`` label.
+    """
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.labels = [model_name, "0"]
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        registry.register(_EngineCollector(engine, self.labels))
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=registry)
+
+        self.request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
+                                       LABELS + ("finished_reason",), registry=registry)
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", _LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", _LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", _LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", _LATENCY_BUCKETS)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.",
+                                       _TOKEN_BUCKETS)
+        self.generation_tokens = histogram("request_generation_tokens", "Number of generation tokens processed.",
+                                           _TOKEN_BUCKETS)
+        self.params_n = histogram("request_params_n", "Histogram of the n request parameter.",
+                                  (1, 2, 5, 10, 20, 50, 100))
+        self.params_max_tokens = histogram("request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", _TOKEN_BUCKETS)
+
+    def render(self) -> bytes:
+        """The text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    def tracker(self) -> RequestTracker:
+        """A recorder for one engine request."""
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Observes one engine request: inter-token latency as it streams, the rest at the end.
+
+    Snapshots can hold several new tokens (a consumer that fell behind); their gap is
+    spread evenly over them, so every token still gets one observation.
+    """
+
+    __slots__ = ("_metrics", "_num_tokens", "_last_token_time", "_done")
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._num_tokens = 0
+        self._last_token_time: float | None = None
+        self._done = False
+
+    def update(self, output: RequestOutput) -> None:
+        timing = output.metrics
+        if timing is None or not output.outputs or timing.first_token_time is None:
+            return
+        num_tokens = len(output.outputs[0].token_ids)
+        previous_time = self._last_token_time or timing.first_token_time
+        previous_num = self._num_tokens or 1
+        if num_tokens > previous_num and timing.last_token_time is not None:
+            gap = (timing.last_token_time - previous_time) / (num_tokens - previous_num)
+            child = self._metrics.itl.labels(*self._metrics.labels)
+            for _ in range(num_tokens - previous_num):
+                child.observe(max(gap, 0.0))
+        if num_tokens:
+            self._num_tokens = num_tokens
+            self._last_token_time = timing.last_token_time
+
+    def finish(self, output: RequestOutput, max_tokens: int | None) -> None:
+        """Records a finished request (call once, with its last snapshot)."""
+        if self._done:
+            return
+        self._done = True
+        self.update(output)
+        m, labels = self._metrics, self._metrics.labels
+        for sample in output.outputs:
+            m.request_success.labels(*labels, sample.finish_reason or "abort").inc()
+            m.generation_tokens.labels(*labels).observe(len(sample.token_ids))
+        m.prompt_tokens.labels(*labels).observe(len(output.prompt_token_ids))
+        m.params_n.labels(*labels).observe(len(output.outputs))
+        if max_tokens is not None:
+            m.params_max_tokens.labels(*labels).observe(max_tokens)
+        timing = output.metrics
+        if timing is None:
+            return
+        end = timing.finished_time or time.time()
+        m.e2e.labels(*labels).observe(max(end - timing.arrival_time, 0.0))
+        if timing.first_scheduled_time is not None:
+            m.queue_time.labels(*labels).observe(max(timing.first_scheduled_time - timing.arrival_time, 0.0))
+        if timing.first_token_time is not None:
+            m.ttft.labels(*labels).observe(max(timing.first_token_time - timing.arrival_time, 0.0))
+            if timing.first_scheduled_time is not None:
+                m.prefill_time.labels(*labels).observe(max(timing.first_token_time - timing.first_scheduled_time, 0))
+        if timing.last_token_time is not None and timing.first_token_time is not None:
+            m.decode_time.labels(*labels).observe(max(timing.last_token_time - timing.first_token_time, 0.0))
+        if timing.last_token_time is not None and timing.first_scheduled_time is not None:
+            m.inference_time.labels(*labels).observe(max(timing.last_token_time - timing.first_scheduled_time, 0))
+
+    def abort(self, num_samples: int, reason: str = "abort") -> None:
+        """Records a request that ended early: its client left ("abort") or it failed ("error")."""
+        if self._done:
+            return
+        self._done = True
+        self._metrics.request_success.labels(*self._metrics.labels, reason).inc(num_samples)

@@ -1,0 +1,354 @@
+"""Parsing and validating the JSON bodies of /v1/completions and /v1/chat/completions.
+
+Fields follow OpenAI's API plus vLLM's extra sampling fields (top_k, min_p,
+repetition_penalty, stop_token_ids, ignore_eos, min_tokens, ...). ``null`` means "the
+default", as in OpenAI's API.
+
+Unknown fields are rejected with a 400 naming the field, as OpenAI does ("Unrecognized
+request argument supplied: foo"): a misspelt ``max_token`` must not silently fall back to
+the default. Fields OpenAI defines that only label the request (``user``, ``metadata``,
+``store``...) are accepted and ignored; fields whose effect Pagoda cannot honour
+(``tools``, ``logit_bias``, a JSON ``response_format``...) are rejected with a 400 when
+set to anything but their no-op value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from server.config import ServerConfig
+from server.errors import bad_request, from_value_error
+
+MAX_STOP_LENGTH = 256
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Sampling fields shared by both endpoints (vLLM's names and semantics).
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens",
+    "include_stop_str_in_output", "max_tokens",
+)
+_COMMON_FIELDS = _SAMPLING_FIELDS + (
+    "model", "stream", "stream_options", "user", "priority", "cache_salt", "kv_retention", "logprobs", "echo",
+    "add_special_tokens", "logit_bias", "metadata", "store", "service_tier", "prompt_cache_key",
+    "safety_identifier", "response_format", "prompt_logprobs",
+)
+COMPLETION_FIELDS = frozenset(_COMMON_FIELDS + ("prompt", "best_of", "suffix"))
+CHAT_FIELDS = frozenset(_COMMON_FIELDS + (
+    "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+    "modalities", "audio", "prediction", "web_search_options", "reasoning_effort", "verbosity",
+))
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """A validated /v1/completions or /v1/chat/completions request.
+
+    Attributes:
+        model: The requested model name (None: the server's default).
+        params: Sampling parameters for the engine.
+        max_tokens: The max_tokens the client gave, None when left out (then completions
+            default to 16 tokens and chat to the room left in the context; either is
+            clamped to the context, while a max_tokens given that does not fit is a 400).
+        max_tokens_param: The field that gave it (chat: max_completion_tokens wins).
+        stream: Send SSE chunks.
+        include_usage: Send a usage chunk before ``[DONE]`` (stream_options).
+        continuous_usage: With include_usage, put the usage so far in every chunk
+            (vLLM's ``continuous_usage_stats``).
+        logprobs: Top logprobs per token to return (None: no logprobs).
+        echo: Completions: prepend the prompt to the text. Chat: prepend the last
+            message's content when it is the assistant's.
+        add_special_tokens: Let the tokenizer add BOS etc. to a text prompt.
+        priority: Scheduling priority (lower runs first) for the priority policy.
+        cache_salt: Prefix-cache isolation salt.
+        kv_retention: Eviction priority of the request's cached blocks (higher is kept
+            longer) for the retention-priority eviction policy.
+        prompts: Completions: one or more prompts, text or token ids.
+        messages: Chat: the conversation, normalized to role/content(/name) dicts.
+        add_generation_prompt: Chat: end the rendered prompt with the assistant header.
+        continue_final_message: Chat: let the model continue the last message.
+        chat_template_kwargs: Chat: extra variables for the template.
+    """
+
+    model: str | None
+    params: SamplingParams
+    max_tokens: int | None
+    max_tokens_param: str = "max_tokens"
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    logprobs: int | None = None
+    echo: bool = False
+    add_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    kv_retention: int = 0
+    prompts: list[str | list[int]] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class Body:
+    """Typed getters over a request body; ``null`` reads as the default."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+
+    def get(self, name: str) -> Any:
+        return self.body.get(name)
+
+    def int_(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise bad_request(f"'{name}' must be an integer, got {value!r}", name)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bounds = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None \
+                else f"<= {hi}"
+            raise bad_request(f"'{name}' must be {bounds}, got {value}", name)
+        return value
+
+    def number(self, name: str, default: float) -> float:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise bad_request(f"'{name}' must be a number, got {value!r}", name)
+        return float(value)
+
+    def bool_(self, name: str, default: bool) -> bool:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise bad_request(f"'{name}' must be a boolean, got {value!r}", name)
+        return value
+
+    def str_(self, name: str, default: str | None = None) -> str | None:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise bad_request(f"'{name}' must be a string, got {type(value).__name__}", name)
+        return value
+
+    def unsupported(self, name: str, allowed: tuple = (), what: str = "") -> None:
+        """Rejects a field set to anything but null, an empty value, or an allowed no-op value."""
+        value = self.body.get(name)
+        if value is None or value in allowed or (isinstance(value, (list, dict, str)) and not value):
+            return
+        raise bad_request(f"'{name}' is not supported by this server{what}", name, code="unsupported_parameter")
+
+
+def parse_completion(body: Any, config: ServerConfig) -> GenerateRequest:
+    """Validates a /v1/completions body.
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
+    b = _check_fields(body, COMPLETION_FIELDS)
+    prompts = _parse_prompts(body.get("prompt"), config)
+    b.unsupported("suffix")
+    logprobs = b.int_("logprobs", None, 0, config.max_logprobs)
+    n = b.int_("n", 1, 1, config.max_n)
+    best_of = b.int_("best_of", None)
+    if best_of is not None and best_of != n:
+        raise bad_request("'best_of' is not supported by this server unless it equals n", "best_of",
+                          code="unsupported_parameter")
+    request = _parse_common(b, config, logprobs, b.int_("max_tokens", None), default_max_tokens=16)
+    request.prompts = prompts
+    return request
+
+
+def parse_chat(body: Any, config: ServerConfig) -> GenerateRequest:
+    """Validates a /v1/chat/completions body.
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
+    b = _check_fields(body, CHAT_FIELDS)
+    messages = parse_messages(body.get("messages"))
+    for name in ("tools", "functions", "audio", "prediction", "web_search_options"):
+        b.unsupported(name, what=" (Pagoda has no tool calling, audio or web search)")
+    b.unsupported("tool_choice", ("none", "auto"))
+    b.unsupported("function_call", ("none", "auto"))
+    b.unsupported("modalities", (["text"],))
+    logprobs = None
+    if b.bool_("logprobs", False):
+        logprobs = b.int_("top_logprobs", 0, 0, config.max_logprobs)
+    elif body.get("top_logprobs") not in (None, 0):
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    max_tokens = b.int_("max_completion_tokens", None)
+    max_tokens_param = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, max_tokens_param = b.int_("max_tokens", None), "max_tokens"
+    request = _parse_common(b, config, logprobs, max_tokens, add_special_tokens=False)
+    request.max_tokens_param = max_tokens_param
+    request.messages = messages
+    request.add_generation_prompt = b.bool_("add_generation_prompt", True)
+    request.continue_final_message = b.bool_("continue_final_message", False)
+    if request.add_generation_prompt and request.continue_final_message:
+        raise bad_request("'continue_final_message' needs 'add_generation_prompt' to be false",
+                          "continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    request.chat_template_kwargs = kwargs or {}
+    return request
+
+
+def _check_fields(body: Any, known: frozenset[str]) -> Body:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    for name in body:
+        if name not in known:
+            raise bad_request(f"Unrecognized request argument supplied: {name}", name,
+                              code="unrecognized_argument")
+    return Body(body)
+
+
+def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_tokens: int | None,
+                  add_special_tokens: bool = True, default_max_tokens: int | None = None) -> GenerateRequest:
+    model = b.str_("model")
+    stream = b.bool_("stream", False)
+    options = b.get("stream_options")
+    include_usage = continuous_usage = False
+    if options is not None:
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        for key in options:
+            if key not in ("include_usage", "continuous_usage_stats"):
+                raise bad_request(f"Unrecognized stream option: {key}", "stream_options")
+        include_usage = Body(options).bool_("include_usage", False)
+        continuous_usage = Body(options).bool_("continuous_usage_stats", False)
+    b.unsupported("logit_bias")
+    b.unsupported("prompt_logprobs")
+    b.unsupported("response_format", ({"type": "text"},), " (only {\"type\": \"text\"})")
+    stop = _parse_stop(b.get("stop"), config)
+    stop_token_ids = b.get("stop_token_ids")
+    if stop_token_ids is not None and (not isinstance(stop_token_ids, list)
+                                       or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                  for t in stop_token_ids)):
+        raise bad_request("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    echo = b.bool_("echo", False)
+    if echo and logprobs is not None and "prompt" in b.body:
+        raise bad_request("'echo' with 'logprobs' is not supported (prompt logprobs are not implemented)", "echo",
+                          code="unsupported_parameter")
+    priority = b.int_("priority", 0)
+    kv_retention = b.int_("kv_retention", 0)
+    cache_salt = b.str_("cache_salt")
+    if cache_salt is not None and not cache_salt:
+        raise bad_request("'cache_salt' must not be empty", "cache_salt")
+    for name in ("user", "service_tier", "prompt_cache_key", "safety_identifier", "reasoning_effort",
+                 "verbosity"):
+        b.str_(name)
+    for name in ("store", "parallel_tool_calls"):
+        b.bool_(name, False)
+    try:
+        params = SamplingParams(
+            n=b.int_("n", 1, 1, config.max_n),
+            temperature=b.number("temperature", 1.0),
+            top_p=b.number("top_p", 1.0),
+            top_k=b.int_("top_k", 0),
+            min_p=b.number("min_p", 0.0),
+            seed=b.int_("seed", None),
+            repetition_penalty=b.number("repetition_penalty", 1.0),
+            presence_penalty=b.number("presence_penalty", 0.0),
+            frequency_penalty=b.number("frequency_penalty", 0.0),
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            min_tokens=b.int_("min_tokens", 0),
+            stop=stop,
+            stop_token_ids=stop_token_ids or [],
+            ignore_eos=b.bool_("ignore_eos", False),
+            logprobs=logprobs,
+            skip_special_tokens=b.bool_("skip_special_tokens", True),
+            include_stop_str_in_output=b.bool_("include_stop_str_in_output", False),
+        )
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    return GenerateRequest(
+        model=model, params=params, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
+        continuous_usage=continuous_usage, logprobs=logprobs, echo=echo,
+        add_special_tokens=b.bool_("add_special_tokens", add_special_tokens), priority=priority,
+        cache_salt=cache_salt, kv_retention=kv_retention,
+    )
+
+
+def _parse_stop(stop: Any, config: ServerConfig) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad_request("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stop) > config.max_stop:
+        raise bad_request(f"'stop' has {len(stop)} strings; at most {config.max_stop} are allowed", "stop")
+    if any(len(s) > MAX_STOP_LENGTH for s in stop):
+        raise bad_request(f"each 'stop' string must be at most {MAX_STOP_LENGTH} characters long", "stop")
+    return stop
+
+
+def _parse_prompts(prompt: Any, config: ServerConfig) -> list[str | list[int]]:
+    def is_ids(value: Any) -> bool:
+        return isinstance(value, list) and bool(value) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if prompt is None:
+        raise bad_request("'prompt' is required", "prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise bad_request("'prompt' must be a string, a list of strings, a list of token ids, or a list of "
+                          "lists of token ids (none empty)", "prompt")
+    if any(p == "" for p in prompts):
+        raise bad_request("'prompt' must not be empty", "prompt")
+    if len(prompts) > config.max_prompts:
+        raise bad_request(f"'prompt' has {len(prompts)} prompts; at most {config.max_prompts} are allowed", "prompt")
+    return prompts
+
+
+def parse_messages(messages: Any) -> list[dict[str, str]]:
+    if messages is None:
+        raise bad_request("'messages' is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    result = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"'{where}' must be an object", where)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"'{where}.content' parts must be {{\"type\": \"text\", \"text\": ...}}; "
+                                      "this server handles text only", f"{where}.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None and role in ("assistant", "tool"):
+            content = ""
+        elif not isinstance(content, str):
+            raise bad_request(f"'{where}.content' must be a string or a list of text parts", f"{where}.content")
+        normalized = {"role": "system" if role == "developer" else role, "content": content}
+        if isinstance(message.get("name"), str):
+            normalized["name"] = message["name"]
+        result.append(normalized)
+    return result

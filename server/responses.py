@@ -1,0 +1,153 @@
+"""Building OpenAI response bodies and stream chunks from engine outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.messages import TokenLogprobs
+from engine.outputs import CompletionOutput
+
+
+class TokenStrings:
+    """Token id to text, cached (for logprobs): one decoded token per id.
+
+    Args:
+        tokenizer: The engine's tokenizer.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            self._cache[token_id] = text
+        return text
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprobs], token_str: TokenStrings, text_offset: int) -> dict[str, Any]:
+    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset.
+
+    Each ``top_logprobs`` entry holds the top tokens plus the sampled one, as vLLM does.
+    """
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        text = token_str(entry.token_id)
+        tokens.append(text)
+        token_logprobs.append(entry.logprob)
+        alternatives: dict[str, float] = {}
+        for t, lp in zip(entry.top_token_ids, entry.top_logprobs):
+            alternatives.setdefault(token_str(t), lp)  # NOTE: ids may share a string; the likelier one wins
+        alternatives[text] = entry.logprob
+        top.append(alternatives)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprobs], token_str: TokenStrings, num_top: int) -> dict[str, Any]:
+    """The chat logprobs object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for entry in entries:
+        text = token_str(entry.token_id)
+        top = [{"token": token_str(t), "logprob": lp, "bytes": list(token_str(t).encode())}
+               for t, lp in zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top])]
+        content.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """How much of one choice a stream has sent.
+
+    Attributes:
+        num_chars: Characters of the output text sent.
+        num_tokens: Tokens whose logprobs were sent.
+        prefix: Text still to send before the output (echo).
+        text_offset: Completions logprobs: offset of the next token in the choice's text.
+        finished: The chunk with the finish_reason was sent.
+    """
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    prefix: str = ""
+    text_offset: int = 0
+    finished: bool = False
+
+
+class ChoiceBuilder:
+    """Builds one endpoint's choices, whole or as stream deltas.
+
+    Args:
+        chat: Chat (message/delta) rather than completions (text) choices.
+        num_logprobs: Top logprobs per token, None when not requested.
+        token_str: Token id to text.
+    """
+
+    def __init__(self, chat: bool, num_logprobs: int | None, token_str: TokenStrings) -> None:
+        self.chat = chat
+        self.num_logprobs = num_logprobs
+        self.token_str = token_str
+
+    def _logprobs(self, entries: list[TokenLogprobs] | None, text_offset: int) -> dict[str, Any] | None:
+        if self.num_logprobs is None or entries is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.token_str, self.num_logprobs)
+        return completion_logprobs(entries, self.token_str, text_offset)
+
+    def whole(self, index: int, output: CompletionOutput, prefix: str = "") -> dict[str, Any]:
+        """A non-streamed choice."""
+        text = prefix + output.text
+        logprobs = self._logprobs(output.logprobs, len(prefix))
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=logprobs, finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+        return choice
+
+    def role(self, index: int) -> dict[str, Any]:
+        """A chat stream's first chunk for a choice: the role."""
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def delta(self, index: int, output: CompletionOutput, state: ChoiceState) -> dict[str, Any] | None:
+        """The next stream delta of a choice, or None when there is nothing new to send."""
+        text = output.text[state.num_chars:]
+        entries = None
+        if self.num_logprobs is not None and output.logprobs is not None:
+            entries = output.logprobs[state.num_tokens:]
+        finish = output.finish_reason if output.finished and not state.finished else None
+        if not text and not entries and finish is None and not state.prefix:
+            return None
+        text = state.prefix + text
+        logprobs = self._logprobs(entries, state.text_offset) if entries else None
+        state.num_chars = len(output.text)
+        if entries:
+            state.num_tokens += len(entries)
+            state.text_offset += sum(len(self.token_str(e.token_id)) for e in entries)
+        state.prefix = ""
+        state.finished = finish is not None
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            choice["delta"] = {"content": text} if text or finish is None else {}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=logprobs, finish_reason=finish)
+        if finish is not None:
+            choice["stop_reason"] = output.stop_reason
+        return choice

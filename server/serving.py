@@ -1,0 +1,256 @@
+"""POST /v1/completions and /v1/chat/completions: validate, submit, stream or collect.
+
+One HTTP request becomes one engine request per prompt (a completions request may hold
+many); each engine request carries the ``n`` samples. Choice ``i`` of prompt ``p`` is
+choice ``p * n + i`` of the response, as in OpenAI's and vLLM's APIs.
+
+A client that goes away cancels the handler (``handler_cancellation=True``): the engine
+streams are closed, which aborts their requests and frees their KV blocks before the
+next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from engine.async_engine import EngineDeadError, StepError
+from engine.outputs import RequestOutput
+from engine.policy import RequestRejected
+from server.errors import APIError, bad_request, from_value_error
+from server.metrics import RequestTracker
+from server.protocol import GenerateRequest, parse_chat, parse_completion
+from server.responses import ChoiceBuilder, ChoiceState, usage
+from server.state import STATE_KEY, ServerState
+from server.streaming import merge, open_sse, send_done, send_event
+from server.tracing import RequestSpan
+
+
+@dataclass(slots=True)
+class _Job:
+    """One prompt's engine request."""
+
+    request_id: str
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    echo: str
+    tracker: RequestTracker
+    stream: Any = None
+    final: RequestOutput | None = None
+    latest: RequestOutput | None = None
+
+
+async def read_json(request: web.Request) -> Any:
+    """The request body as JSON; 400 when it does not parse (413 comes from aiohttp's size limit)."""
+    raw = await request.read()
+    if not raw:
+        raise bad_request("The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions."""
+    return await _handle(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    return await _handle(request, chat=True)
+
+
+async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    operation = "chat" if chat else "text_completion"
+    span = state.tracing.start(request, operation) if state.tracing is not None else RequestSpan()
+    status, error = 500, None
+    task = asyncio.current_task()
+    state.track(task)
+    try:
+        response = await _generate(request, state, chat, span)
+        status = response.status
+        return response
+    except APIError as exc:
+        status, error = exc.status, exc.message
+        raise
+    except asyncio.CancelledError:
+        status, error = 499, "the client disconnected"
+        raise
+    finally:
+        state.untrack(task)
+        span.end(status, error)
+
+
+async def _generate(request: web.Request, state: ServerState, chat: bool, span: RequestSpan) -> web.StreamResponse:
+    config, engine = state.config, state.engine
+    body = await read_json(request)
+    gen = parse_chat(body, config) if chat else parse_completion(body, config)
+    model = state.resolve_model(gen.model)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    span.set_request(gen, request_id, model)
+    state.check_can_serve()
+    jobs = await _prepare(state, gen, chat, request_id)
+    try:
+        for job in jobs:
+            job.stream = engine.add_request(job.prompt, gen.params, request_id=job.request_id,
+                                            prompt_token_ids=job.prompt_token_ids, priority=gen.priority,
+                                            cache_salt=gen.cache_salt, kv_retention=gen.kv_retention)
+    except (ValueError, EngineDeadError) as exc:
+        for job in jobs:
+            engine.abort(job.request_id)
+        if isinstance(exc, EngineDeadError):
+            raise APIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
+        if isinstance(exc, RequestRejected):
+            raise APIError(429, str(exc), code="request_rejected") from None
+        raise from_value_error(exc, "messages" if chat else "prompt") from None
+    builder = ChoiceBuilder(chat, gen.logprobs, state.token_str)
+    created = int(time.time())
+    head = {"id": request_id, "object": _object(chat, gen.stream), "created": created, "model": model}
+    try:
+        if gen.stream:
+            return await _stream(request, state, gen, jobs, builder, head, span)
+        return await _collect(state, gen, jobs, builder, head, span)
+    except BaseException as exc:
+        _abandon(state, jobs, gen.params.n, "abort" if isinstance(exc, asyncio.CancelledError) else "error")
+        raise
+
+
+def _abandon(state: ServerState, jobs: list[_Job], n: int, reason: str) -> None:
+    """Aborts the unfinished engine requests (their blocks are freed before the next step)."""
+    for job in jobs:
+        if job.final is None:
+            state.engine.abort(job.request_id)
+            job.tracker.abort(n, reason)
+
+
+def _object(chat: bool, stream: bool) -> str:
+    if chat:
+        return "chat.completion.chunk" if stream else "chat.completion"
+    return "text_completion"
+
+
+async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request_id: str) -> list[_Job]:
+    """Tokenizes (or renders and tokenizes) the prompts and checks them against the context."""
+    engine = state.engine
+    if chat:
+        text = await state.run_tokenizer(state.render_chat, gen.messages, gen.add_generation_prompt,
+                                         gen.continue_final_message, gen.chat_template_kwargs)
+        ids = await state.run_tokenizer(state.encode, text, gen.add_special_tokens)
+        last = gen.messages[-1]
+        echo = last["content"] if gen.echo and last["role"] == "assistant" else ""
+        prompts = [(text, ids, echo)]
+    else:
+        texts = [p for p in gen.prompts if isinstance(p, str)]
+        encoded = iter(await state.run_tokenizer(lambda: [state.encode(t, gen.add_special_tokens) for t in texts]))
+        prompts = []
+        for prompt in gen.prompts:
+            if isinstance(prompt, str):
+                prompts.append((prompt, next(encoded), prompt if gen.echo else ""))
+                continue
+            try:
+                ids = engine.encode_prompt(prompt)
+            except ValueError as exc:
+                raise bad_request(str(exc), "prompt") from None
+            echo = await state.run_tokenizer(engine.tokenizer.decode, ids) if gen.echo else ""
+            prompts.append((ids, ids, echo))
+    jobs = []
+    for index, (prompt, ids, echo) in enumerate(prompts):
+        state.check_length(len(ids), gen.max_tokens, "messages" if chat else "prompt", gen.max_tokens_param)
+        job_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+        jobs.append(_Job(job_id, prompt, ids, echo, state.metrics.tracker()))
+    return jobs
+
+
+def _usage(jobs: list[_Job]) -> dict[str, Any]:
+    num_prompt = sum(len(job.prompt_token_ids) for job in jobs)
+    num_completion = num_cached = 0
+    for job in jobs:
+        out = job.final or job.latest
+        if out is not None:
+            num_completion += sum(len(o.token_ids) for o in out.outputs)
+            num_cached += out.metrics.num_cached_tokens if out.metrics is not None else 0
+    return usage(num_prompt, num_completion, num_cached)
+
+
+def _engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"The engine stopped: {exc}", code="engine_dead")
+    return APIError(500, f"Generation failed: {exc}", code="generation_failed")
+
+
+def _finish(job: _Job, out: RequestOutput, gen: GenerateRequest, span: RequestSpan) -> None:
+    job.latest = out
+    job.tracker.update(out)
+    if out.finished:
+        job.final = out
+        job.tracker.finish(out, gen.params.max_tokens)
+        span.add_output(out)
+
+
+async def _collect(state: ServerState, gen: GenerateRequest, jobs: list[_Job], builder: ChoiceBuilder,
+                   head: dict[str, Any], span: RequestSpan) -> web.Response:
+    engine = state.engine
+    try:
+        async with aclosing(merge([engine.stream_outputs(job.stream) for job in jobs])) as outputs:
+            async for index, out in outputs:
+                _finish(jobs[index], out, gen, span)
+    except (EngineDeadError, StepError) as exc:
+        raise _engine_error(exc) from None
+    n = gen.params.n
+    choices = [builder.whole(index * n + o.index, o, job.echo)
+               for index, job in enumerate(jobs) for o in job.final.outputs]
+    payload = {**head, "choices": choices, "usage": _usage(jobs)}
+    return web.Response(body=orjson.dumps(payload), content_type="application/json",
+                        headers={"X-Request-Id": head["id"]})
+
+
+async def _stream(request: web.Request, state: ServerState, gen: GenerateRequest, jobs: list[_Job],
+                  builder: ChoiceBuilder, head: dict[str, Any], span: RequestSpan) -> web.StreamResponse:
+    engine, n = state.engine, gen.params.n
+    response = await open_sse(request, {"X-Request-Id": head["id"]})
+    states = {index * n + i: ChoiceState(prefix=job.echo, text_offset=len(job.echo))
+              for index, job in enumerate(jobs) for i in range(n)}
+
+    async def send(choice: dict[str, Any]) -> None:
+        chunk = {**head, "choices": [choice]}
+        if gen.include_usage:
+            chunk["usage"] = _usage(jobs) if gen.continuous_usage else None
+        await send_event(response, chunk)
+
+    try:
+        if builder.chat:
+            for choice_index in states:
+                await send(builder.role(choice_index))
+        async with aclosing(merge([engine.stream_outputs(job.stream) for job in jobs])) as outputs:
+            async for index, out in outputs:
+                _finish(jobs[index], out, gen, span)
+                for o in out.outputs:
+                    choice_index = index * n + o.index
+                    choice = builder.delta(choice_index, o, states[choice_index])
+                    if choice is not None:
+                        await send(choice)
+    except (EngineDeadError, StepError) as exc:
+        error = _engine_error(exc)
+        span.fail(error.message)
+        _abandon(state, jobs, n, "error")
+        await send_event(response, error.to_dict())
+        await send_done(response)
+        return response
+    except ConnectionError:
+        # NOTE: the client left between two writes, before aiohttp cancelled the handler.
+        span.fail("the client disconnected")
+        _abandon(state, jobs, n, "abort")
+        return response
+    if gen.include_usage:
+        await send_event(response, {**head, "choices": [], "usage": _usage(jobs)})
+    await send_done(response)
+    return response

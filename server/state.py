@@ -1,0 +1,195 @@
+"""ServerState: what the handlers share, kept on the app under STATE_KEY (no globals)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from engine.model_loader import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
+from server.errors import APIError, bad_request
+
+logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from server.config import ServerConfig
+    from server.metrics import ServerMetrics
+    from server.responses import TokenStrings
+    from server.tracing import Tracing
+
+
+def served_model_names(model: str | None, names: list[str]) -> tuple[list[str], frozenset[str]]:
+    """The names to list in /v1/models, and every name a request may use.
+
+    Returns:
+        ``(listed, accepted)``: ``--served-model-name`` values if given, else the
+        ``--model`` value (the default model's name when it is left out); the default
+        model also answers to its aliases.
+    """
+    if names:
+        return list(names), frozenset(names)
+    if model is None or model in DEFAULT_MODEL_ALIASES:
+        return [DEFAULT_MODEL], frozenset((DEFAULT_MODEL, *DEFAULT_MODEL_ALIASES))
+    return [model], frozenset((model, Path(model).name))
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a path to a Jinja file, or the template itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    return value
+
+
+@dataclass(slots=True)
+class ServerState:
+    """Everything a request handler needs.
+
+    Attributes:
+        engine: The running engine.
+        config: The server configuration.
+        metrics: The Prometheus registry and per-request metrics.
+        tracing: Span factory, None when tracing is off.
+        token_str: Token id to text, for logprobs.
+        model_names: Names listed by /v1/models (the first is the default).
+        accepted_names: Every name a request may give as ``model``.
+        chat_template: A template overriding the tokenizer's, or None.
+        tokenizer_pool: One thread for tokenizing and chat templates, off the event loop.
+        created: When the server started (Unix seconds).
+        draining: Set on shutdown: new generation requests get 503.
+        inflight: The tasks running generation requests (for the drain on shutdown).
+        idle: Set while no generation request runs.
+    """
+
+    engine: AsyncEngine
+    config: ServerConfig
+    metrics: ServerMetrics
+    tracing: Tracing | None
+    token_str: TokenStrings
+    model_names: list[str]
+    accepted_names: frozenset[str]
+    chat_template: str | None = None
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenizer"))
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    inflight: set[asyncio.Task] = field(default_factory=set)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    # -- in-flight requests -----------------------------------------------------------
+
+    def track(self, task: asyncio.Task) -> None:
+        self.inflight.add(task)
+        self.idle.clear()
+
+    def untrack(self, task: asyncio.Task) -> None:
+        self.inflight.discard(task)
+        if not self.inflight:
+            self.idle.set()
+
+    async def drain(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for the generation requests, then cancels the rest.
+
+        Cancelling a request's handler aborts it in the engine, as a client disconnect does.
+        """
+        if not self.inflight:
+            logger.info("shutting down: no requests in flight")
+        else:
+            logger.info("shutting down: draining %d in-flight requests (up to %.0f s)", len(self.inflight), timeout)
+            try:
+                await asyncio.wait_for(self.idle.wait(), timeout)
+            except asyncio.TimeoutError:
+                logger.warning("aborting %d requests still running after %.0f s", len(self.inflight), timeout)
+                for task in list(self.inflight):
+                    task.cancel()
+                with suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.idle.wait(), 10)
+
+    # -- checks -----------------------------------------------------------------------
+
+    def resolve_model(self, name: str | None) -> str:
+        """The model name to answer with; 404 for a model this server does not serve."""
+        if name is None:
+            return self.model_names[0]
+        if name not in self.accepted_names:
+            raise APIError(404, f"The model `{name}` does not exist. This server serves "
+                                f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
+        return name
+
+    def is_healthy(self) -> bool:
+        worker = self.engine.worker
+        return self.engine.is_running and worker is not None and worker.is_alive()
+
+    def check_can_serve(self) -> None:
+        """503 while draining, when the worker is dead, or when the waiting queue is full."""
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", code="shutting_down")
+        if not self.is_healthy():
+            raise APIError(503, "The engine is not running: its worker process died. Restart the server.",
+                           code="engine_dead")
+        limit = self.config.max_waiting_requests
+        if limit is not None and self.engine.scheduler.num_waiting >= limit:
+            raise APIError(503, f"The server is overloaded: {self.engine.scheduler.num_waiting} requests are "
+                                f"waiting (--max-waiting-requests {limit}). Retry later.",
+                           code="overloaded", headers={"Retry-After": "1"})
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
+                     max_tokens_param: str = "max_tokens") -> None:
+        """400 when the prompt, or the prompt plus max_tokens, exceeds the context."""
+        limit = self.engine.max_model_len
+        if num_prompt_tokens >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, but the prompt is {num_prompt_tokens} "
+                "tokens long (the prompt plus at least one output token must fit). Shorten the prompt.",
+                prompt_param, code="context_length_exceeded")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise bad_request(
+                f"'{max_tokens_param}' is too large: {max_tokens}. This model's maximum context length is {limit} "
+                f"tokens and the prompt is {num_prompt_tokens} tokens long "
+                f"({num_prompt_tokens} + {max_tokens} > {limit}).", max_tokens_param, code="context_length_exceeded")
+
+    # -- tokenizing -------------------------------------------------------------------
+
+    async def run_tokenizer(self, fn, *args, **kwargs) -> Any:
+        """Runs a tokenizer call on the tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, lambda: fn(*args, **kwargs))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> str:
+        """Applies the chat template; 400 naming ``messages`` when it cannot."""
+        tokenizer = self.engine.tokenizer
+        template = self.chat_template or tokenizer.chat_template
+        if not template:
+            raise bad_request("This model has no chat template; use /v1/completions, or start the server with "
+                              "--chat-template.", "messages", code="no_chat_template")
+        try:
+            return tokenizer.apply_chat_template(
+                messages, chat_template=template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False, **(kwargs or {}))
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception()...
+            raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
+
+
+STATE_KEY = web.AppKey("pagoda_state", ServerState)

@@ -1,0 +1,203 @@
+"""`pagoda serve` as a real process: CLI wiring, graceful shutdown, the README's default model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from engine.config import EngineConfig
+from server.config import ServerConfig
+from server.testing import ServerThread, http_request
+
+API_KEY = "sk-lifecycle"
+TINY_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256", "--block-size", "8"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """Pids of the group's processes that are not zombies (an exited child awaiting its reaper)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+class ServerProcess:
+    """`pagoda serve ...` in its own session (process group), logging to a file."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        pagoda = Path(sys.executable).with_name("pagoda")
+        command = [str(pagoda)] if pagoda.exists() else [sys.executable, "-m", "engine.cli"]
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([*command, "serve", *args, "--port", str(self.port)], cwd=REPO,
+                                     env={**os.environ, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while True:
+            assert self.proc.poll() is None, f"the server exited:\n{self.log()}"
+            assert time.time() < deadline, f"the server did not start:\n{self.log()}"
+            try:
+                if http_request(self.url + "/health", timeout=5).status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self._log.close()
+
+    def assert_stopped_cleanly(self, timeout: float) -> None:
+        """The server exits 0 and leaves no process of its group (the worker) behind."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not stop in {timeout} s:\n{self.log()}")
+        assert code == 0, self.log()
+        deadline = time.time() + 10
+        while live_processes_in_group(self.proc.pid):
+            assert time.time() < deadline, f"left behind: {live_processes_in_group(self.proc.pid)}"
+            time.sleep(0.1)
+
+
+class StreamReader(threading.Thread):
+    """Reads one streaming completion in the background, recording how it ended."""
+
+    def __init__(self, client: openai.OpenAI, model: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.started = threading.Event()
+        self.stream = client.completions.create(model=model, prompt="Tell a long story:", max_tokens=max_tokens,
+                                                temperature=0, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True})
+        self.finish_reason = self.usage = self.error = None
+
+    def run(self) -> None:
+        try:
+            for chunk in self.stream:
+                self.started.set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    self.finish_reason = chunk.choices[0].finish_reason
+                self.usage = chunk.usage or self.usage
+        except Exception as exc:  # noqa: BLE001 - a stream cut by the shutdown timeout
+            self.error = exc
+        finally:
+            self.started.set()
+
+
+@pytest.fixture
+def serve(tmp_path):
+    servers = []
+
+    def start(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> ServerProcess:
+        server = ServerProcess(list(args), tmp_path / f"server{len(servers)}.log", env)
+        servers.append(server)
+        server.wait_ready(timeout)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_sigterm_stops_listening_and_drains_in_flight_requests(serve, tiny_llama_dir):
+    server = serve(str(tiny_llama_dir), *TINY_FLAGS, env={"PAGODA_API_KEY": API_KEY})
+    client = server.client()
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong").models.list()
+    answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert answer.choices[0].message.role == "assistant" and answer.usage.completion_tokens >= 1
+    readers = [StreamReader(client, model, 8), StreamReader(client, model, 40)]
+    for reader in readers:
+        reader.start()
+    assert all(reader.started.wait(30) for reader in readers)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(OSError):  # no longer listening
+        http_request(server.url + "/health", timeout=5)
+    for reader, num_tokens in zip(readers, (8, 40)):
+        reader.join(60)
+        assert reader.error is None and reader.finish_reason == "length"
+        assert reader.usage.completion_tokens == num_tokens
+    server.assert_stopped_cleanly(timeout=30)
+    assert "draining 2 in-flight requests" in server.log()
+
+
+def test_shutdown_timeout_bounds_the_drain(tiny_llama_dir):
+    engine_config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=1024, block_size=8,
+                                 num_kv_blocks=256)
+    server = ServerThread(engine_config, ServerConfig(shutdown_timeout=0.5)).start()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    reader = StreamReader(client, client.models.list().data[0].id, 1000)
+    reader.start()
+    assert reader.started.wait(30)
+    worker = server.engine.worker
+    started = time.time()
+    server.stop()
+    assert time.time() - started < 0.5 + 10
+    reader.join(30)
+    assert reader.finish_reason is None and reader.error is not None  # cut, not finished
+    assert not worker.is_alive()
+
+
+def test_ctrl_c_to_the_process_group_drains_and_stops_the_worker(serve, tiny_llama_dir):
+    server = serve("--model", str(tiny_llama_dir), *TINY_FLAGS)
+    client = server.client()
+    reader = StreamReader(client, client.models.list().data[0].id, 40)
+    reader.start()
+    assert reader.started.wait(30)
+    os.killpg(server.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    reader.join(60)
+    assert reader.error is None and reader.finish_reason == "length" and reader.usage.completion_tokens == 40
+    server.assert_stopped_cleanly(timeout=30)
+
+
+@pytest.mark.slow
+def test_readme_default_model_answers_a_chat(serve):
+    server = serve(timeout=600)  # `pagoda serve`: the default model, SmolLM2-135M-Instruct
+    client = server.client("no-key-needed")
+    assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+    answer = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=32, temperature=0)
+    assert "Paris" in answer.choices[0].message.content
+    assert answer.choices[0].finish_reason in ("stop", "length")
