@@ -16,10 +16,25 @@ def _mixed_workload(num_requests: int, max_len: int, seed: int) -> list[tuple[in
     return [(rng.randrange(16, max_len // 2), rng.randrange(16, max_len // 2)) for _ in range(num_requests)]
 
 
+def simulate_step(scheduler) -> object:
+    """One schedule/update round with a simulated worker that always samples token 7.
+
+    Returns:
+        The step's SchedulerOutput.
+    """
+    from engine.messages import RunnerOutput
+
+    out = scheduler.schedule()
+    requests = scheduler.requests
+    sampled = {request_id: 7 for request_id, n in out.num_scheduled_tokens.items()
+               if requests[request_id].num_computed_tokens + n == requests[request_id].num_tokens}
+    scheduler.update(out, RunnerOutput(out.step_id, sampled))
+    return out
+
+
 def simulate_paged(workload, num_slots: int, block_size: int, max_model_len: int) -> dict:
     """Runs the real scheduler and KV cache manager with a simulated worker."""
     from engine.kv_cache_manager import KVCacheManager
-    from engine.messages import RunnerOutput
     from engine.request import Request
     from engine.sampling_params import SamplingParams
     from engine.scheduler import Scheduler
@@ -31,15 +46,12 @@ def simulate_paged(workload, num_slots: int, block_size: int, max_model_len: int
         scheduler.add_request(Request(f"r{i}", [1 + (i + j) % 1000 for j in range(prompt_len)], params, output_len))
     steps = used_slots = held_tokens = running = 0
     while scheduler.has_unfinished_requests():
-        out = scheduler.schedule()
+        out = simulate_step(scheduler)
         usage = kv.usage()
         steps += 1
         used_slots += usage.num_used_blocks * block_size
         held_tokens += usage.num_tokens
         running += len(out.num_scheduled_tokens)
-        sampled = {rid: 7 for rid, n in out.num_scheduled_tokens.items()
-                   if scheduler.requests[rid].num_computed_tokens + n == scheduler.requests[rid].num_tokens}
-        scheduler.update(out, RunnerOutput(out.step_id, sampled))
     return {"scheme": "paged", "steps": steps, "utilization": held_tokens / used_slots,
             "mean_running": running / steps, "preemptions": scheduler.stats.num_preemptions}
 

@@ -6,7 +6,7 @@ import argparse
 import time
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.messages import RunnerOutput
+from engine.bench_kv import simulate_step
 from engine.plugin_manager import create_plugin_manager
 from engine.policy import Policy
 from engine.request import Request
@@ -52,10 +52,7 @@ def run_plugins_bench(args: argparse.Namespace) -> int:
     steps = 0
     while scheduler.has_unfinished_requests() and steps < args.num_steps:
         start = time.perf_counter()
-        out = scheduler.schedule()
-        sampled = {rid: 7 for rid, n in out.num_scheduled_tokens.items()
-                   if scheduler.requests[rid].num_computed_tokens + n == scheduler.requests[rid].num_tokens}
-        scheduler.update(out, RunnerOutput(out.step_id, sampled))
+        simulate_step(scheduler)
         total += time.perf_counter() - start
         steps += 1
     hook_seconds = sum(policy.seconds.values())
