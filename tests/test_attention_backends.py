@@ -19,14 +19,15 @@ def dense_attention(q, k, v):
     return torch.einsum("hls,shd->lhd", scores.masked_fill(mask, float("-inf")).softmax(-1), v)
 
 
-def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32):
-    """Fills caches for the context, runs one mixed step, returns (output, reference)."""
+def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32, device="cpu"):
+    """Fills caches for the context, runs one mixed step, returns (output, reference) on the CPU."""
     gen = torch.Generator().manual_seed(seed)
-    backend = get_attention_backend(backend_name, torch.device("cpu"))(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                                                                       HEAD_DIM**-0.5)
+    backend = get_attention_backend(backend_name, torch.device(device))(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                                                                        HEAD_DIM**-0.5)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
     cache_shape = backend.kv_cache_shape(num_blocks, block_size)
-    kv_cache = (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
+    kv_cache = (torch.zeros(cache_shape, dtype=dtype, device=device),
+                torch.zeros(cache_shape, dtype=dtype, device=device))
     # Scatter each request's blocks over the pool in a shuffled order.
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, full_k, full_v = [], [], []
@@ -39,8 +40,8 @@ def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch
     # Context tokens (all but the step's queries) are already in the cache.
     for table, k, v, s, q in zip(tables, full_k, full_v, seq_lens, query_lens):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(s - q)],
-                             dtype=torch.int64)
-        backend.write_kv(k[: s - q], v[: s - q], kv_cache, slots)
+                             dtype=torch.int64, device=device)
+        backend.write_kv(k[: s - q].to(device), v[: s - q].to(device), kv_cache, slots)
     queries = [torch.randn(q, NUM_HEADS, HEAD_DIM, generator=gen, dtype=dtype) for q in query_lens]
     max_blocks = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
@@ -49,13 +50,15 @@ def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch
     query_start = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
     metadata = AttentionMetadata(
         num_tokens=sum(query_lens), query_lens=list(query_lens), seq_lens=list(seq_lens),
-        query_start_loc=query_start, seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables, slot_mapping=torch.tensor(slots, dtype=torch.int64), block_size=block_size,
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+        query_start_loc=query_start.to(device),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_size=block_size, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
     backend.prepare(metadata)
     new_k = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens)])
     new_v = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens)])
-    out = backend.forward(torch.cat(queries), new_k, new_v, kv_cache, metadata)
+    out = backend.forward(torch.cat(queries).to(device), new_k.to(device), new_v.to(device), kv_cache,
+                          metadata).cpu()
     reference = torch.cat([dense_attention(q.float(), k.float(), v.float())
                            for q, k, v in zip(queries, full_k, full_v)])
     return out, reference
