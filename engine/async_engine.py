@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import pluggy
 
+from attention_backends import get_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import WorkerDiedError, WorkerProcess
@@ -118,6 +119,7 @@ class AsyncEngine:
             self.plugin_manager = create_plugin_manager(config.plugins)
         check_policy_names(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
         self.policy = Policy(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
+        get_attention_backend(config.attention_backend, resolve_device(config.device))  # fail early on a bad name
         model_dir = await asyncio.to_thread(resolve_model, config.model)
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
@@ -191,8 +193,9 @@ class AsyncEngine:
         max_model_len = min(wanted_len, capacity)
         if max_model_len < 2:
             raise ValueError(f"the KV cache ({num_blocks} blocks) is too small to serve any request")
-        replace_config = replace(config, max_model_len=max_model_len)
-        replace_config.check_model_len()
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({max_model_len}) when chunked prefill is disabled")
         return num_blocks, max_model_len
 
     # -- requests ---------------------------------------------------------------------

@@ -61,9 +61,9 @@ class _EngineCollector:
         yield self._family(gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage.usage)
         yield self._family(counter, "prefix_cache_queries",
                            "Prefix cache queries, in terms of number of queried tokens.",
-                           getattr(stats, "prefix_cache_queries", 0))
+                           stats.prefix_cache_queries)
         yield self._family(counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                           getattr(stats, "prefix_cache_hits", 0))
+                           stats.prefix_cache_hits)
         yield self._family(counter, "num_preemptions", "Cumulative number of preemptions from the engine.",
                            stats.num_preemptions)
         yield self._family(counter, "prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
