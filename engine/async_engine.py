@@ -18,68 +18,24 @@ import pluggy
 
 from attention_backends import get_attention_backend
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import WorkerDiedError, WorkerProcess
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_tokenizer, resolve_model
 from engine.models.config import ModelConfig
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.output_processor import OutputKind, OutputProcessor, RequestStream, StepError
+from engine.outputs import RequestOutput
 from engine.platform import resolve_device, resolve_dtype
 from engine.plugin_manager import check_policy_names, create_plugin_manager
 from engine.policy import Policy
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestUpdate, Scheduler
+from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
     """The worker died; the engine cannot serve any more requests."""
-
-
-class StepError(RuntimeError):
-    """A step failed in the worker; the requests in it were failed."""
-
-
-class _Sample:
-    """Engine-side state of one of a request's n samples."""
-
-    __slots__ = ("request", "detokenizer", "output")
-
-    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer, index: int) -> None:
-        self.request = request
-        self.detokenizer = detokenizer
-        logprobs = [] if request.sampling_params.logprobs is not None else None
-        self.output = CompletionOutput(index=index, logprobs=logprobs)
-
-
-class _RequestStream:
-    """Collects a request's progress; the consumer wakes on ``event`` and takes a snapshot."""
-
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "samples", "event", "error", "num_finished")
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.samples: list[_Sample] = []
-        self.event = asyncio.Event()
-        self.error: BaseException | None = None
-        self.num_finished = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.num_finished == len(self.samples)
-
-    def snapshot(self) -> RequestOutput:
-        outputs = []
-        for sample in self.samples:
-            out = sample.output
-            outputs.append(replace(out, token_ids=list(out.token_ids),
-                                   logprobs=None if out.logprobs is None else list(out.logprobs)))
-        metrics = replace(self.samples[0].request.metrics, events=list(self.samples[0].request.metrics.events))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, metrics)
 
 
 class AsyncEngine:
@@ -102,8 +58,7 @@ class AsyncEngine:
         self.scheduler: Scheduler | None = None
         self.worker: WorkerProcess | None = None
         self.max_model_len = 0
-        self._streams: dict[str, _RequestStream] = {}
-        self._samples: dict[str, tuple[_RequestStream, _Sample]] = {}
+        self.output_processor: OutputProcessor | None = None
         self._pending_aborts: set[str] = set()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -123,6 +78,7 @@ class AsyncEngine:
         model_dir = await asyncio.to_thread(resolve_model, config.model)
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        self.output_processor = OutputProcessor(self.tokenizer)
         num_blocks, self.max_model_len = self._size_kv_cache(model_config)
         num_cpu_blocks = config.swap_space_bytes // self._bytes_per_block(model_config)
         self.scheduler = Scheduler(
@@ -218,7 +174,8 @@ class AsyncEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     prompt_token_ids: list[int] | None = None, *, cache_salt: str | None = None,
-                    priority: int = 0, kv_retention: int = 0) -> _RequestStream:
+                    priority: int = 0, kv_retention: int = 0,
+                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> RequestStream:
         """Validates and queues a request; returns its stream.
 
         Args:
@@ -230,6 +187,8 @@ class AsyncEngine:
             priority: Scheduling priority, lower first, for policies that use it.
             kv_retention: Eviction priority of the request's cached blocks, higher kept
                 longer, for eviction policies that use it.
+            output_kind: What each output read from the stream holds: everything so
+                far, only what is new, or only the final result.
 
         Raises:
             ValueError: Bad prompt or parameters (the message names the field).
@@ -250,14 +209,16 @@ class AsyncEngine:
                              "(prompt plus at least one generated token must fit)")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        if request_id in self._streams:
+        outputs = self.output_processor
+        if request_id in outputs.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) is larger than max_num_seqs ({self.config.max_num_seqs}): "
                              "the samples of one request must be able to run together")
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        stream = _RequestStream(request_id, prompt if isinstance(prompt, str) else None, list(prompt_token_ids))
+        stream = RequestStream(request_id, prompt if isinstance(prompt, str) else None, list(prompt_token_ids),
+                               output_kind)
         eos = frozenset(self.model_config.eos_token_ids)
         requests = []
         for index in range(params.n):
@@ -268,23 +229,20 @@ class AsyncEngine:
             child_id = request_id if params.n == 1 else f"{request_id}-{index}"
             request = Request(child_id, prompt_token_ids, child_params, max_tokens, eos, cache_salt=cache_salt,
                               priority=priority, kv_retention=kv_retention)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params)
-            sample = _Sample(request, detokenizer, index)
-            stream.samples.append(sample)
+            outputs.new_sample(stream, request, index)
             requests.append(request)
         self.policy.admit(requests[0].view, self.scheduler.num_waiting, self.scheduler.num_running)
         self.scheduler.add_request(requests[0], forks=requests[1:])
-        for sample in stream.samples:
-            self._samples[sample.request.request_id] = (stream, sample)
-        self._streams[request_id] = stream
+        outputs.add(stream)
         self._wakeup.set()
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
-        """Runs one request, yielding snapshots as tokens arrive; the last one is finished.
+        """Runs one request, yielding outputs as tokens arrive; the last one is finished.
 
-        Leaving the iteration early (or being cancelled) aborts the request.
+        Takes add_request's keyword arguments (``output_kind`` among them). Leaving the
+        iteration early (or being cancelled) aborts the request.
         """
         params = params or SamplingParams()
         prompt_token_ids = None
@@ -294,8 +252,8 @@ class AsyncEngine:
         async for output in self.stream_outputs(stream):
             yield output
 
-    async def stream_outputs(self, stream: _RequestStream) -> AsyncIterator[RequestOutput]:
-        """Yields snapshots of a request added with add_request() until it finishes.
+    async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yields the outputs of a request added with add_request() until it finishes.
 
         Leaving the iteration early (or being cancelled) aborts the request.
         """
@@ -305,18 +263,18 @@ class AsyncEngine:
                 stream.event.clear()
                 if stream.error is not None:
                     raise stream.error
-                output = stream.snapshot()
+                output = stream.take()
                 yield output
                 if output.finished:
                     return
         finally:
             if not stream.finished:
                 self.abort(stream.request_id)
-            self._forget(stream)
+            self.output_processor.forget(stream)
 
     def abort(self, request_id: str) -> None:
         """Aborts a request (all its samples); it frees its blocks before the next step."""
-        stream = self._streams.get(request_id)
+        stream = self.output_processor.streams.get(request_id)
         if stream is None:
             return
         for sample in stream.samples:
@@ -357,71 +315,31 @@ class AsyncEngine:
         for child_id in self._pending_aborts:
             request = self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
             if request is not None:
-                self._finish_sample(child_id, request)
+                self.output_processor.finish_sample(request)
         self._pending_aborts.clear()
 
-    def _process_updates(self, updates: list[RequestUpdate]) -> None:
-        for update in updates:
-            entry = self._samples.get(update.request.request_id)
-            if entry is None:
-                continue
-            stream, sample = entry
-            out = sample.output
-            out.token_ids.extend(update.new_token_ids)
-            if out.logprobs is not None:
-                out.logprobs.extend(update.new_logprobs)
-            # EOS or a stop token id: the token ends the text and is left out of it.
-            stop_terminated = update.finished and update.request.status == RequestStatus.FINISHED_STOPPED
-            stopped = sample.detokenizer.update(update.new_token_ids, stop_terminated)
-            if stopped and not update.finished:
-                self.scheduler.finish_request(update.request.request_id, RequestStatus.FINISHED_STOPPED)
-                update.request.stop_reason = sample.detokenizer.stop_reason
-            elif stopped:
-                update.request.stop_reason = sample.detokenizer.stop_reason
-            if update.request.is_finished:
-                self._finish_sample(update.request.request_id, update.request)
-            else:
-                out.text += sample.detokenizer.get_delta()
-                stream.event.set()
-
-    def _finish_sample(self, child_id: str, request: Request) -> None:
-        entry = self._samples.pop(child_id, None)
-        if entry is None:
-            return
-        stream, sample = entry
-        out = sample.output
-        sample.detokenizer.finish()
-        out.text = sample.detokenizer.output_text
-        out.finish_reason = request.status.finish_reason
-        out.stop_reason = request.stop_reason
-        stream.num_finished += 1
-        stream.event.set()
+    def _process_updates(self, updates) -> None:
+        outputs = self.output_processor
+        for request in outputs.process(updates):
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            outputs.finish_sample(request)
 
     def _fail_step(self, request_ids, error: str) -> None:
         logger.error("step failed in the worker:\n%s", error)
+        step_error = StepError(f"the model step failed: {error.strip().splitlines()[-1]}")
         for child_id in list(request_ids):
-            entry = self._samples.get(child_id)
             request = self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR)
-            if entry is not None and request is not None:
-                entry[0].error = StepError(f"the model step failed: {error.strip().splitlines()[-1]}")
-                self._finish_sample(child_id, request)
+            if request is not None:
+                self.output_processor.fail(request, step_error)
 
     def _fail_all(self, error: BaseException) -> None:
-        entries = list(self._samples.items())
-        self._samples.clear()
+        if self.output_processor is None:
+            return
         # NOTE: every stream learns of the error first, so none hangs if cleaning up
         # the scheduler below fails too.
-        for _child_id, (stream, _sample) in entries:
-            stream.error = error
-            stream.event.set()
-        for child_id, _entry in entries:
+        for child_id in self.output_processor.fail_all(error):
             try:
                 if self.scheduler is not None:
                     self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR)
             except Exception:
                 logger.exception("could not clean up request %s", child_id)
-
-    def _forget(self, stream: _RequestStream) -> None:
-        self._streams.pop(stream.request_id, None)
-        for sample in stream.samples:
-            self._samples.pop(sample.request.request_id, None)

@@ -245,6 +245,10 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
+    def num_blocks_held(self, request_id: str) -> int:
+        """Blocks in the request's block table (0 when it holds none)."""
+        return len(self.req_to_blocks.get(request_id, ()))
+
     # -- swapping ---------------------------------------------------------------------
 
     def can_swap_out(self, request_id: str) -> bool:
@@ -266,8 +270,22 @@ class KVCacheManager:
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self.req_to_cpu_blocks
 
-    def can_swap_in(self, request_id: str, num_extra_blocks: int) -> bool:
-        return len(self.req_to_cpu_blocks[request_id]) + num_extra_blocks <= self.get_num_free_blocks()
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.free_cpu_blocks)
+
+    def get_cpu_block_ids(self, request_id: str) -> list[int]:
+        """The swap-space blocks holding a swapped-out request (empty when it is not swapped)."""
+        return list(self.req_to_cpu_blocks.get(request_id, ()))
+
+    def num_blocks_to_swap_in(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks a swapped request needs to come back and run ``num_new_tokens`` more tokens."""
+        num_swapped = len(self.req_to_cpu_blocks[request.request_id])
+        return max(num_swapped, self.num_blocks_needed(request.num_computed_tokens + num_new_tokens))
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether a swapped request can come back and run ``num_new_tokens`` more tokens."""
+        return self.num_blocks_to_swap_in(request, num_new_tokens) <= self.get_num_free_blocks()
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Brings a swapped request back into fresh blocks (check can_swap_in first).

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.output_processor import OutputKind
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -110,7 +111,8 @@ class LLM:
         streams = []
         try:
             for prompt, params, priority in zip(prompts, params_list, priorities):
-                streams.append(self.engine.add_request(prompt, params, priority=priority))
+                streams.append(self.engine.add_request(prompt, params, priority=priority,
+                                                       output_kind=OutputKind.FINAL))
         except BaseException:
             for stream in streams:
                 self.engine.abort(stream.request_id)

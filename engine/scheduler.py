@@ -214,8 +214,7 @@ class Scheduler:
                 return "budget"
             num_new = budget
         if swapped:
-            extra = kv.num_blocks_needed(request.num_computed_tokens + num_new) - len(kv.req_to_cpu_blocks[request_id])
-            if not kv.can_swap_in(request_id, max(extra, 0)):
+            if not kv.can_swap_in(request, num_new):
                 return "memory"
             out.swap_in.extend(kv.swap_in(request))
         allocation = kv.allocate_slots(request, num_new, computed_blocks)
@@ -287,8 +286,7 @@ class Scheduler:
             kv.uncache(request_id)
         swapped_cpu_blocks = {cpu for _, cpu in scheduler_output.swap_out}
         for request in list(self.waiting):
-            cpu_blocks = kv.req_to_cpu_blocks.get(request.request_id, ())
-            if swapped_cpu_blocks.intersection(cpu_blocks):
+            if swapped_cpu_blocks.intersection(kv.get_cpu_block_ids(request.request_id)):
                 kv.free(request.request_id)
                 request.num_computed_tokens = 0
 
@@ -383,8 +381,8 @@ class Scheduler:
             mode = "recompute"  # its copy-on-write copy never ran: there is nothing whole to swap
         elif mode == "auto":
             view = KVCacheView(block_size=kv.block_size, num_free_blocks=kv.get_num_free_blocks(),
-                               num_free_cpu_blocks=len(kv.free_cpu_blocks),
-                               victim_num_blocks=len(kv.req_to_blocks.get(request_id, ())))
+                               num_free_cpu_blocks=kv.num_free_cpu_blocks,
+                               victim_num_blocks=kv.num_blocks_held(request_id))
             mode = self.policy.preemption_mode(request.view, view)
         if mode == "swap" and kv.can_swap_out(request_id):
             self._out.swap_out.extend(kv.swap_out(request_id))

@@ -1,6 +1,6 @@
 """``pagoda serve``: the OpenAI-compatible server's command line.
 
-``engine/cli.py`` calls :func:`add_serve_parser` on its subcommands. Every engine flag of
+``cli/main.py`` calls :func:`add_serve_parser` on its subcommands. Every engine flag of
 ``pagoda generate`` is accepted too (``--max-model-len``, ``--dtype``, ...).
 """
 
@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from engine.args import add_engine_args, engine_config_from_args
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
 from server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 
@@ -26,8 +27,6 @@ def _add(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the ``serve`` subcommand."""
-    from engine.cli import add_engine_args
-
     parser = subparsers.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (see docs/server.md).",
@@ -77,7 +76,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def serve(args: argparse.Namespace) -> int:
     """Runs ``pagoda serve``; returns the exit status."""
-    from engine.cli import engine_config_from_args
     from server.app import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

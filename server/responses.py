@@ -70,18 +70,14 @@ def chat_logprobs(entries: list[TokenLogprobs], token_str: TokenStrings, num_top
 
 @dataclass(slots=True)
 class ChoiceState:
-    """How much of one choice a stream has sent.
+    """What one streamed choice has sent.
 
     Attributes:
-        num_chars: Characters of the output text sent.
-        num_tokens: Tokens whose logprobs were sent.
         prefix: Text still to send before the output (echo).
         text_offset: Completions logprobs: offset of the next token in the choice's text.
         finished: The chunk with the finish_reason was sent.
     """
 
-    num_chars: int = 0
-    num_tokens: int = 0
     prefix: str = ""
     text_offset: int = 0
     finished: bool = False
@@ -126,19 +122,16 @@ class ChoiceBuilder:
                 "finish_reason": None}
 
     def delta(self, index: int, output: CompletionOutput, state: ChoiceState) -> dict[str, Any] | None:
-        """The next stream delta of a choice, or None when there is nothing new to send."""
-        text = output.text[state.num_chars:]
-        entries = None
-        if self.num_logprobs is not None and output.logprobs is not None:
-            entries = output.logprobs[state.num_tokens:]
+        """The stream chunk of a choice for one engine delta (``output`` holds only what is
+        new), or None when there is nothing new to send."""
+        text = output.text
+        entries = output.logprobs if self.num_logprobs is not None else None
         finish = output.finish_reason if output.finished and not state.finished else None
         if not text and not entries and finish is None and not state.prefix:
             return None
         text = state.prefix + text
         logprobs = self._logprobs(entries, state.text_offset) if entries else None
-        state.num_chars = len(output.text)
         if entries:
-            state.num_tokens += len(entries)
             state.text_offset += sum(len(self.token_str(e.token_id)) for e in entries)
         state.prefix = ""
         state.finished = finish is not None

@@ -15,13 +15,14 @@ import asyncio
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from engine.async_engine import EngineDeadError, StepError
+from engine.output_processor import OutputKind
 from engine.outputs import RequestOutput
 from engine.policy import RequestRejected
 from server.errors import APIError, bad_request, from_value_error
@@ -45,6 +46,9 @@ class _Job:
     stream: Any = None
     final: RequestOutput | None = None
     latest: RequestOutput | None = None
+    # Per sample: tokens generated so far and the finish reason (streams read deltas).
+    num_tokens: list[int] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
 
 
 async def read_json(request: web.Request) -> Any:
@@ -103,7 +107,8 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, span: 
         for job in jobs:
             job.stream = engine.add_request(job.prompt, gen.params, request_id=job.request_id,
                                             prompt_token_ids=job.prompt_token_ids, priority=gen.priority,
-                                            cache_salt=gen.cache_salt, kv_retention=gen.kv_retention)
+                                            cache_salt=gen.cache_salt, kv_retention=gen.kv_retention,
+                                            output_kind=OutputKind.DELTA if gen.stream else OutputKind.FINAL)
     except (ValueError, EngineDeadError) as exc:
         for job in jobs:
             engine.abort(job.request_id)
@@ -172,12 +177,12 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
 
 def _usage(jobs: list[_Job]) -> dict[str, Any]:
     num_prompt = sum(len(job.prompt_token_ids) for job in jobs)
-    num_completion = num_cached = 0
+    num_completion = sum(sum(job.num_tokens) for job in jobs)
+    num_cached = 0
     for job in jobs:
         out = job.final or job.latest
-        if out is not None:
-            num_completion += sum(len(o.token_ids) for o in out.outputs)
-            num_cached += out.metrics.num_cached_tokens if out.metrics is not None else 0
+        if out is not None and out.metrics is not None:
+            num_cached += out.metrics.num_cached_tokens
     return usage(num_prompt, num_completion, num_cached)
 
 
@@ -188,12 +193,19 @@ def _engine_error(exc: Exception) -> APIError:
 
 
 def _finish(job: _Job, out: RequestOutput, gen: GenerateRequest, span: RequestSpan) -> None:
+    """Takes one output of a job (a delta when streaming, else the final one)."""
     job.latest = out
-    job.tracker.update(out)
+    if not job.num_tokens:
+        job.num_tokens = [0] * len(out.outputs)
+        job.finish_reasons = [None] * len(out.outputs)
+    for i, o in enumerate(out.outputs):
+        job.num_tokens[i] += len(o.token_ids)
+        job.finish_reasons[i] = o.finish_reason or job.finish_reasons[i]
+    job.tracker.update(out, job.num_tokens[0])
     if out.finished:
         job.final = out
-        job.tracker.finish(out, gen.params.max_tokens)
-        span.add_output(out)
+        job.tracker.finish(out, gen.params.max_tokens, job.num_tokens, job.finish_reasons)
+        span.add_output(out, sum(job.num_tokens), job.finish_reasons)
 
 
 async def _collect(state: ServerState, gen: GenerateRequest, jobs: list[_Job], builder: ChoiceBuilder,

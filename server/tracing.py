@@ -139,13 +139,20 @@ class RequestSpan:
             attributes["gen_ai.request.seed"] = params.seed
         self._span.set_attributes(attributes)
 
-    def add_output(self, output: RequestOutput) -> None:
-        """Adds one engine request's outcome: usage, latencies and its timed events."""
+    def add_output(self, output: RequestOutput, num_completion_tokens: int,
+                   finish_reasons: list[str | None]) -> None:
+        """Adds one engine request's outcome: usage, latencies and its timed events.
+
+        Args:
+            output: The request's last output (its metrics are read).
+            num_completion_tokens: Tokens its samples generated.
+            finish_reasons: Each sample's finish reason.
+        """
         if self._span is None:
             return
         self._num_prompt_tokens += len(output.prompt_token_ids)
-        self._num_completion_tokens += sum(len(o.token_ids) for o in output.outputs)
-        self._finish_reasons += [o.finish_reason or "abort" for o in output.outputs]
+        self._num_completion_tokens += num_completion_tokens
+        self._finish_reasons += [reason or "abort" for reason in finish_reasons]
         self._span.set_attributes({
             "gen_ai.usage.prompt_tokens": self._num_prompt_tokens,
             "gen_ai.usage.completion_tokens": self._num_completion_tokens,

@@ -2,7 +2,7 @@
 
 import re
 
-from engine.cli import main
+from cli.main import main
 
 
 def test_kv_utilization_bench_reports_paged_above_contiguous(capsys):

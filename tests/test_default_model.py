@@ -40,7 +40,7 @@ def test_greedy_matches_transformers_gguf_loading():
 
 def test_cli_generate_answers_paris():
     result = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "generate", "What is the capital of France?", "--max-model-len", "512"],
+        [sys.executable, "-m", "cli", "generate", "What is the capital of France?", "--max-model-len", "512"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr

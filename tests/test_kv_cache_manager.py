@@ -100,7 +100,7 @@ def test_swap_out_and_back_in():
     run(manager, request, 7)
     pairs = manager.swap_out("a")
     assert [gpu for gpu, _ in pairs] == [0, 1] and manager.get_num_free_blocks() == 4
-    assert manager.is_swapped("a") and manager.can_swap_in("a", 0)
+    assert manager.is_swapped("a") and manager.can_swap_in(request, 0)
     back = manager.swap_in(request)
     assert [cpu for cpu, _ in back] == [cpu for _, cpu in pairs]
     assert not manager.is_swapped("a") and len(manager.free_cpu_blocks) == 4
@@ -194,7 +194,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_in(self, data):
         request_id = data.draw(st.sampled_from(sorted(self.swapped)))
-        if not self.manager.can_swap_in(request_id, 0):
+        if not self.manager.can_swap_in(self.swapped[request_id], 0):
             return
         request = self.swapped.pop(request_id)
         for cpu, gpu in self.manager.swap_in(request):

@@ -173,7 +173,7 @@ def test_plugin_named_on_the_command_line(tiny_llama_dir):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {env_path!r})
-        from engine.cli import main
+        from cli.main import main
         if __name__ == "__main__":
             sys.exit(main(["generate", "--raw", "hi", "--model", {str(tiny_llama_dir)!r}, "--max-model-len", "64",
                            "--num-kv-blocks", "32", "--max-tokens", "2", "--plugin", "pagoda_example_plugin",

@@ -364,7 +364,7 @@ def test_span_records_every_engine_event_including_preemption():
                             last_token_time=104.0, finished_time=104.0, num_preemptions=1, events=events)
     output = RequestOutput("req-1", "x", [1, 2, 3], [CompletionOutput(0, "abc", [4, 5], "length")], True, timing)
     span = RequestSpan(provider.get_tracer("test").start_span("chat", start_time=99_000_000_000))
-    span.add_output(output)
+    span.add_output(output, 2, ["length"])
     span.end(200)
     (finished,) = exporter.get_finished_spans()
     assert [(e.name, e.timestamp) for e in finished.events] == [(n, int(t * 1e9)) for n, t in events]

@@ -51,7 +51,7 @@ class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         pagoda = Path(sys.executable).with_name("pagoda")
-        command = [str(pagoda)] if pagoda.exists() else [sys.executable, "-m", "engine.cli"]
+        command = [str(pagoda)] if pagoda.exists() else [sys.executable, "-m", "cli"]
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([*command, "serve", *args, "--port", str(self.port)], cwd=REPO,

@@ -12,7 +12,7 @@ import json
 import random
 import time
 
-from engine.cli import add_engine_args, engine_config_from_args
+from engine.args import add_engine_args, engine_config_from_args
 
 
 def random_prompts(num_requests: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -91,9 +91,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+def add_throughput_parser(bench_sub) -> None:
     tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
     tp.add_argument("--num-requests", type=int, default=64)
     tp.add_argument("--input-len", type=int, default=256)
@@ -104,8 +102,3 @@ def add_bench_parser(sub) -> None:
     tp.add_argument("--bench-seed", type=int, default=0)
     add_engine_args(tp)
     tp.set_defaults(func=run_throughput)
-    from engine.bench_kv import add_kv_bench_parsers
-    from engine.bench_plugins import add_plugins_bench_parser
-
-    add_kv_bench_parsers(bench_sub)
-    add_plugins_bench_parser(bench_sub)

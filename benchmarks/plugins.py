@@ -6,7 +6,7 @@ import argparse
 import time
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.bench_kv import simulate_step
+from benchmarks.kv import simulate_step
 from engine.plugin_manager import create_plugin_manager
 from engine.policy import Policy
 from engine.request import Request

@@ -7,7 +7,7 @@ import json
 import random
 import time
 
-from engine.cli import add_engine_args, engine_config_from_args
+from engine.args import add_engine_args, engine_config_from_args
 
 
 def _mixed_workload(num_requests: int, max_len: int, seed: int) -> list[tuple[int, int]]:
@@ -102,7 +102,7 @@ def run_preemption(args: argparse.Namespace) -> int:
     """Long decodes under memory pressure, once per preemption mode, same prompts."""
     from dataclasses import asdict
 
-    from engine.bench import random_prompts
+    from benchmarks.throughput import random_prompts
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 

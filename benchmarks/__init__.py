@@ -1,0 +1,1 @@
+"""`pagoda bench ...`: throughput against peers, KV-cache, preemption, plugin and overhead benchmarks."""

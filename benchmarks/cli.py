@@ -1,0 +1,15 @@
+"""`pagoda bench`: the benchmark subcommands."""
+
+from __future__ import annotations
+
+
+def add_bench_parser(sub) -> None:
+    from benchmarks.kv import add_kv_bench_parsers
+    from benchmarks.plugins import add_plugins_bench_parser
+    from benchmarks.throughput import add_throughput_parser
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    add_throughput_parser(bench_sub)
+    add_kv_bench_parsers(bench_sub)
+    add_plugins_bench_parser(bench_sub)

@@ -1,0 +1,63 @@
+"""The `pagoda` command: `generate`, `serve` and `bench`.
+
+The command line has a room of its own so that the engine never imports the server:
+this module wires the engine's, the server's and the benchmarks' subcommands together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+
+from engine.args import add_engine_args, engine_config_from_args
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.sample_seed)
+    with LLM(**asdict(engine_config_from_args(args))) as llm:
+        if args.raw or not llm.tokenizer.chat_template:
+            outputs = llm.generate(args.prompt, params)
+        else:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    for output in outputs:
+        print(output.outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for prompts (chat template applied unless --raw)")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    from benchmarks.cli import add_bench_parser
+    from server.cli import add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Command-line flags for EngineConfig, shared by `pagoda generate`, `serve` and `bench`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from engine.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Adds one --flag per EngineConfig field (e.g. --max-model-len, --dtype)."""
+    defaults = EngineConfig()
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if f.name == "plugins":
+            parser.add_argument("--plugin", dest="plugins", action="append", default=[], metavar="MODULE:OBJECT",
+                                help="load a plugin (repeatable), after those installed under the 'pagoda' group")
+        elif isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif isinstance(default, str) or f.name == "model":
+            parser.add_argument(flag, default=default)
+        else:
+            parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="KV cache size in GiB (alternative to --kv-cache-bytes)")
+    parser.add_argument("--swap-space", type=float, default=None,
+                        help="CPU swap space in GiB (alternative to --swap-space-bytes)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+    if args.kv_cache_gib is not None:
+        values["kv_cache_bytes"] = int(args.kv_cache_gib * 1024**3)
+    if args.swap_space is not None:
+        values["swap_space_bytes"] = int(args.swap_space * 1024**3)
+    return EngineConfig(**values)

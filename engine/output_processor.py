@@ -1,0 +1,235 @@
+"""Output processing: turns the scheduler's per-step updates into what callers read.
+
+Each request added to the engine gets a :class:`RequestStream`; the output processor
+feeds its samples' new tokens to their detokenizers, finds stop strings, and wakes the
+stream's consumer. It runs in the engine process, between steps, off the worker's
+critical path (the worker is already computing the next step by then).
+
+A consumer chooses what it reads (:class:`OutputKind`):
+    * ``DELTA``: each output holds only what is new since the previous one (tokens,
+      text, logprobs), so a long stream costs O(length), not O(length²);
+    * ``FINAL``: one output when every sample has finished, woken once;
+    * ``CUMULATIVE``: each output holds everything so far (copied; for small scripts).
+
+Requests read FINAL and without stop strings are not detokenized token by token at
+all: their text is decoded once, when they finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import replace
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.scheduler import RequestUpdate
+
+logger = logging.getLogger(__name__)
+
+
+class OutputKind(enum.Enum):
+    """What each RequestOutput of a stream holds (see the module docstring)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL = "final"
+
+
+class StepError(RuntimeError):
+    """A step failed in the worker; the requests in it were failed."""
+
+
+class Sample:
+    """Engine-side state of one of a request's n samples.
+
+    Attributes:
+        request: The scheduler's request.
+        detokenizer: Incremental detokenizer, None when the text is decoded at the end.
+        output: Everything produced so far.
+        num_tokens_sent: Tokens (and logprobs) already handed out as deltas.
+        finish_sent: The delta carrying the finish reason was handed out.
+    """
+
+    __slots__ = ("request", "detokenizer", "output", "num_tokens_sent", "finish_sent", "_text_delta")
+
+    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer | None, index: int) -> None:
+        self.request = request
+        self.detokenizer = detokenizer
+        logprobs = [] if request.sampling_params.logprobs is not None else None
+        self.output = CompletionOutput(index=index, logprobs=logprobs)
+        self.num_tokens_sent = 0
+        self.finish_sent = False
+        self._text_delta: list[str] = []
+
+    def add_text(self, text: str) -> None:
+        if text:
+            self.output.text += text
+            self._text_delta.append(text)
+
+    def take_delta(self) -> CompletionOutput:
+        """What is new since the previous call."""
+        out = self.output
+        start = self.num_tokens_sent
+        self.num_tokens_sent = len(out.token_ids)
+        text = "".join(self._text_delta)
+        self._text_delta.clear()
+        finish = out.finish_reason if not self.finish_sent else None
+        self.finish_sent = self.finish_sent or out.finished
+        return CompletionOutput(
+            index=out.index, text=text, token_ids=out.token_ids[start:], finish_reason=finish,
+            stop_reason=out.stop_reason if finish is not None else None,
+            logprobs=None if out.logprobs is None else out.logprobs[start:],
+        )
+
+
+class RequestStream:
+    """A request's progress, read by one consumer (``AsyncEngine.stream_outputs``).
+
+    The consumer waits on ``event``; the output processor sets it when there is
+    something to read (for FINAL streams: only when every sample has finished).
+    """
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "samples", "event", "error", "num_finished", "kind")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.samples: list[Sample] = []
+        self.event = asyncio.Event()
+        self.error: BaseException | None = None
+        self.num_finished = 0
+        self.kind = kind
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.samples)
+
+    def notify(self) -> None:
+        if self.kind is not OutputKind.FINAL or self.finished or self.error is not None:
+            self.event.set()
+
+    def take(self) -> RequestOutput:
+        """The output to hand to the consumer now, in the stream's kind."""
+        metrics = self.samples[0].request.metrics
+        if self.kind is OutputKind.DELTA:
+            outputs = [sample.take_delta() for sample in self.samples]
+        elif self.kind is OutputKind.FINAL:
+            outputs = [sample.output for sample in self.samples]
+        else:
+            outputs = [replace(s.output, token_ids=list(s.output.token_ids),
+                               logprobs=None if s.output.logprobs is None else list(s.output.logprobs))
+                       for s in self.samples]
+            metrics = replace(metrics, events=list(metrics.events))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, metrics)
+
+
+class OutputProcessor:
+    """Owns the engine's request streams and applies each step's updates to them.
+
+    Args:
+        tokenizer: The model's tokenizer.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.streams: dict[str, RequestStream] = {}
+        # Each sample's (stream, state), by the scheduler's request id of the sample.
+        self.samples: dict[str, tuple[RequestStream, Sample]] = {}
+
+    def new_sample(self, stream: RequestStream, request: Request, index: int) -> Sample:
+        params = request.sampling_params
+        detokenizer = None
+        if stream.kind is not OutputKind.FINAL or params.stop:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, stream.prompt_token_ids, params)
+        sample = Sample(request, detokenizer, index)
+        stream.samples.append(sample)
+        return sample
+
+    def add(self, stream: RequestStream) -> None:
+        self.streams[stream.request_id] = stream
+        for sample in stream.samples:
+            self.samples[sample.request.request_id] = (stream, sample)
+
+    def forget(self, stream: RequestStream) -> None:
+        self.streams.pop(stream.request_id, None)
+        for sample in stream.samples:
+            self.samples.pop(sample.request.request_id, None)
+
+    def process(self, updates: list[RequestUpdate]) -> list[Request]:
+        """Applies one step's updates.
+
+        Returns:
+            Requests that a stop string ended; the caller finishes them in the
+            scheduler and then calls :meth:`finish_sample` for each.
+        """
+        stopped_requests = []
+        for update in updates:
+            entry = self.samples.get(update.request.request_id)
+            if entry is None:
+                continue  # finished already (a stop string, an abort)
+            stream, sample = entry
+            request = update.request
+            out = sample.output
+            out.token_ids.extend(update.new_token_ids)
+            if out.logprobs is not None:
+                out.logprobs.extend(update.new_logprobs)
+            detokenizer = sample.detokenizer
+            if detokenizer is not None:
+                # EOS or a stop token id: the token ends the text and is left out of it.
+                stop_terminated = update.finished and request.status == RequestStatus.FINISHED_STOPPED
+                if detokenizer.update(update.new_token_ids, stop_terminated):
+                    request.stop_reason = detokenizer.stop_reason
+                    if not update.finished:
+                        stopped_requests.append(request)
+                        continue
+            if request.is_finished:
+                self.finish_sample(request)
+            else:
+                if detokenizer is not None:
+                    sample.add_text(detokenizer.get_delta())
+                stream.notify()
+        return stopped_requests
+
+    def finish_sample(self, request: Request) -> None:
+        """Closes a finished sample's output and wakes its stream."""
+        entry = self.samples.pop(request.request_id, None)
+        if entry is None:
+            return
+        stream, sample = entry
+        out = sample.output
+        if sample.detokenizer is not None:
+            sample.add_text(sample.detokenizer.finish())
+        else:
+            ids = out.token_ids
+            params = request.sampling_params
+            if request.status == RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
+                ids = ids[:-1]  # without stop strings, only EOS or a stop token id stops: left out of the text
+            sample.add_text(self.tokenizer.decode(
+                ids, skip_special_tokens=params.skip_special_tokens,
+                clean_up_tokenization_spaces=False))
+        out.finish_reason = request.status.finish_reason
+        out.stop_reason = request.stop_reason
+        stream.num_finished += 1
+        stream.notify()
+
+    def fail(self, request: Request, error: BaseException) -> None:
+        """Ends a sample with an error its consumer will raise."""
+        entry = self.samples.get(request.request_id)
+        if entry is None:
+            return
+        entry[0].error = error
+        self.finish_sample(request)
+
+    def fail_all(self, error: BaseException) -> list[str]:
+        """Hands ``error`` to every unfinished stream; returns the sample ids it ended."""
+        entries = list(self.samples.items())
+        self.samples.clear()
+        for _child_id, (stream, _sample) in entries:
+            stream.error = error
+            stream.event.set()
+        return [child_id for child_id, _ in entries]
