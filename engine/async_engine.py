@@ -20,6 +20,7 @@ from attention_backends import get_attention_backend
 from engine.config import EngineConfig
 from engine.executor import WorkerDiedError, WorkerProcess
 from engine.kv_cache_manager import KVCacheManager
+from engine.messages import WorkerInit
 from engine.model_loader import load_tokenizer, resolve_model
 from engine.models.config import ModelConfig
 from engine.output_processor import OutputKind, OutputProcessor, RequestStream, StepError
@@ -91,7 +92,8 @@ class AsyncEngine:
             preemption_mode=config.preemption_mode,
             policy=self.policy,
         )
-        self.worker = WorkerProcess(config, model_dir, model_config, num_blocks, self.max_model_len, num_cpu_blocks)
+        self.worker = WorkerProcess(WorkerInit(config, model_dir, model_config, num_blocks, self.max_model_len,
+                                               num_cpu_blocks))
         await self.worker.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="pagoda-engine-loop")
 

@@ -1,107 +1,199 @@
-"""The engine's handle on the worker subprocess: spawn, one round trip per step, stop."""
+"""The engine's handle on a worker process: start, send steps, receive results, stop.
+
+The worker is an interpreter of its own (``python -m engine.worker``) connected by a
+socket pair, so starting it never re-imports the user's ``__main__``. A reader thread
+receives the worker's messages in order and hands them to the event loop; when the
+worker dies its end of the socket closes, which the reader sees at once, so a pending
+or later receive raises :class:`WorkerDiedError` instead of hanging.
+
+Several steps may be in flight: ``send`` does not wait, and results come back in the
+order the steps were sent.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
-from concurrent.futures import ThreadPoolExecutor
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.messages import RunnerOutput, SchedulerOutput, Shutdown, WorkerFailed, WorkerReady
-from engine.models.config import ModelConfig
-from engine.worker import worker_main
+from engine.messages import RunnerOutput, SchedulerOutput, Shutdown, WorkerFailed, WorkerInit, WorkerReady
+
+# The directory that holds the `engine` package, so the worker imports the same code.
+_SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 class WorkerDiedError(RuntimeError):
     """The worker process exited or could not start."""
 
 
-class WorkerProcess:
-    """Runs the model in a spawned subprocess and talks to it over a pipe.
+def describe_exit(returncode: int | None) -> str:
+    """'exit code 1' or 'killed by signal 9 (SIGKILL)'."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {-returncode} ({name})"
+    return f"exit code {returncode}"
 
-    Receiving happens on a dedicated thread so the event loop keeps serving while the
-    worker computes; a worker that dies closes its end of the pipe, which turns into
-    WorkerDiedError instead of a hang.
+
+class WorkerProcess:
+    """One worker process and the socket to it.
+
+    Args:
+        init: What the worker loads (sent as its first message).
+        env: Extra environment variables for the worker.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: Path, model_config: ModelConfig, num_blocks: int,
-                 max_model_len: int, num_cpu_blocks: int = 0) -> None:
-        self._args = (config, model_dir, model_config, num_blocks, max_model_len, num_cpu_blocks)
-        self._process: mp.process.BaseProcess | None = None
-        self._conn = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-worker-io")
+    def __init__(self, init: WorkerInit, env: dict[str, str] | None = None) -> None:
+        self._init = init
+        self._env = env or {}
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._inbox: asyncio.Queue | None = None
+        self._reader: threading.Thread | None = None
+        self._death: WorkerDiedError | None = None
         self.ready: WorkerReady | None = None
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process else None
+        return self._proc.pid if self._proc else None
 
     def is_alive(self) -> bool:
-        return self._process is not None and self._process.is_alive()
+        return self._proc is not None and self._proc.poll() is None and self._death is None
 
     async def start(self) -> WorkerReady:
-        ctx = mp.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=worker_main, args=(child_conn, *self._args), name="pagoda-worker",
-                                    daemon=True)
-        self._process.start()
-        # NOTE: closing our copy of the child's end is what makes a dead worker show up
-        # as EOF on recv.
-        child_conn.close()
-        self._conn = parent_conn
-        message = await self._recv()
+        """Starts the worker and waits until it has loaded the model.
+
+        Raises:
+            WorkerDiedError: The worker failed to start; the message holds its traceback.
+        """
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, **self._env}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, env.get("PYTHONPATH")) if p)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.worker", "--fd", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        finally:
+            # NOTE: closing our copy of the worker's end is what makes its death show up
+            # as end-of-file on our end.
+            theirs.close()
+        self._conn = Connection(ours.detach())
+        loop = asyncio.get_running_loop()
+        self._inbox = asyncio.Queue()
+        self._reader = threading.Thread(target=self._read, args=(loop,), name="pagoda-worker-reader", daemon=True)
+        self._reader.start()
+        self._send(self._init)
+        message = await self.recv()
         if isinstance(message, WorkerFailed):
             await self.shutdown()
             raise WorkerDiedError(f"the worker failed to start:\n{message.error}")
-        assert isinstance(message, WorkerReady)
+        assert isinstance(message, WorkerReady), f"unexpected message {type(message).__name__}"
         self.ready = message
         return message
 
-    async def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Sends one step and awaits its result."""
-        if self._conn is None:
+    def send(self, scheduler_output: SchedulerOutput) -> None:
+        """Sends one step without waiting for it (results come back in order)."""
+        self._send(scheduler_output)
+
+    async def recv(self):
+        """The worker's next message.
+
+        Raises:
+            WorkerDiedError: The worker is gone.
+        """
+        if self._inbox is None:
             raise WorkerDiedError("the worker is not running")
-        try:
-            self._conn.send(scheduler_output)
-        except (OSError, ValueError) as exc:
-            raise WorkerDiedError(f"the worker is gone ({exc})") from exc
-        message = await self._recv()
-        assert isinstance(message, RunnerOutput)
+        if self._death is not None and self._inbox.empty():
+            raise self._death
+        message = await self._inbox.get()
+        if isinstance(message, WorkerDiedError):
+            self._inbox.put_nowait(message)  # every later receive fails the same way
+            raise message
         return message
 
-    async def _recv(self):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self._recv_blocking)
+    async def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Sends one step and awaits its result (nothing else may be in flight)."""
+        self.send(scheduler_output)
+        message = await self.recv()
+        assert isinstance(message, RunnerOutput), f"unexpected message {type(message).__name__}"
+        return message
 
-    def _recv_blocking(self):
+    def _send(self, message) -> None:
+        if self._conn is None or self._death is not None:
+            raise self._death or WorkerDiedError("the worker is not running")
         try:
-            return self._conn.recv()
-        except (EOFError, OSError) as exc:
-            code = self._process.exitcode if self._process else None
-            if self._process is not None:
-                self._process.join(timeout=1)
-                code = self._process.exitcode
-            raise WorkerDiedError(f"the worker process exited (exit code {code})") from exc
+            self._conn.send(message)
+        except (OSError, ValueError) as exc:
+            raise WorkerDiedError(f"the worker is gone ({exc})") from exc
+
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Reader thread: forwards every message to the loop; on end-of-file, the death."""
+        conn, inbox = self._conn, self._inbox
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            if not self._post(loop, inbox, message):
+                return
+        proc = self._proc
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        error = WorkerDiedError(f"the worker process exited ({describe_exit(proc.poll())})")
+        self._post(loop, inbox, error)
+
+    def _post(self, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue, message) -> bool:
+        def deliver() -> None:
+            if isinstance(message, WorkerDiedError):
+                self._death = message
+            inbox.put_nowait(message)
+
+        try:
+            loop.call_soon_threadsafe(deliver)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            return False
+        return True
+
+    def kill(self) -> None:
+        """Kills the worker at once (SIGKILL); for fault tests."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Asks the worker to exit, then terminates and finally kills it if it lingers."""
-        process, conn = self._process, self._conn
-        self._conn = None
-        if conn is not None:
+        proc, conn = self._proc, self._conn
+        if conn is not None and self._death is None:
             try:
                 conn.send(Shutdown())
             except (OSError, ValueError):
                 pass
-        if process is not None:
+        if proc is not None:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, process.join, timeout)
-            if process.is_alive():
-                process.terminate()
-                await loop.run_in_executor(None, process.join, timeout)
-            if process.is_alive():
-                process.kill()
-                await loop.run_in_executor(None, process.join, timeout)
+            for stop in (None, proc.terminate, proc.kill):
+                if proc.poll() is not None:
+                    break
+                if stop is not None:
+                    stop()
+                try:
+                    await loop.run_in_executor(None, proc.wait, timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self._reader is not None:
+                # NOTE: the reader sees end-of-file once the process is gone; the socket is
+                # closed only after it is done with it.
+                await loop.run_in_executor(None, self._reader.join, timeout)
         if conn is not None:
             conn.close()
-        self._thread.shutdown(wait=False, cancel_futures=True)
+            self._conn = None

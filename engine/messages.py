@@ -8,8 +8,35 @@ only what changed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.models.config import ModelConfig
+
+
+@dataclass(slots=True)
+class WorkerInit:
+    """The first message to a worker: what to load and how much KV cache to allocate.
+
+    Attributes:
+        config: The engine configuration.
+        model_dir: Hugging Face-style model directory.
+        model_config: Its parsed configuration.
+        num_blocks: KV blocks to allocate.
+        max_model_len: Longest sequence (sizes the RoPE tables).
+        num_cpu_blocks: Blocks of the CPU swap space.
+    """
+
+    config: EngineConfig
+    model_dir: Path
+    model_config: ModelConfig
+    num_blocks: int
+    max_model_len: int
+    num_cpu_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -106,6 +133,8 @@ class WorkerReady:
     dtype: str
     attention_backend: str
     kv_cache_bytes: int
+    pid: int = 0
+    compile_seconds: float = 0.0
 
 
 @dataclass(slots=True)

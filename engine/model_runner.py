@@ -7,15 +7,12 @@ sends only what changed.
 from __future__ import annotations
 
 import traceback
-from pathlib import Path
 
 import torch
 
 from attention_backends import AttentionMetadata, get_attention_backend
-from engine.config import EngineConfig
-from engine.messages import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
+from engine.messages import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
 from engine.model_loader import load_weights
-from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from engine.platform import resolve_device, resolve_dtype
 from engine.sampler import Sampler, SamplingMetadata
@@ -41,15 +38,13 @@ class ModelRunner:
     """Owns the model, the paged KV tensors and the sampler.
 
     Args:
-        config: The engine configuration.
-        model_dir: Hugging Face-style model directory.
-        model_config: Parsed model configuration.
-        num_blocks: KV blocks to allocate.
-        max_model_len: Longest sequence (sizes the RoPE tables).
+        init: What to load and how many KV blocks (and swap blocks) to allocate.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: Path, model_config: ModelConfig, num_blocks: int,
-                 max_model_len: int, num_cpu_blocks: int = 0) -> None:
+    def __init__(self, init: WorkerInit) -> None:
+        config, model_dir, model_config = init.config, init.model_dir, init.model_config
+        num_blocks, max_model_len, num_cpu_blocks = init.num_blocks, init.max_model_len, init.num_cpu_blocks
+        self.compile_seconds = 0.0
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
