@@ -25,13 +25,20 @@ def _torch_sdpa() -> type[AttentionBackend]:
     return TorchSdpaAttentionBackend
 
 
+def _cpu_paged() -> type[AttentionBackend]:
+    from attention_backends.cpu_paged import CpuPagedAttentionBackend
+
+    return CpuPagedAttentionBackend
+
+
 SUPPORTED_ATTENTION_BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
     "naive": _naive,
     "torch_sdpa": _torch_sdpa,
+    "cpu_paged": _cpu_paged,
 }
 
 # Fastest first: "auto" takes the first that is available on the device.
-_AUTO_ORDER = ("flashinfer", "triton", "torch_sdpa", "naive")
+_AUTO_ORDER = ("flashinfer", "triton", "cpu_paged", "torch_sdpa", "naive")
 
 
 def get_attention_backend(name: str, device: torch.device) -> type[AttentionBackend]:

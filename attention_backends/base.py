@@ -55,11 +55,12 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """One attention implementation over the paged KV cache.
 
-    The KV cache of a layer is a pair of tensors (keys, values) of the shape the
-    backend asks for in ``kv_cache_shape`` (by default ``[num_blocks, block_size,
+    The KV cache of a layer is a pair of tensors (keys, values) of the shapes the
+    backend asks for in ``kv_cache_shapes`` (by default both ``[num_blocks, block_size,
     num_kv_heads, head_dim]``), allocated once by the worker; only the backend reads or
-    writes inside it, and cache slot ``block_id * block_size + offset`` is how the rest
-    of the engine names a token's place.
+    writes inside a block, and cache slot ``block_id * block_size + offset`` is how the
+    rest of the engine names a token's place. Block ``i`` is ``cache[i]`` in every
+    layout, so whole blocks can be copied (swap, copy-on-write) without knowing it.
 
     Args:
         num_heads: Query heads.
@@ -84,6 +85,12 @@ class AttentionBackend(ABC):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's key (and value) cache tensor."""
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of one layer's key cache and value cache (the same unless a backend
+        lays keys out differently from values)."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        return shape, shape
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                  slot_mapping: torch.Tensor) -> None:

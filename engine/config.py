@@ -29,6 +29,8 @@ class EngineConfig:
         attention_backend: Name of the attention backend, or "auto".
         device: "cpu", "cuda" or "auto".
         num_threads: Torch threads in the worker; None keeps torch's default.
+        enforce_eager: Run the model eagerly instead of compiling it with torch.compile
+            at start-up (compiling takes seconds to a minute; steps then run faster).
         enable_prefix_caching: Reuse the KV of shared prompt prefixes.
         swap_space_bytes: CPU memory for swapped-out requests (0: recompute only).
         preemption_mode: "auto" (a chooser decides per victim), "swap" or "recompute".
@@ -51,6 +53,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "auto"
     num_threads: int | None = None
+    enforce_eager: bool = False
     enable_prefix_caching: bool = True
     swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
     preemption_mode: str = "auto"

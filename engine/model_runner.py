@@ -1,50 +1,40 @@
 """ModelRunner: the worker's per-step work — inputs, forward, logits, sampling.
 
-It keeps every running request's tokens and block table between steps, so the engine
-sends only what changed.
+Requests live in a persistent :class:`~engine.input_batch.InputBatch` between steps, so
+the engine sends only what changed and a step's inputs are gathered with array
+indexing. Decode requests (one new token) are placed first in the flattened batch,
+which lets the attention backends treat them as one contiguous slice.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 import traceback
 
+import numpy as np
 import torch
 
 from attention_backends import AttentionMetadata, get_attention_backend
-from engine.messages import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
+from engine.input_batch import InputBatch
+from engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
 from engine.model_loader import load_weights
-from engine.models.llama import LlamaForCausalLM, RotaryEmbedding
+from engine.models.llama import LlamaForCausalLM, RotaryEmbedding, can_pack_weights
 from engine.platform import resolve_device, resolve_dtype
-from engine.sampler import Sampler, SamplingMetadata
+from engine.sampler import Sampler
 
-
-class CachedRequestState:
-    """The worker's copy of one request."""
-
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "token_ids", "sampling_params",
-                 "block_ids", "num_computed_tokens")
-
-    def __init__(self, data: NewRequestData) -> None:
-        self.request_id = data.request_id
-        self.prompt_token_ids = list(data.prompt_token_ids)
-        self.output_token_ids = list(data.output_token_ids)
-        self.token_ids = self.prompt_token_ids + self.output_token_ids
-        self.sampling_params = data.sampling_params
-        self.block_ids = list(data.block_ids)
-        self.num_computed_tokens = data.num_computed_tokens
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the model, the paged KV tensors and the sampler.
+    """Owns the model, the paged KV tensors, the persistent batch and the sampler.
 
     Args:
         init: What to load and how many KV blocks (and swap blocks) to allocate.
     """
 
     def __init__(self, init: WorkerInit) -> None:
-        config, model_dir, model_config = init.config, init.model_dir, init.model_config
-        num_blocks, max_model_len, num_cpu_blocks = init.num_blocks, init.max_model_len, init.num_cpu_blocks
-        self.compile_seconds = 0.0
+        config, model_config = init.config, init.model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
@@ -56,29 +46,53 @@ class ModelRunner:
         # NOTE: built on the meta device so that no time goes into random init of weights
         # that the checkpoint overwrites anyway.
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, backend, max_model_len)
+            model = LlamaForCausalLM(model_config, backend, init.max_model_len)
         model = model.to_empty(device=self.device).to(self.dtype)
-        model.rotary = RotaryEmbedding(model_config, max_model_len).to(self.device)
-        model.load_weights(load_weights(model_dir))
+        model.rotary = RotaryEmbedding(model_config, init.max_model_len).to(self.device)
+        model.load_weights(load_weights(init.model_dir))
+        if can_pack_weights(self.device, self.dtype):
+            model.pack_weights()
         self.model = model.eval()
-        shape = backend.kv_cache_shape(num_blocks, self.block_size)
+        key_shape, value_shape = backend.kv_cache_shapes(init.num_blocks, self.block_size)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(key_shape, dtype=self.dtype, device=self.device),
+             torch.zeros(value_shape, dtype=self.dtype, device=self.device))
             for _ in range(model_config.num_hidden_layers)
         ]
         self.kv_cache_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
         # The swap space: the same layout in CPU memory (pinned when the cache is on a GPU).
-        cpu_shape = backend.kv_cache_shape(num_cpu_blocks, self.block_size)
+        cpu_key_shape, cpu_value_shape = backend.kv_cache_shapes(init.num_cpu_blocks, self.block_size)
         pin = self.device.type == "cuda"
         self.cpu_caches = [
-            (torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin),
-             torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin))
+            (torch.zeros(cpu_key_shape, dtype=self.dtype, pin_memory=pin),
+             torch.zeros(cpu_value_shape, dtype=self.dtype, pin_memory=pin))
             for _ in range(model_config.num_hidden_layers)
-        ] if num_cpu_blocks else []
+        ] if init.num_cpu_blocks else []
         self.sampler = Sampler()
-        self.requests: dict[str, CachedRequestState] = {}
-        self.eos_token_ids = list(model_config.eos_token_ids)
+        self.batch = InputBatch(config.max_num_seqs, init.max_model_len, self.block_size, model_config.vocab_size,
+                                list(model_config.eos_token_ids), self.device)
+        self.compile_seconds = 0.0
+        # NOTE: compiled on the CPU only for now: the compiled path has not been checked on
+        # a GPU yet, so CUDA runs eagerly.
+        if not config.enforce_eager and self.device.type == "cpu":
+            start = time.perf_counter()
+            self.model.compile_regions()
+            self._warm_up()
+            self.compile_seconds = time.perf_counter() - start
+            logger.info("compiled the model in %.1f s", self.compile_seconds)
+
+    def _warm_up(self) -> None:
+        """Runs a 2-token prefill and a decode on block 0, so compilation happens at start-up.
+
+        Both shapes are compiled: torch.compile treats a batch of one token apart.
+        """
+        with torch.inference_mode():
+            for query_len, seq_len in ((2, 2), (1, 3)):
+                positions = torch.arange(seq_len - query_len, seq_len, device=self.device)
+                metadata = self._metadata(np.array([query_len]), np.array([seq_len]),
+                                          np.zeros((1, 1), dtype=np.int32), positions.cpu().numpy())
+                ids = torch.zeros(query_len, dtype=torch.long, device=self.device)
+                self.model(ids, positions, self.kv_caches, metadata)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Runs one step; a failure is reported in the output, never raised."""
@@ -87,70 +101,106 @@ class ModelRunner:
                 return self._execute(sched)
         except Exception:
             for request_id in sched.num_scheduled_tokens:
-                self.requests.pop(request_id, None)
+                self.batch.remove(request_id)
             return RunnerOutput(step_id=sched.step_id, error=traceback.format_exc())
 
-    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def _apply_changes(self, sched: SchedulerOutput) -> None:
+        batch = self.batch
         for request_id in sched.finished_request_ids:
-            self.requests.pop(request_id, None)
+            batch.remove(request_id)
         # NOTE: the order matters: a swapped-out block may be reused by this very step.
         self._move_blocks(sched.swap_out, self.kv_caches, self.cpu_caches)
         self._move_blocks(sched.swap_in, self.cpu_caches, self.kv_caches)
         self._move_blocks(sched.copy_blocks, self.kv_caches, self.kv_caches)
         for data in sched.new_requests:
-            self.requests[data.request_id] = CachedRequestState(data)
+            batch.add(data)
         for request_id, block_ids in sched.new_block_ids.items():
-            self.requests[request_id].block_ids.extend(block_ids)
+            batch.append_block_ids(batch.row_of[request_id], block_ids)
         for request_id, block_ids in sched.block_tables.items():
-            self.requests[request_id].block_ids = list(block_ids)
+            batch.set_block_ids(batch.row_of[request_id], block_ids)
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._apply_changes(sched)
         out = RunnerOutput(step_id=sched.step_id)
         if sched.is_empty:
             return out
+        batch = self.batch
+        scheduled = sched.num_scheduled_tokens
+        row_of = batch.row_of
+        rows = np.fromiter((row_of[r] for r in scheduled), dtype=np.int64, count=len(scheduled))
+        query_lens = np.fromiter(scheduled.values(), dtype=np.int32, count=len(scheduled))
+        if query_lens.max() > 1:
+            order = np.argsort(query_lens > 1, kind="stable")  # decodes first
+            rows, query_lens = rows[order], query_lens[order]
+        computed = batch.num_computed_tokens[rows]
+        seq_lens = computed + query_lens
 
-        states = [self.requests[request_id] for request_id in sched.num_scheduled_tokens]
-        query_lens = list(sched.num_scheduled_tokens.values())
-        input_ids, positions, metadata = self._prepare_inputs(states, query_lens)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        # The flattened batch: request i owns rows query_start[i]:query_start[i + 1].
+        req_of_token = np.repeat(np.arange(len(rows)), query_lens)
+        query_start = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start[1:])
+        positions = np.arange(len(req_of_token), dtype=np.int32) - query_start[req_of_token] + computed[req_of_token]
+        token_rows = rows[req_of_token]
+        input_ids = batch.token_ids[token_rows, positions]
+        max_blocks = -(-int(seq_lens.max()) // self.block_size)
+        block_tables = batch.block_table[rows, :max_blocks]
+        metadata = self._metadata(query_lens, seq_lens, block_tables, positions, token_rows)
 
-        # Only requests whose known tokens are all computed after this step sample; the
-        # rest are in the middle of a chunked prefill.
-        sample_rows, sampling_states = [], []
-        for i, (state, num_new) in enumerate(zip(states, query_lens)):
-            state.num_computed_tokens += num_new
-            if state.num_computed_tokens == len(state.token_ids):
-                sample_rows.append(i)
-                sampling_states.append(state)
-        if not sampling_states:
+        device = self.device
+        hidden = self.model(torch.from_numpy(input_ids).to(device, torch.long),
+                            torch.from_numpy(positions).to(device, torch.long), self.kv_caches, metadata)
+        batch.num_computed_tokens[rows] = seq_lens
+
+        # Only requests whose known tokens are all computed sample; the rest are in the
+        # middle of a chunked prefill.
+        samples = seq_lens == batch.num_tokens[rows]
+        if not samples.any():
             return out
-        last_rows = metadata.query_start_loc[1:][torch.tensor(sample_rows)].long() - 1
-        logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
-        sampling_metadata = SamplingMetadata.build(
-            [s.sampling_params for s in sampling_states],
-            [s.prompt_token_ids for s in sampling_states],
-            [s.output_token_ids for s in sampling_states],
-            self.eos_token_ids,
-            self.model_config.vocab_size,
-            device=self.device,
-        )
-        result = self.sampler(logits, sampling_metadata)
-        token_ids = result.sampled_token_ids.tolist()
-        want_logprobs = result.logprobs is not None
-        if want_logprobs:
+        sample_rows = rows[samples]
+        last = torch.from_numpy(query_start[1:][samples].astype(np.int64) - 1).to(device)
+        logits = self.model.compute_logits(hidden[last])
+        result = self.sampler(logits, batch.sampling_metadata(sample_rows))
+        token_ids = result.sampled_token_ids.cpu().numpy()
+        batch.append_sampled(sample_rows, token_ids)
+        request_ids = [batch.req_ids[row] for row in sample_rows.tolist()]
+        out.sampled = dict(zip(request_ids, token_ids.tolist()))
+        if result.logprobs is not None:
             logprobs = result.logprobs.tolist()
             logprob_ids = result.logprob_token_ids.tolist()
-        for row, (state, token_id) in enumerate(zip(sampling_states, token_ids)):
-            state.token_ids.append(token_id)
-            state.output_token_ids.append(token_id)
-            out.sampled[state.request_id] = token_id
-            num_top = state.sampling_params.logprobs
-            if want_logprobs and num_top is not None:
-                out.logprobs[state.request_id] = TokenLogprobs(
-                    token_id=token_id,
-                    logprob=logprobs[row][0],
-                    top_token_ids=logprob_ids[row][1 : 1 + num_top],
-                    top_logprobs=logprobs[row][1 : 1 + num_top],
-                )
+            for i, (request_id, row) in enumerate(zip(request_ids, sample_rows.tolist())):
+                num_top = int(batch.num_logprobs[row])
+                if num_top >= 0:
+                    out.logprobs[request_id] = TokenLogprobs(
+                        token_id=logprob_ids[i][0], logprob=logprobs[i][0],
+                        top_token_ids=logprob_ids[i][1 : 1 + num_top], top_logprobs=logprobs[i][1 : 1 + num_top])
         return out
+
+    def _metadata(self, query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+                  positions: np.ndarray, token_rows: np.ndarray | None = None) -> AttentionMetadata:
+        """The attention metadata of a batch (token_rows: None for the warm-up's block 0)."""
+        device = self.device
+        block_size = self.block_size
+        query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start[1:])
+        if token_rows is None:
+            block_ids = np.zeros(len(positions), dtype=np.int64)
+        else:
+            block_ids = self.batch.block_table[token_rows, positions // block_size].astype(np.int64)
+        slot_mapping = block_ids * block_size + positions % block_size
+        metadata = AttentionMetadata(
+            num_tokens=int(query_start[-1]),
+            query_lens=query_lens.tolist(),
+            seq_lens=seq_lens.tolist(),
+            query_start_loc=torch.from_numpy(query_start).to(device),
+            seq_lens_tensor=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            block_size=block_size,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        self.attention_backend.prepare(metadata)
+        return metadata
 
     def _move_blocks(self, pairs: list[tuple[int, int]], src_caches, dst_caches) -> None:
         if not pairs:
@@ -160,42 +210,3 @@ class ModelRunner:
         for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
             self.attention_backend.copy_blocks(src_k, dst_k, src_ids, dst_ids, self.block_size)
             self.attention_backend.copy_blocks(src_v, dst_v, src_ids, dst_ids, self.block_size)
-
-    def _prepare_inputs(self, states: list[CachedRequestState], query_lens: list[int]):
-        """Builds the flattened token batch and the attention metadata in one go."""
-        input_ids: list[int] = []
-        computed = []
-        seq_lens = []
-        for state, num_new in zip(states, query_lens):
-            start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start : start + num_new])
-            computed.append(start)
-            seq_lens.append(start + num_new)
-        num_tokens = len(input_ids)
-        max_blocks = max(len(state.block_ids) for state in states)
-        tables = [state.block_ids + [0] * (max_blocks - len(state.block_ids)) for state in states]
-
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int32)
-        query_start_loc = torch.zeros(len(states) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
-        req_index = torch.repeat_interleave(torch.arange(len(states)), query_lens_t)
-        offsets = torch.arange(num_tokens) - query_start_loc[:-1].long()[req_index]
-        positions = torch.tensor(computed)[req_index] + offsets
-        block_tables = torch.tensor(tables, dtype=torch.int32)
-        slot_mapping = (block_tables[req_index, positions // self.block_size].long() * self.block_size
-                        + positions % self.block_size)
-        device = self.device
-        metadata = AttentionMetadata(
-            num_tokens=num_tokens,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc.to(device),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=block_tables.to(device),
-            slot_mapping=slot_mapping.to(device),
-            block_size=self.block_size,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        self.attention_backend.prepare(metadata)
-        return torch.tensor(input_ids, device=device), positions.to(device), metadata

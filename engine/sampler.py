@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 # NOTE: like vLLM, temperatures this small are treated as greedy: dividing by them
 # overflows or makes sampling numerically meaningless.
-_GREEDY_TEMPERATURE = 1e-5
+greedy_temperature = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
@@ -53,9 +53,10 @@ class SamplingMetadata:
         repetition_penalties: ``[B]`` float32; None when no row uses any penalty.
         presence_penalties: ``[B]`` float32; None when no row uses any penalty.
         frequency_penalties: ``[B]`` float32; None when no row uses any penalty.
-        prompt_token_ids: ``[B, Lp]`` int64 padded with ``V``; None unless some row
-            has a repetition penalty.
-        output_token_ids: ``[B, Lo]`` int64 padded with ``V``; None when no penalty.
+        output_counts: ``[B, V]`` float32 count of each token in each row's output; None
+            when no penalty.
+        prompt_mask: ``[B, V]`` bool, True for tokens in the row's prompt; None unless
+            some row has a repetition penalty.
     """
 
     num_reqs: int
@@ -74,8 +75,8 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None = None
     presence_penalties: torch.Tensor | None = None
     frequency_penalties: torch.Tensor | None = None
-    prompt_token_ids: torch.Tensor | None = None
-    output_token_ids: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -87,7 +88,10 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
-        """Builds the metadata for one step; row ``i`` is request ``i``.
+        """Builds the metadata for one batch from lists; row ``i`` is request ``i``.
+
+        The worker keeps these rows in its persistent :class:`~engine.input_batch.InputBatch`
+        and gathers the metadata from there; this puts the given rows in a fresh one.
 
         Args:
             params: Sampling parameters of each row.
@@ -100,57 +104,17 @@ class SamplingMetadata:
         Returns:
             The metadata; parts no row needs are left None.
         """
-        num_reqs = len(params)
-        assert len(prompt_token_ids) == num_reqs and len(output_token_ids) == num_reqs
-        greedy = [p.temperature < _GREEDY_TEMPERATURE for p in params]
-        all_greedy, all_random = all(greedy), not any(greedy)
-        md = cls(num_reqs=num_reqs, vocab_size=vocab_size, all_greedy=all_greedy, all_random=all_random)
+        import numpy as np
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+        from engine.input_batch import InputBatch
+        from engine.messages import NewRequestData
 
-        if not all_greedy:
-            md.temperature = f32([1.0 if g else p.temperature for p, g in zip(params, greedy)])
-            if not all_random:
-                md.greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
-            random = [p for p, g in zip(params, greedy) if not g]
-            if any(0 < p.top_k < vocab_size for p in random):
-                ks = [p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size for p, g in zip(params, greedy)]
-                md.top_k = torch.tensor(ks, dtype=torch.int64, device=device)
-            if any(p.top_p < 1.0 for p in random):
-                md.top_p = f32([1.0 if g else p.top_p for p, g in zip(params, greedy)])
-            if any(p.min_p > 0.0 for p in random):
-                md.min_p = f32([0.0 if g else p.min_p for p, g in zip(params, greedy)])
-            md.seeded_rows = [
-                (i, _mix_seed(p.seed, len(out)))
-                for i, (p, g, out) in enumerate(zip(params, greedy, output_token_ids))
-                if not g and p.seed is not None
-            ]
-
-        requested = [p.logprobs for p in params if p.logprobs is not None]
-        md.max_num_logprobs = max(requested) if requested else None
-
-        rows: list[int] = []
-        toks: list[int] = []
-        for i, (p, out) in enumerate(zip(params, output_token_ids)):
-            if len(out) < p.min_tokens:
-                banned = set(p.stop_token_ids) if p.ignore_eos else {*p.stop_token_ids, *eos_token_ids}
-                banned = sorted(t for t in banned if 0 <= t < vocab_size)
-                rows += [i] * len(banned)
-                toks += banned
-        if rows:
-            md.min_tokens_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-            md.min_tokens_token_ids = torch.tensor(toks, dtype=torch.int64, device=device)
-
-        use_rep = any(p.repetition_penalty != 1.0 for p in params)
-        if use_rep or any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-            md.repetition_penalties = f32([p.repetition_penalty for p in params])
-            md.presence_penalties = f32([p.presence_penalty for p in params])
-            md.frequency_penalties = f32([p.frequency_penalty for p in params])
-            md.output_token_ids = _pad(output_token_ids, vocab_size, device)
-            if use_rep:
-                md.prompt_token_ids = _pad(prompt_token_ids, vocab_size, device)
-        return md
+        assert len(prompt_token_ids) == len(params) and len(output_token_ids) == len(params)
+        max_len = max((len(p) + len(o) for p, o in zip(prompt_token_ids, output_token_ids)), default=1)
+        batch = InputBatch(max(len(params), 1), max_len, 16, vocab_size, list(eos_token_ids), torch.device(device))
+        rows = [batch.add(NewRequestData(str(i), list(prompt), list(output), p, [], 0))
+                for i, (p, prompt, output) in enumerate(zip(params, prompt_token_ids, output_token_ids))]
+        return batch.sampling_metadata(np.array(rows, dtype=np.int64))
 
 
 @dataclass(slots=True)
@@ -196,7 +160,7 @@ class Sampler:
         assert logits.shape == (md.num_reqs, md.vocab_size), (logits.shape, md.num_reqs, md.vocab_size)
         no_edits = md.min_tokens_rows is None and md.repetition_penalties is None
         if md.all_greedy and no_edits and md.max_num_logprobs is None:
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))  # the common path
+            return SamplerOutput(sampled_token_ids=_argmax(logits))  # the common path
         # NOTE: copy, so the in-place edits below never touch the caller's tensor.
         logits = logits.to(torch.float32, copy=not no_edits or not md.all_greedy)
         raw_logprobs = None if md.max_num_logprobs is None else logits.log_softmax(dim=-1)
@@ -205,7 +169,7 @@ class Sampler:
         if md.repetition_penalties is not None:
             _apply_penalties(logits, md)
 
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        greedy = None if md.all_random else _argmax(logits)
         if md.all_greedy:
             sampled = greedy
         else:
@@ -252,18 +216,21 @@ class Sampler:
         return gen
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest logit (the first one on ties), in any float dtype.
+
+    NOTE: max(dim).indices is the same answer as argmax, and on the CPU it was 2.6-4.6x
+    faster (64 x 49152 logits: 5.1 ms -> 1.1 ms in bfloat16).
+    """
+    return logits.max(dim=-1).indices
+
+
 def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
     """Applies repetition, presence and frequency penalties in place."""
-    num_reqs, vocab = logits.shape
-    counts = torch.zeros(num_reqs, vocab + 1, dtype=torch.float32, device=logits.device)
-    out = md.output_token_ids
-    counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.float32))
-    counts = counts[:, :vocab]
+    counts = md.output_counts
     seen_in_output = counts > 0
-    if md.prompt_token_ids is not None:
-        seen = torch.zeros(num_reqs, vocab + 1, dtype=torch.bool, device=logits.device)
-        seen.scatter_(1, md.prompt_token_ids, True)
-        seen = seen[:, :vocab] | seen_in_output
+    if md.prompt_mask is not None:
+        seen = md.prompt_mask | seen_in_output
         rep = md.repetition_penalties.unsqueeze(1).expand_as(logits)
         scale = torch.where(logits > 0, 1.0 / rep, rep)
         logits.copy_(torch.where(seen, logits * scale, logits))
@@ -290,17 +257,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     return logits.scatter_(1, order, sorted_logits)
 
 
-def _pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:
-    """Stacks ragged token lists into ``[B, max_len]`` int64, padded with ``pad``."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
-    return out.to(device)
-
-
-def _mix_seed(seed: int, step: int) -> int:
+def mix_seed(seed: int, step: int) -> int:
     """Mixes a request seed and its output length into a 64-bit generator seed (splitmix64)."""
     z = (seed * 0x9E3779B97F4A7C15 + step + 0x632BE59BD9B4E019) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64

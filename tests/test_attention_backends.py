@@ -25,9 +25,9 @@ def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch
     backend = get_attention_backend(backend_name, torch.device(device))(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
                                                                         HEAD_DIM**-0.5)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    cache_shape = backend.kv_cache_shape(num_blocks, block_size)
-    kv_cache = (torch.zeros(cache_shape, dtype=dtype, device=device),
-                torch.zeros(cache_shape, dtype=dtype, device=device))
+    key_shape, value_shape = backend.kv_cache_shapes(num_blocks, block_size)
+    kv_cache = (torch.zeros(key_shape, dtype=dtype, device=device),
+                torch.zeros(value_shape, dtype=dtype, device=device))
     # Scatter each request's blocks over the pool in a shuffled order.
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, full_k, full_v = [], [], []
@@ -71,7 +71,7 @@ MIXED = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["naive", "torch_sdpa"])
+@pytest.mark.parametrize("backend", ["naive", "torch_sdpa", "cpu_paged"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("seq_lens,query_lens", MIXED)
 def test_backend_matches_dense_attention(backend, block_size, seq_lens, query_lens):
@@ -79,14 +79,32 @@ def test_backend_matches_dense_attention(backend, block_size, seq_lens, query_le
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch_sdpa", "cpu_paged"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_sdpa_matches_naive_in_bfloat16(block_size):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backend_matches_naive_in_half_precision(backend, block_size, dtype):
     seq_lens, query_lens = [12, 30, 7, 40, 1], [12, 1, 3, 1, 1]
-    naive, _ = run_step("naive", block_size, seq_lens, query_lens, seed=3, dtype=torch.bfloat16)
-    sdpa, _ = run_step("torch_sdpa", block_size, seq_lens, query_lens, seed=3, dtype=torch.bfloat16)
-    torch.testing.assert_close(sdpa.float(), naive.float(), rtol=2e-2, atol=2e-2)
+    naive, _ = run_step("naive", block_size, seq_lens, query_lens, seed=3, dtype=dtype)
+    out, _ = run_step(backend, block_size, seq_lens, query_lens, seed=3, dtype=dtype)
+    torch.testing.assert_close(out.float(), naive.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_unknown_backend_lists_the_known_ones():
     with pytest.raises(ValueError, match="naive"):
         get_attention_backend("nope", torch.device("cpu"))
+
+
+def test_loading_the_cpu_kernels_keeps_subnormal_floats():
+    from attention_backends import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    # NOTE: a library linked with -ffast-math turns on flush-to-zero for the whole process.
+    assert (torch.tensor(1e-40, dtype=torch.float32) * 1).item() != 0.0
+
+
+def test_auto_picks_the_cpu_kernel_backend_on_the_cpu():
+    from attention_backends import cpu_kernels
+
+    expected = "cpu_paged" if cpu_kernels.available() else "torch_sdpa"
+    assert get_attention_backend("auto", torch.device("cpu")).name == expected

@@ -18,7 +18,7 @@ def free_everything(llm):
 def test_shared_512_token_prefix_is_prefilled_once(tiny_llama_dir):
     prefix = [1000 + (i * 37) % 20000 for i in range(512)]
     first, second = prefix + [5, 6, 7], prefix + [8, 9]
-    with LLM(str(tiny_llama_dir), dtype="float32", max_model_len=600, block_size=16) as llm:
+    with LLM(str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=600, block_size=16) as llm:
         stats = llm.engine.scheduler.stats
         llm.generate([first], GREEDY)
         before = stats.num_prompt_tokens
@@ -27,7 +27,7 @@ def test_shared_512_token_prefix_is_prefilled_once(tiny_llama_dir):
         assert cached.metrics.num_cached_tokens == 512
         assert stats.prefix_cache_hits >= 512
         assert free_everything(llm)
-    with LLM(str(tiny_llama_dir), dtype="float32", max_model_len=600, block_size=16,
+    with LLM(str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=600, block_size=16,
              enable_prefix_caching=False) as llm:
         uncached = llm.generate([second], GREEDY)[0]
         assert llm.engine.scheduler.stats.prefix_cache_hits == 0
@@ -56,7 +56,7 @@ def peak_used_blocks(llm, prompts, params):
 
 def test_n_seeded_samples_equal_separate_requests_and_use_fewer_blocks(tiny_llama_dir):
     prompt = [1000 + i for i in range(90)]
-    settings = dict(dtype="float32", max_model_len=256, block_size=16, enable_prefix_caching=False)
+    settings = dict(enforce_eager=True, dtype="float32", max_model_len=256, block_size=16, enable_prefix_caching=False)
     with LLM(str(tiny_llama_dir), **settings) as llm:
         group, group_peak = peak_used_blocks(
             llm, [prompt], SamplingParams(n=4, temperature=1.0, seed=100, max_tokens=20, ignore_eos=True))
@@ -81,7 +81,7 @@ def test_preemption_by_swap_and_by_recompute_keeps_greedy_output(tiny_llama_dir,
     expected = [hf_greedy(hf, p, 24) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     # Prompts fit at admission (4 + 5 + 5 + 6 blocks of 4) but their growth does not.
-    with LLM(str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=24, max_model_len=72,
+    with LLM(str(tiny_llama_dir), enforce_eager=True, dtype="float32", block_size=4, num_kv_blocks=24, max_model_len=72,
              preemption_mode=mode, swap_space_bytes=1 << 20) as llm:
         outputs = llm.generate(prompts, params)
         stats = llm.engine.scheduler.stats

@@ -11,7 +11,7 @@ from engine.async_engine import EngineDeadError
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, block_size=8, num_kv_blocks=256) as llm:
+    with LLM(str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=256, block_size=8, num_kv_blocks=256) as llm:
         yield llm
 
 
@@ -124,7 +124,7 @@ def test_unknown_engine_option_is_rejected():
 
 def test_64_requests_under_preemption_all_finish_and_free_every_block(tiny_llama_dir):
     prompts = [f"Request number {i} asks for a few words about paging" for i in range(64)]
-    with LLM(str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=96, max_model_len=64,
+    with LLM(str(tiny_llama_dir), enforce_eager=True, dtype="float32", block_size=4, num_kv_blocks=96, max_model_len=64,
              max_num_seqs=32) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         assert all(o.finished and len(o.outputs[0].token_ids) == 24 for o in outputs)
@@ -136,7 +136,7 @@ def test_64_requests_under_preemption_all_finish_and_free_every_block(tiny_llama
 
 
 def test_a_dead_worker_fails_pending_requests_instead_of_hanging(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, num_kv_blocks=64)
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=128, num_kv_blocks=64)
     try:
         os.kill(llm.engine.worker.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="worker"):

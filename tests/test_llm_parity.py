@@ -39,12 +39,15 @@ def model_and_expected(request, tiny_llama_dir, tiny_qwen2_dir):
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
 
+# NOTE: block16 and chunked run the compiled model (the default); the rest run eagerly, so
+# that both paths are held to the oracle without compiling in every case.
 ENGINE_SETUPS = {
     "block16": dict(block_size=16),
-    "block1": dict(block_size=1),
-    "block7": dict(block_size=7),  # divides none of the prompt lengths
+    "block1": dict(block_size=1, enforce_eager=True),
+    "block7": dict(block_size=7, enforce_eager=True),  # divides none of the prompt lengths
     "chunked": dict(block_size=4, max_num_batched_tokens=8),
-    "naive": dict(block_size=16, attention_backend="naive"),
+    "naive": dict(block_size=16, attention_backend="naive", enforce_eager=True),
+    "torch_sdpa": dict(block_size=16, attention_backend="torch_sdpa", enforce_eager=True),
 }
 
 
@@ -64,7 +67,8 @@ def test_greedy_matches_transformers_under_preemption(model_and_expected):
     # Every prompt fits at admission, but not the growth that follows: preemption is forced.
     num_blocks = sum(-(-len(ids) // 4) for ids in prompt_ids) + 1
     max_len = max(len(ids) for ids in prompt_ids) + NUM_NEW
-    with LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=num_blocks, max_model_len=max_len) as llm:
+    with LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=num_blocks, max_model_len=max_len,
+             enforce_eager=True) as llm:
         outputs = llm.generate(prompt_ids, GREEDY)
         assert llm.engine.scheduler.stats.num_preemptions > 0
         assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -41,7 +41,7 @@ def run_late_high_priority(model_dir, policy):
     """Three long low-priority requests run; a short high-priority one arrives last."""
     recorder = Recorder()
     pm = create_plugin_manager(load_entry_points=False, extra=[recorder])
-    config = EngineConfig(model=str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=64,
+    config = EngineConfig(model=str(model_dir), enforce_eager=True, dtype="float32", max_model_len=128, num_kv_blocks=64,
                           max_num_seqs=3, scheduling_policy=policy)
 
     async def main():
@@ -106,7 +106,7 @@ class Broken:
 def test_a_raising_plugin_falls_back_to_the_builtin_policy(tiny_llama_dir):
     pm = create_plugin_manager(load_entry_points=False, extra=[Broken()])
     prompts = [f"Request {i} with a few words to fill the cache" for i in range(12)]
-    with LLM(str(tiny_llama_dir), plugin_manager=pm, dtype="float32", block_size=4, num_kv_blocks=40,
+    with LLM(str(tiny_llama_dir), plugin_manager=pm, enforce_eager=True, dtype="float32", block_size=4, num_kv_blocks=40,
              max_model_len=64, preemption_mode="recompute") as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
         assert all(len(o.outputs[0].token_ids) == 20 for o in outputs)
@@ -124,7 +124,7 @@ class Quota:
 
 def test_admission_plugin_rejects_with_its_reason(tiny_llama_dir):
     pm = create_plugin_manager(load_entry_points=False, extra=[Quota()])
-    with LLM(str(tiny_llama_dir), plugin_manager=pm, dtype="float32", max_model_len=64, num_kv_blocks=32) as llm:
+    with LLM(str(tiny_llama_dir), plugin_manager=pm, enforce_eager=True, dtype="float32", max_model_len=64, num_kv_blocks=32) as llm:
         with pytest.raises(RequestRejected, match="over quota"):
             llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[0, -1])
         assert llm.generate("c", SamplingParams(max_tokens=2))[0].finished
@@ -151,7 +151,7 @@ def test_pip_installed_plugin_runs_when_named(installed_example_plugin, tiny_lla
 
         if __name__ == "__main__":
             prompts = ["short", "a somewhat longer prompt here", "the longest prompt of them all, by several words"]
-            with LLM({str(tiny_llama_dir)!r}, dtype="float32", max_model_len=64, num_kv_blocks=64,
+            with LLM({str(tiny_llama_dir)!r}, enforce_eager=True, dtype="float32", max_model_len=64, num_kv_blocks=64,
                      max_num_seqs=1, scheduling_policy="longest-prompt-first") as llm:
                 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
                 order = sorted(range(3), key=lambda i: outs[i].metrics.finished_time)
@@ -175,7 +175,7 @@ def test_plugin_named_on_the_command_line(tiny_llama_dir):
         sys.path.insert(0, {env_path!r})
         from cli.main import main
         if __name__ == "__main__":
-            sys.exit(main(["generate", "--raw", "hi", "--model", {str(tiny_llama_dir)!r}, "--max-model-len", "64",
+            sys.exit(main(["generate", "--raw", "hi", "--model", {str(tiny_llama_dir)!r}, "--max-model-len", "64", "--enforce-eager",
                            "--num-kv-blocks", "32", "--max-tokens", "2", "--plugin", "pagoda_example_plugin",
                            "--scheduling-policy", "longest-prompt-first"]))
     """)

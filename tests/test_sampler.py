@@ -160,7 +160,7 @@ def test_penalties_match_hand_computation():
 def test_presence_frequency_without_repetition_skip_prompt():
     params = [SamplingParams(presence_penalty=-1.0, frequency_penalty=1.0), SamplingParams()]
     md = SamplingMetadata.build(params, [[0], [0]], [[2, 2, 2], [2]], [EOS], 4)
-    assert md.prompt_token_ids is None and md.output_token_ids is not None
+    assert md.prompt_mask is None and md.output_counts is not None
     logits = torch.zeros(2, 4)
     _apply_penalties(logits, md)
     assert torch.allclose(logits, torch.tensor([[0.0, 0.0, -2.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))

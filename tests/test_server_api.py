@@ -38,7 +38,7 @@ def exporter():
 def server(tiny_llama_dir, exporter):
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    engine_config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, block_size=8,
+    engine_config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=256, block_size=8,
                                  num_kv_blocks=256)
     with ServerThread(engine_config, ServerConfig(api_key=API_KEY), tracer_provider=provider) as server:
         yield server

@@ -27,7 +27,7 @@ USER = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    engine_config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, block_size=8,
+    engine_config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=256, block_size=8,
                                  num_kv_blocks=256, max_num_seqs=1)
     config = ServerConfig(api_key=API_KEY, max_body_bytes=MAX_BODY, max_waiting_requests=1)
     with ServerThread(engine_config, config) as server:

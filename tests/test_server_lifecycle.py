@@ -19,7 +19,7 @@ from server.config import ServerConfig
 from server.testing import ServerThread, http_request
 
 API_KEY = "sk-lifecycle"
-TINY_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256", "--block-size", "8"]
+TINY_FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256", "--block-size", "8"]
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -163,7 +163,7 @@ def test_sigterm_stops_listening_and_drains_in_flight_requests(serve, tiny_llama
 
 
 def test_shutdown_timeout_bounds_the_drain(tiny_llama_dir):
-    engine_config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=1024, block_size=8,
+    engine_config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=1024, block_size=8,
                                  num_kv_blocks=256)
     server = ServerThread(engine_config, ServerConfig(shutdown_timeout=0.5)).start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -14,7 +14,7 @@ from engine.executor import WorkerDiedError
 SCRIPT = """\
 from engine import LLM, SamplingParams
 
-llm = LLM({model!r}, dtype="float32", max_model_len=64, num_kv_blocks=32)
+llm = LLM({model!r}, enforce_eager=True, dtype="float32", max_model_len=64, num_kv_blocks=32)
 out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 print("TOKENS", out[0].outputs[0].token_ids)
 """
@@ -49,7 +49,7 @@ def test_a_worker_that_fails_to_start_reports_its_traceback(tiny_llama_dir, tmp_
         target = broken / file.name
         target.write_bytes(b"not a safetensors file" if file.suffix == ".safetensors" else file.read_bytes())
     with pytest.raises(WorkerDiedError) as info:
-        LLM(str(broken), dtype="float32", max_model_len=64, num_kv_blocks=32)
+        LLM(str(broken), enforce_eager=True, dtype="float32", max_model_len=64, num_kv_blocks=32)
     message = str(info.value)
     assert "failed to start" in message and "Traceback" in message
     assert "safetensors" in message.lower()

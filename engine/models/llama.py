@@ -3,6 +3,19 @@
 Every step runs all scheduled tokens of every request as one [num_tokens, hidden]
 batch: no padding, no loop over requests. Attention goes through the backend, which
 reads and writes the paged KV cache.
+
+The forward pass is cut at the attention calls into three kinds of regions: before the
+first attention (embedding, norm, q/k/v, RoPE), between two attentions (o_proj,
+residual, norm, MLP, residual, the next layer's norm, q/k/v and RoPE) and after the
+last one. The regions are plain functions of the layers they touch, so with
+``compile=True`` each is compiled once by torch.compile (inductor, dynamic shapes) and
+reused by every layer, which fuses the element-wise work (norms, RoPE, SiLU-mul,
+residual adds) between the matrix products; attention stays outside, in Python, with
+whatever the backend needs. RoPE's cos/sin are gathered once per step, not per layer.
+
+On the CPU in bfloat16, the linear layers' weights are repacked once into oneDNN's
+blocked layout (``pack_weights``), which runs the same products faster and gives
+bit-identical results.
 """
 
 from __future__ import annotations
@@ -16,6 +29,40 @@ from torch import nn
 from attention_backends.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.rope import compute_inv_freq
+
+
+@torch.library.custom_op("pagoda::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias with a oneDNN-packed weight (an opaque op for torch.compile)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN packing pays off (and is exact) for bfloat16 on CPUs with oneDNN."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be repacked for oneDNN after loading."""
+
+    packed = False
+
+    def pack(self, batch_size_hint: int = 64) -> None:
+        with torch.no_grad():
+            weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size_hint)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.packed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.pagoda.packed_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -42,15 +89,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, D] cos and sin of the step's positions, gathered once for every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -62,27 +108,23 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # NOTE: q, k and v are one fused matrix product; weights are concatenated at load.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
 
-    def forward(self, hidden, positions, rotary, kv_cache, metadata: AttentionMetadata):
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, metadata)
-        return self.o_proj(out.reshape(-1, self.q_size))
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -97,9 +139,29 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden, positions, rotary, kv_cache, metadata):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_cache, metadata)
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: o_proj, residual, norm, MLP, residual."""
+        hidden = residual + self.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# -- the regions between attention calls (compiled once each, shared by every layer) --------
+
+
+def before_first_attention(embed: nn.Embedding, layer: DecoderLayer, input_ids, cos, sin):
+    hidden = embed(input_ids)
+    q, k, v = layer.self_attn.qkv(layer.input_layernorm(hidden), cos, sin)
+    return q, k, v, hidden
+
+
+def between_attentions(layer: DecoderLayer, next_layer: DecoderLayer, attn, residual, cos, sin):
+    hidden = layer.finish(attn, residual)
+    q, k, v = next_layer.self_attn.qkv(next_layer.input_layernorm(hidden), cos, sin)
+    return q, k, v, hidden
+
+
+def after_last_attention(layer: DecoderLayer, norm: RMSNorm, attn, residual):
+    return norm(layer.finish(attn, residual))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -116,7 +178,22 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._regions = (before_first_attention, between_attentions, after_last_attention)
+        self._packed_lm_head: torch.Tensor | None = None
+
+    def compile_regions(self) -> None:
+        """Compiles the three regions with torch.compile (inductor, dynamic shapes)."""
+        self._regions = tuple(torch.compile(fn, dynamic=True) for fn in self._regions)
+
+    def pack_weights(self) -> None:
+        """Repacks every linear weight (and the LM head) for oneDNN; see can_pack_weights."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            with torch.no_grad():
+                self._packed_lm_head = torch.ops.mkldnn._reorder_linear_weight(self.embed_tokens.weight.detach(), 64)
 
     def forward(
         self,
@@ -125,14 +202,23 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, positions, self.rotary, kv_cache, metadata)
-        return self.norm(hidden)
+        first, between, last = self._regions
+        cos, sin = self.rotary.cos_sin(positions, self.embed_tokens.weight.dtype)
+        layers = self.layers
+        q, k, v, residual = first(self.embed_tokens, layers[0], input_ids, cos, sin)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn.backend.forward(q, k, v, kv_caches[i], metadata)
+            if i + 1 < len(layers):
+                q, k, v, residual = between(layer, layers[i + 1], attn, residual, cos, sin)
+        return last(layers[-1], self.norm, attn, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """[rows, vocab] logits in the model's dtype (the sampler upcasts where it must)."""
+        if self._packed_lm_head is not None:
+            return packed_linear(hidden, self._packed_lm_head, None)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return F.linear(hidden, self.embed_tokens.weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

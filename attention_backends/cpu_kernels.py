@@ -1,0 +1,146 @@
+"""The CPU attention kernels in csrc/, built on first use with the machine's C compiler.
+
+The library is compiled for this CPU (``-march=native``) and cached under
+``$PAGODA_CACHE_DIR/kernels`` (default ``~/.cache/pagoda/kernels``), keyed by the
+source, the compiler and the CPU's feature flags; later starts load it in milliseconds.
+Without a C compiler (or with ``PAGODA_DISABLE_CPU_KERNELS=1``) nothing is built and
+the backends that want the kernels are reported unavailable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
+# NOTE: never -ffast-math: linking with it turns on flush-to-zero for the whole process
+# (crtfastmath), which changes every float result in it. These are the parts of it that
+# let the compiler vectorize the generic path's sums, without that side effect.
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
+          "-fassociative-math", "-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
+
+
+class KernelUnavailable(RuntimeError):
+    """The CPU kernels cannot be built or loaded here."""
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("PAGODA_CACHE_DIR")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "pagoda"
+    return root / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise KernelUnavailable("no C compiler found (set CC, or install gcc)")
+    return compiler
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, _cpu_flags(), *_FLAGS]).encode())
+    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # NOTE: built under a temporary name and renamed, so concurrent builds (several
+    # workers starting at once) never load a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"compiling {SOURCE.name} failed:\n{result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built the CPU attention kernels: %s", target)
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    """The kernel library, built if needed.
+
+    Raises:
+        KernelUnavailable: Disabled, no compiler, or the build failed.
+    """
+    if os.environ.get(DISABLE_ENV):
+        raise KernelUnavailable(f"disabled by {DISABLE_ENV}")
+    lib = ctypes.CDLL(str(_build(_compiler())))
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in ("paged_decode_bf16", "paged_decode_f32"):
+        fn = getattr(lib, name)
+        fn.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, i64, i64, i64, i64, i64,
+                       ctypes.c_float]
+        fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels can be used (building them now if needed)."""
+    try:
+        load()
+    except (KernelUnavailable, OSError) as exc:
+        logger.info("CPU attention kernels unavailable: %s", exc)
+        return False
+    return True
+
+
+_DECODE = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _DECODE
+
+
+def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention over the paged cache, one query per request.
+
+    Args:
+        query: [num_reqs, num_heads, head_dim], contiguous.
+        key_cache: [num_blocks, num_kv_heads, head_dim, block_size] (keys transposed per block).
+        value_cache: [num_blocks, num_kv_heads, block_size, head_dim].
+        block_tables: int32 [num_reqs, >= max blocks], rows contiguous.
+        seq_lens: int32 [num_reqs] context lengths.
+        scale: Softmax scale.
+
+    Returns:
+        [num_reqs, num_heads, head_dim] in the query's dtype.
+    """
+    fn = getattr(load(), _DECODE[query.dtype])
+    num_reqs, num_heads, head_dim = query.shape
+    _, num_kv_heads, _, block_size = key_cache.shape
+    assert query.is_contiguous() and block_tables.stride(1) == 1 and seq_lens.is_contiguous()
+    assert key_cache.dtype == value_cache.dtype == query.dtype and block_tables.dtype == seq_lens.dtype == torch.int32
+    out = torch.empty_like(query)
+    fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+       block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim,
+       block_size, scale)
+    return out

@@ -1,0 +1,206 @@
+"""The worker's persistent batch: one row per request it knows, updated in place.
+
+A request keeps its row from the step that sends it to the worker until it finishes
+(or is preempted). Its token ids, block table and sampling parameters live in
+row-indexed arrays, so a step only writes what changed (new rows, appended blocks, the
+tokens it sampled) and gathers the scheduled rows with array indexing: no per-step
+rebuilding of padded block tables or sampling tensors from Python lists.
+
+Token counts for the penalties live here too, allocated the first time a request with
+a penalty arrives and updated as tokens are sampled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.messages import NewRequestData
+from engine.sampler import SamplingMetadata, greedy_temperature, mix_seed
+from engine.sampling_params import SamplingParams
+
+
+class InputBatch:
+    """Row-indexed state of the requests in the worker.
+
+    Args:
+        max_num_reqs: Rows (the most requests the worker holds at once).
+        max_model_len: Longest sequence.
+        block_size: Tokens per KV block.
+        vocab_size: Width of the logits.
+        eos_token_ids: The model's EOS ids (suppressed under min_tokens).
+        device: Where sampling tensors go.
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
+                 eos_token_ids: list[int], device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+        max_blocks = -(-max_model_len // block_size)
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.temperature = np.ones(max_num_reqs, dtype=np.float32)
+        self.greedy = np.ones(max_num_reqs, dtype=bool)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.has_penalty = np.zeros(max_num_reqs, dtype=bool)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        # [rows, vocab] output token counts and prompt-token masks, for the penalties.
+        self.output_counts: torch.Tensor | None = None
+        self.prompt_mask: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    # -- rows in and out -----------------------------------------------------------------
+
+    def add(self, data: NewRequestData) -> int:
+        """Gives a new (or resumed) request a row; returns it."""
+        if not self._free_rows:
+            raise RuntimeError(f"the worker holds {self.max_num_reqs} requests already")
+        row = self._free_rows.pop()
+        self.req_ids[row] = data.request_id
+        self.row_of[data.request_id] = row
+        prompt, output = data.prompt_token_ids, data.output_token_ids
+        num_prompt, num_tokens = len(prompt), len(prompt) + len(output)
+        self.token_ids[row, :num_prompt] = prompt
+        self.token_ids[row, num_prompt:num_tokens] = output
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_tokens[row] = num_tokens
+        self.num_computed_tokens[row] = data.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.set_block_ids(row, data.block_ids)
+        p = data.sampling_params
+        self.params[row] = p
+        greedy = p.temperature < greedy_temperature
+        self.greedy[row] = greedy
+        self.temperature[row] = 1.0 if greedy else p.temperature
+        self.top_k[row] = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        has_penalty = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        self.has_penalty[row] = has_penalty
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.min_tokens[row] = p.min_tokens
+        if has_penalty:
+            self._init_penalty_state(row, prompt, output)
+        return row
+
+    def remove(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is None:
+            return
+        self.req_ids[row] = None
+        self.params[row] = None
+        self._free_rows.append(row)
+
+    def set_block_ids(self, row: int, block_ids: list[int]) -> None:
+        """Replaces a row's whole block table."""
+        self.block_table[row, : len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def _init_penalty_state(self, row: int, prompt: list[int], output: list[int]) -> None:
+        if self.output_counts is None:
+            self.output_counts = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.float32,
+                                             device=self.device)
+            self.prompt_mask = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.bool, device=self.device)
+        counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=self.vocab_size)
+        self.output_counts[row] = counts[: self.vocab_size].to(self.device, torch.float32)
+        self.prompt_mask[row] = False
+        prompt_ids = torch.tensor([t for t in prompt if 0 <= t < self.vocab_size], dtype=torch.int64)
+        self.prompt_mask[row, prompt_ids.to(self.device)] = True
+
+    # -- one step ------------------------------------------------------------------------
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Records the tokens sampled for ``rows`` (their known tokens grow by one)."""
+        positions = self.num_tokens[rows]
+        self.token_ids[rows, positions] = token_ids
+        self.num_tokens[rows] = positions + 1
+        if self.output_counts is not None:
+            penalized = self.has_penalty[rows]
+            if penalized.any():
+                r = torch.from_numpy(rows[penalized]).to(self.device, torch.int64)
+                t = torch.from_numpy(token_ids[penalized]).to(self.device, torch.int64)
+                self.output_counts.index_put_((r, t), torch.ones_like(r, dtype=torch.float32), accumulate=True)
+
+    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """The sampler's view of ``rows``, gathered from the row arrays."""
+        device = self.device
+        greedy = self.greedy[rows]
+        all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
+        md = SamplingMetadata(num_reqs=len(rows), vocab_size=self.vocab_size, all_greedy=all_greedy,
+                              all_random=all_random)
+
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+
+        if not all_greedy:
+            random = ~greedy
+            md.temperature = tensor(self.temperature[rows])
+            if not all_random:
+                md.greedy_mask = tensor(greedy)
+            top_k = self.top_k[rows]
+            if (top_k[random] < self.vocab_size).any():
+                md.top_k = tensor(np.where(random, top_k, self.vocab_size))
+            top_p = self.top_p[rows]
+            if (top_p[random] < 1.0).any():
+                md.top_p = tensor(np.where(random, top_p, 1.0).astype(np.float32))
+            min_p = self.min_p[rows]
+            if (min_p[random] > 0.0).any():
+                md.min_p = tensor(np.where(random, min_p, 0.0).astype(np.float32))
+            md.seeded_rows = [
+                (i, mix_seed(p.seed, int(self.num_tokens[row] - self.num_prompt_tokens[row])))
+                for i, row in enumerate(rows.tolist())
+                if not greedy[i] and (p := self.params[row]).seed is not None
+            ]
+        num_logprobs = self.num_logprobs[rows]
+        if (num_logprobs >= 0).any():
+            md.max_num_logprobs = int(num_logprobs.max())
+        num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        short = np.nonzero(num_output < self.min_tokens[rows])[0]
+        if len(short):
+            suppressed_rows: list[int] = []
+            suppressed_ids: list[int] = []
+            for i in short.tolist():
+                p = self.params[rows[i]]
+                banned = set(p.stop_token_ids) if p.ignore_eos else {*p.stop_token_ids, *self.eos_token_ids}
+                banned = sorted(t for t in banned if 0 <= t < self.vocab_size)
+                suppressed_rows += [i] * len(banned)
+                suppressed_ids += banned
+            if suppressed_rows:
+                md.min_tokens_rows = torch.tensor(suppressed_rows, dtype=torch.int64, device=device)
+                md.min_tokens_token_ids = torch.tensor(suppressed_ids, dtype=torch.int64, device=device)
+        if self.has_penalty[rows].any():
+            index = tensor(rows.astype(np.int64))
+            md.repetition_penalties = tensor(self.repetition_penalty[rows])
+            md.presence_penalties = tensor(self.presence_penalty[rows])
+            md.frequency_penalties = tensor(self.frequency_penalty[rows])
+            md.output_counts = self.output_counts.index_select(0, index)
+            if (self.repetition_penalty[rows] != 1.0).any():
+                md.prompt_mask = self.prompt_mask.index_select(0, index)
+        return md
