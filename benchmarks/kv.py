@@ -26,8 +26,9 @@ def simulate_step(scheduler) -> object:
 
     out = scheduler.schedule()
     requests = scheduler.requests
-    sampled = {request_id: 7 for request_id, n in out.num_scheduled_tokens.items()
-               if requests[request_id].num_computed_tokens + n == requests[request_id].num_tokens}
+    # NOTE: schedule() counts the step's tokens as computed; a request the step samples
+    # for has a pending token.
+    sampled = {request_id: 7 for request_id in out.num_scheduled_tokens if requests[request_id].num_pending_tokens}
     scheduler.update(out, RunnerOutput(out.step_id, sampled))
     return out
 

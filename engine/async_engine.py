@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import suppress
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pluggy
 
@@ -20,7 +22,7 @@ from attention_backends import get_attention_backend
 from engine.config import EngineConfig
 from engine.executor import WorkerDiedError, WorkerProcess
 from engine.kv_cache_manager import KVCacheManager
-from engine.messages import WorkerInit
+from engine.messages import RunnerOutput, SchedulerOutput, WorkerInit
 from engine.model_loader import load_tokenizer, resolve_model
 from engine.models.config import ModelConfig
 from engine.output_processor import OutputKind, OutputProcessor, RequestStream, StepError
@@ -37,6 +39,32 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The worker died; the engine cannot serve any more requests."""
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Where the time of the engine's steps went, summed over steps (for benchmarks).
+
+    Attributes:
+        num_steps: Steps whose results came back.
+        schedule_seconds: Engine time building steps (schedule()).
+        update_seconds: Engine time applying results (update, detokenizing, streams).
+        worker_compute_seconds: Worker time running steps.
+        worker_idle_seconds: Worker time waiting for its next step: the engine
+            overhead that is on the critical path.
+    """
+
+    num_steps: int = 0
+    schedule_seconds: float = 0.0
+    update_seconds: float = 0.0
+    worker_compute_seconds: float = 0.0
+    worker_idle_seconds: float = 0.0
+
+    def record(self, runner_output: RunnerOutput, update_seconds: float) -> None:
+        self.num_steps += 1
+        self.update_seconds += update_seconds
+        self.worker_compute_seconds += runner_output.compute_seconds
+        self.worker_idle_seconds += runner_output.idle_seconds
 
 
 class AsyncEngine:
@@ -65,6 +93,10 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._ids = itertools.count()
+        self._worker_init: WorkerInit | None = None
+        self._restart_times: list[float] = []
+        self.num_worker_restarts = 0
+        self.step_stats = StepStats()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -92,9 +124,12 @@ class AsyncEngine:
             preemption_mode=config.preemption_mode,
             policy=self.policy,
         )
-        self.worker = WorkerProcess(WorkerInit(config, model_dir, model_config, num_blocks, self.max_model_len,
-                                               num_cpu_blocks))
-        await self.worker.start()
+        self._worker_init = WorkerInit(config, model_dir, model_config, num_blocks, self.max_model_len,
+                                       num_cpu_blocks)
+        self.worker = WorkerProcess(self._worker_init)
+        ready = await self.worker.start()
+        if ready.compile_seconds:
+            logger.info("the worker compiled the model in %.1f s", ready.compile_seconds)
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="pagoda-engine-loop")
 
     async def shutdown(self) -> None:
@@ -287,31 +322,99 @@ class AsyncEngine:
     # -- the loop ---------------------------------------------------------------------
 
     async def _run_loop(self) -> None:
-        scheduler = self.scheduler
-        try:
-            while True:
-                if not scheduler.has_unfinished_requests() and not self._pending_aborts:
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                self._apply_aborts()
+        """Runs steps; when the worker dies, restarts it (within the budget) and goes on."""
+        while True:
+            try:
+                await self._run_steps()
+            except WorkerDiedError as exc:
+                if not await self._restart_worker(exc):
+                    return
+            except Exception as exc:  # a bug in the loop must not leave requests hanging
+                logger.exception("engine loop crashed")
+                self._dead = exc
+                self._fail_all(EngineDeadError(f"the engine loop crashed: {exc!r}"))
+                return
+
+    async def _run_steps(self) -> None:
+        """The step loop. With async scheduling, step N+1 is scheduled and sent while the
+        worker runs step N, so the worker never waits for the engine's bookkeeping."""
+        scheduler, worker, stats = self.scheduler, self.worker, self.step_stats
+        # Steps sent and not answered yet, each with whether the engine had been idle
+        # (no work at all) before it: the worker's wait for such a step is not overhead.
+        in_flight: deque[tuple[SchedulerOutput, bool]] = deque()
+        depth = 2 if self.config.async_scheduling else 1
+        was_idle = True
+        while True:
+            if not in_flight and not scheduler.has_unfinished_requests() and not self._pending_aborts:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                was_idle = True
+            self._apply_aborts()
+            if len(in_flight) < depth:
+                start = time.perf_counter()
                 scheduler_output = scheduler.schedule()
-                if not scheduler_output.has_work:
+                if scheduler_output.has_work:
+                    worker.send(scheduler_output)
+                    in_flight.append((scheduler_output, was_idle))
+                    was_idle = False
+                stats.schedule_seconds += time.perf_counter() - start
+                if not in_flight:
                     await asyncio.sleep(0.001)  # nothing runnable yet; do not spin
+                    was_idle = True
                     continue
-                runner_output = await self.worker.execute(scheduler_output)
-                if runner_output.error is not None:
-                    scheduler.discard_step(scheduler_output)
-                    self._fail_step(scheduler_output.num_scheduled_tokens, runner_output.error)
-                    continue
-                self._process_updates(scheduler.update(scheduler_output, runner_output))
-        except WorkerDiedError as exc:
-            logger.error("worker died: %s", exc)
+            runner_output = await worker.recv()
+            step, after_idle = in_flight.popleft()
+            start = time.perf_counter()
+            if runner_output.error is not None:
+                scheduler.discard_step(step)
+                self._fail_step(step.num_scheduled_tokens, runner_output.error)
+            else:
+                self._process_updates(scheduler.update(step, runner_output))
+            if after_idle:
+                runner_output.idle_seconds = 0.0
+            stats.record(runner_output, time.perf_counter() - start)
+
+    async def _restart_worker(self, exc: WorkerDiedError) -> bool:
+        """Starts a new worker after ``exc`` and re-queues every request for recompute.
+
+        Returns:
+            False when the restart budget is spent (the engine is then dead).
+        """
+        while True:
+            if not self._take_restart(exc):
+                return False
+            await self.worker.shutdown()
+            # NOTE: the KV cache and the swap space died with the worker: every request
+            # starts over from its tokens so far (the prompt and the output already streamed).
+            self.scheduler.reset_after_worker_loss()
+            self.worker = WorkerProcess(self._worker_init)
+            try:
+                await self.worker.start()
+            except WorkerDiedError as start_exc:
+                exc = start_exc
+                continue
+            logger.info("worker restarted (pid %s)", self.worker.pid)
+            self._wakeup.set()
+            return True
+
+    def _take_restart(self, exc: WorkerDiedError) -> bool:
+        """Counts one restart against the budget (max_worker_restarts per window)."""
+        config = self.config
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < config.worker_restart_window]
+        if len(self._restart_times) >= config.max_worker_restarts:
+            logger.error("worker died: %s; it was restarted %d times in the last %d s, giving up", exc,
+                         len(self._restart_times), config.worker_restart_window)
             self._dead = exc
-            self._fail_all(EngineDeadError(str(exc)))
-        except Exception as exc:  # a bug in the loop must not leave requests hanging
-            logger.exception("engine loop crashed")
-            self._dead = exc
-            self._fail_all(EngineDeadError(f"the engine loop crashed: {exc!r}"))
+            self._fail_all(EngineDeadError(
+                f"{exc}; it was restarted {len(self._restart_times)} times in {config.worker_restart_window} s "
+                "(--max-worker-restarts), so the engine gave up"))
+            return False
+        self._restart_times.append(now)
+        self.num_worker_restarts += 1
+        logger.error("worker died: %s; restarting it (restart %d), %d requests will be recomputed", exc,
+                     self.num_worker_restarts, len(self.scheduler.requests))
+        return True
 
     def _apply_aborts(self) -> None:
         for child_id in self._pending_aborts:

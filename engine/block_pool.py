@@ -121,6 +121,18 @@ class BlockPool:
             count += 1
         return count
 
+    def reset(self) -> None:
+        """Every block free and uncached again, as when the pool was made."""
+        while len(self.evictor):
+            self.evictor.pop()
+        for block in self.blocks:
+            block.ref_cnt = 0
+            block.block_hash = None
+            block.block_key = None
+            block.retention = 0
+        self.free_uncached = deque(self.blocks)
+        self.cached_blocks.clear()
+
     def num_shared_blocks(self) -> int:
         return sum(1 for block in self.blocks if block.ref_cnt > 1)
 

@@ -29,6 +29,10 @@ class EngineConfig:
         attention_backend: Name of the attention backend, or "auto".
         device: "cpu", "cuda" or "auto".
         num_threads: Torch threads in the worker; None keeps torch's default.
+        async_scheduling: Schedule and send step N+1 while the worker runs step N.
+        max_worker_restarts: Worker restarts allowed within worker_restart_window
+            seconds; past that the engine stops serving.
+        worker_restart_window: The window of max_worker_restarts, in seconds.
         enforce_eager: Run the model eagerly instead of compiling it with torch.compile
             at start-up (compiling takes seconds to a minute; steps then run faster).
         enable_prefix_caching: Reuse the KV of shared prompt prefixes.
@@ -54,6 +58,9 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None
     enforce_eager: bool = False
+    async_scheduling: bool = True
+    max_worker_restarts: int = 3
+    worker_restart_window: int = 60
     enable_prefix_caching: bool = True
     swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
     preemption_mode: str = "auto"
@@ -72,6 +79,9 @@ class EngineConfig:
             _positive_int(self, "max_model_len")
         if self.num_threads is not None:
             _positive_int(self, "num_threads")
+        _positive_int(self, "worker_restart_window")
+        if not isinstance(self.max_worker_restarts, int) or self.max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be a non-negative integer; got {self.max_worker_restarts!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         # NOTE: the attention backend's name is checked against the backend registry when

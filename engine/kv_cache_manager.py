@@ -201,7 +201,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         request_id = request.request_id
-        num_full = num_tokens // self.block_size
+        # NOTE: only blocks of known tokens: a slot may be allocated for a token that a
+        # step in flight is still sampling; its block is cached by a later call.
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self.req_to_num_cached.get(request_id, 0)
         if num_full <= start:
             return
@@ -235,6 +237,22 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks), retention)
         self.free_cpu_blocks.extend(self.req_to_cpu_blocks.pop(request_id, ()))
+
+    def reset(self) -> None:
+        """Forgets every block table, cached block and swapped request (the KV tensors
+        they described are gone)."""
+        self.block_pool.reset()
+        self.req_retention.clear()
+        self.req_to_blocks.clear()
+        self.req_to_num_tokens.clear()
+        self.req_to_hashes.clear()
+        self.req_to_num_cached.clear()
+        self.free_cpu_blocks = list(range(self.num_cpu_blocks - 1, -1, -1))
+        self.req_to_cpu_blocks.clear()
+
+    def reset_prefix_cache(self) -> int:
+        """Evicts every cached block that no request holds; returns how many."""
+        return self.block_pool.evict_cached_free_blocks()
 
     def uncache(self, request_id: str) -> None:
         """Takes a request's blocks out of the prefix cache (their contents are suspect)."""

@@ -117,12 +117,16 @@ class RunnerOutput:
             chunked prefill sample nothing.
         logprobs: Request id to logprobs, for requests that asked.
         error: Set when the step failed; every request in it is failed.
+        compute_seconds: Time the worker spent on the step.
+        idle_seconds: Time the worker waited for the step after answering the one before.
     """
 
     step_id: int
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     error: str | None = None
+    compute_seconds: float = 0.0
+    idle_seconds: float = 0.0
 
 
 @dataclass(slots=True)

@@ -71,6 +71,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.batch = InputBatch(config.max_num_seqs, init.max_model_len, self.block_size, model_config.vocab_size,
                                 list(model_config.eos_token_ids), self.device)
+        self._failed: set[str] = set()
         self.compile_seconds = 0.0
         # NOTE: compiled on the CPU only for now: the compiled path has not been checked on
         # a GPU yet, so CUDA runs eagerly.
@@ -95,19 +96,31 @@ class ModelRunner:
                 self.model(ids, positions, self.kv_caches, metadata)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Runs one step; a failure is reported in the output, never raised."""
+        """Runs one step; a failure is reported in the output, never raised.
+
+        The requests of a failed step are dropped here (the engine fails them). The step
+        after it was sent before the engine knew, so it may still name them: they are
+        skipped until the engine lists them as finished.
+        """
         try:
             with torch.inference_mode():
                 return self._execute(sched)
         except Exception:
             for request_id in sched.num_scheduled_tokens:
                 self.batch.remove(request_id)
+                self._failed.add(request_id)
             return RunnerOutput(step_id=sched.step_id, error=traceback.format_exc())
 
     def _apply_changes(self, sched: SchedulerOutput) -> None:
         batch = self.batch
         for request_id in sched.finished_request_ids:
             batch.remove(request_id)
+            self._failed.discard(request_id)
+        if self._failed:
+            for request_id in self._failed:
+                sched.num_scheduled_tokens.pop(request_id, None)
+                sched.new_block_ids.pop(request_id, None)
+                sched.block_tables.pop(request_id, None)
         # NOTE: the order matters: a swapped-out block may be reused by this very step.
         self._move_blocks(sched.swap_out, self.kv_caches, self.cpu_caches)
         self._move_blocks(sched.swap_in, self.cpu_caches, self.kv_caches)

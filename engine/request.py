@@ -50,7 +50,11 @@ class Request:
         prompt_token_ids: The prompt.
         output_token_ids: Tokens generated so far.
         all_token_ids: Prompt followed by output.
-        num_computed_tokens: Tokens whose K/V are in the cache.
+        num_computed_tokens: Tokens whose K/V are in the cache, or will be once the
+            steps already sent to the worker have run.
+        num_pending_tokens: Tokens sampled by steps in flight, not known yet: a step that
+            computes a request's last known token samples one more, which the next step
+            can already compute (the worker has it) before the engine learns it.
         max_tokens: Output length cap, already clamped to max_model_len.
         stop_reason: The token id or string that stopped the request, if any.
         cache_salt: Extra key of the prefix cache; requests with different salts
@@ -68,6 +72,7 @@ class Request:
         "output_token_ids",
         "all_token_ids",
         "num_computed_tokens",
+        "num_pending_tokens",
         "status",
         "metrics",
         "max_tokens",
@@ -99,6 +104,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
         self.status = RequestStatus.WAITING
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
         self.metrics.events.append(("queued", self.metrics.arrival_time))
@@ -117,6 +123,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -139,6 +149,11 @@ class Request:
         now = time.time() if now is None else now
         self.metrics.events.append((event, now))
         return now
+
+    def can_sample_more(self, max_model_len: int) -> bool:
+        """Whether a step may still sample for it: pending tokens count against the limits."""
+        return (self.num_output_tokens + self.num_pending_tokens < self.max_tokens
+                and self.num_tokens_with_pending < max_model_len)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

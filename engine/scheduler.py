@@ -182,7 +182,7 @@ class Scheduler:
             fits_seqs = num_reserved + 1 + len(request.pending_forks) <= self.max_num_seqs
             refusal = self._admit(request, self._budget) if fits_seqs else "seqs"
             if refusal is not None:
-                if refusal != "budget":
+                if refusal in ("memory", "seqs"):
                     self._preempt_for_waiting(request)
                 break
             self._budget -= out.num_scheduled_tokens.get(request.request_id, 0)
@@ -190,14 +190,36 @@ class Scheduler:
         out.finished_request_ids = self._finished_ids
         self._finished_ids = []
         self._out = None
+        self._commit(out)
         return out
+
+    def _commit(self, out: SchedulerOutput) -> None:
+        """Counts the step's tokens as computed now, before it runs.
+
+        The next step can then be scheduled while this one runs: a request whose step
+        computes its last known token gets a pending token (the one the step samples),
+        which the next step computes (the worker already has it) and update() turns into
+        a known token when the result arrives.
+        """
+        stats = self.stats
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                stats.num_prompt_tokens += min(num_tokens, request.num_prompt_tokens - request.num_computed_tokens)
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens_with_pending:
+                request.num_pending_tokens += 1
 
     def _admit(self, request: Request, budget: int) -> str | None:
         """Admits the first waiting request if its blocks can be had.
 
         Returns:
-            None when admitted, else why not: "budget" or "memory".
+            None when admitted, else why not: "budget", "memory", or "pending" (a
+            preempted request whose last sampled token is still in flight: the worker
+            dropped it, so it comes back once the token is known).
         """
+        if request.num_pending_tokens:
+            return "pending"
         kv = self.kv_cache_manager
         request_id = request.request_id
         out = self._out
@@ -274,6 +296,28 @@ class Scheduler:
             self.stats.num_forks += 1
         parent.pending_forks = []
 
+    def reset_after_worker_loss(self) -> None:
+        """Sends every request back to waiting, to be recomputed by a new worker.
+
+        The KV cache (with the prefix cache and the swap space) was lost with the worker,
+        and so were the tokens of steps in flight: each request restarts from the tokens
+        it has (its prompt and the output already produced), in its queue order, running
+        requests first.
+        """
+        self.kv_cache_manager.reset()
+        requests = [*self.running, *self.waiting]
+        self.running.clear()
+        self.waiting = WaitingQueue()
+        self._in_worker.clear()
+        self._finished_ids.clear()
+        for request in requests:
+            request.num_computed_tokens = 0
+            request.num_pending_tokens = 0
+            if request.status == RequestStatus.RUNNING:
+                request.status = RequestStatus.PREEMPTED
+                request.record("preempted")
+            self._enqueue(request)
+
     def discard_step(self, scheduler_output: SchedulerOutput) -> None:
         """Undoes what a step that failed in the worker may have left half done.
 
@@ -291,22 +335,26 @@ class Scheduler:
                 request.num_computed_tokens = 0
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
-        """Applies a step's results: advances computed tokens, appends samples, finishes."""
+        """Applies a step's results: turns pending tokens into known ones, finishes requests.
+
+        The step's tokens were counted as computed when it was scheduled. A request may
+        have been preempted since (its sampled token still counts) or have finished
+        (its token is dropped).
+        """
         updates: list[RequestUpdate] = []
         if scheduler_output.is_empty:
             return updates
         self.stats.num_steps += 1
         now = time.time()
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                self.stats.num_prompt_tokens += min(num_tokens, request.num_prompt_tokens - request.num_computed_tokens)
-            request.num_computed_tokens += num_tokens
-            token_id = runner_output.sampled.get(request_id)
+        sampled = runner_output.sampled
+        for request_id in scheduler_output.num_scheduled_tokens:
+            token_id = sampled.get(request_id)
             if token_id is None:
                 continue
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # finished (aborted, a stop string) while the step ran
+            request.num_pending_tokens -= 1
             request.append_output_token(token_id)
             self.stats.num_generation_tokens += 1
             request.metrics.last_token_time = now
@@ -339,7 +387,9 @@ class Scheduler:
     def _num_tokens_to_run(self, request: Request) -> int:
         if request.pending_forks:
             return request.num_prompt_tokens - 1 - request.num_computed_tokens
-        return request.num_tokens - request.num_computed_tokens
+        if not request.can_sample_more(self.max_model_len):
+            return 0  # its pending token finishes it
+        return request.num_tokens_with_pending - request.num_computed_tokens
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> SlotAllocation | None:
         """Allocates the step's slots, preempting newer requests until they fit.

@@ -17,6 +17,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -45,15 +46,21 @@ def serve(conn: Connection) -> None:
                           pid=os.getpid(), compile_seconds=runner.compile_seconds))
     from engine.messages import SchedulerOutput, Shutdown
 
+    answered = None  # when the previous answer went out
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             return
+        received = time.perf_counter()
         if isinstance(message, Shutdown):
             return
         assert isinstance(message, SchedulerOutput), f"unexpected message {type(message).__name__}"
-        conn.send(runner.execute(message))
+        output = runner.execute(message)
+        output.compute_seconds = time.perf_counter() - received
+        output.idle_seconds = 0.0 if answered is None else received - answered
+        conn.send(output)
+        answered = time.perf_counter()
 
 
 def _send_failure(conn: Connection, error: str) -> None:

@@ -30,10 +30,13 @@ def step(scheduler, next_token=lambda request: 7):
     assert out.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
     assert len(scheduler.running) <= scheduler.max_num_seqs
     sampled = {}
-    for request_id, num in out.num_scheduled_tokens.items():
+    for request_id in out.num_scheduled_tokens:
+        # NOTE: schedule() already counted the step's tokens as computed; the step samples
+        # for a request when that reaches its last token (the pending one it samples).
         request = scheduler.requests[request_id]
-        assert request.num_computed_tokens + num <= request.num_tokens
-        if request.num_computed_tokens + num == request.num_tokens:
+        assert request.num_computed_tokens < request.num_tokens_with_pending or not request.num_pending_tokens
+        if request.num_pending_tokens:
+            assert request.num_computed_tokens == request.num_tokens_with_pending - 1
             sampled[request_id] = next_token(request)
     updates = scheduler.update(out, RunnerOutput(step_id=out.step_id, sampled=sampled))
     scheduler.kv_cache_manager.check_invariants()
