@@ -309,6 +309,12 @@ class AsyncEngine:
                 self.abort(stream.request_id)
             self.output_processor.forget(stream)
 
+    def reset_prefix_cache(self) -> bool:
+        """Evicts every cached block no request holds; True when nothing was left cached."""
+        kv = self.scheduler.kv_cache_manager
+        kv.reset_prefix_cache()
+        return kv.usage().num_cached_free_blocks == 0 and not self.scheduler.requests
+
     def abort(self, request_id: str) -> None:
         """Aborts a request (all its samples); it frees its blocks before the next step."""
         stream = self.output_processor.streams.get(request_id)

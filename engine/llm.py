@@ -126,6 +126,15 @@ class LLM:
             pass
         return output
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache, as vLLM's ``LLM.reset_prefix_cache`` does.
+
+        Returns:
+            True when the whole cache was emptied; False when requests still hold
+            cached blocks (those stay cached).
+        """
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stops the worker process; the LLM cannot be used afterwards."""
         if self._loop.is_closed():

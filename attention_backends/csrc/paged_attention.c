@@ -135,6 +135,16 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(const T *query, 
         const int64_t base = (int64_t)table[start / 16] * block_stride + kh * 16 * head_dim;               \
         const T *k = key_cache + base;                                                                     \
         const T *v = value_cache + base;                                                                   \
+        if (start + 16 < len) {                                                                            \
+            /* NOTE: blocks are scattered, so the hardware prefetcher cannot guess the next   \
+             * one: ask for it while this one is computed. */                                             \
+            const int64_t next = (int64_t)table[start / 16 + 1] * block_stride + kh * 16 * head_dim;      \
+            const char *nk = (const char *)(key_cache + next), *nv = (const char *)(value_cache + next);   \
+            for (int64_t off = 0; off < 16 * head_dim * (int64_t)sizeof(T); off += 64) {                   \
+                _mm_prefetch(nk + off, _MM_HINT_T0);                                                       \
+                _mm_prefetch(nv + off, _MM_HINT_T0);                                                       \
+            }                                                                                              \
+        }                                                                                                  \
         /* NOTE: four partial sums per head: one chain of head_dim dependent FMAs would be    \
          * bound by their latency, not by the FMA units. */                                               \
         __m512 s[FAST_MAX_GROUP], s1[FAST_MAX_GROUP], s2[FAST_MAX_GROUP], s3[FAST_MAX_GROUP];              \

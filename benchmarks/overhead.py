@@ -1,0 +1,79 @@
+"""`pagoda bench overhead`: the engine's own cost per step, outside the model's forward.
+
+Many short requests run at once (256 by default), so the engine has the most
+bookkeeping per step: scheduling, the message to the worker and back, applying results,
+detokenizing and waking streams. The run is done twice, without and with async
+scheduling, and reports per step:
+
+* engine time: schedule() plus applying the results (update, detokenizing, streams);
+* worker idle: how long the worker waited for its next step after answering one, which
+  is the part of the engine's cost on the critical path (async scheduling hides the
+  engine's work behind the worker's);
+* worker compute and the wall time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict
+
+from engine.args import add_engine_args, engine_config_from_args
+
+
+def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    config.async_scheduling = async_scheduling
+    rng = random.Random(args.bench_seed)
+    with LLM(**asdict(config)) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        prompts = [[rng.randrange(1000, vocab) for _ in range(args.input_len)] for _ in range(args.num_requests)]
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+        s = llm.engine.step_stats
+        before = asdict(s)
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - start
+        after = asdict(s)
+    steps = after["num_steps"] - before["num_steps"]
+
+    def per_step(key: str) -> float:
+        return 1e3 * (after[key] - before[key]) / steps
+
+    return {"async_scheduling": async_scheduling, "requests": args.num_requests, "steps": steps,
+            "wall_ms_per_step": 1e3 * wall / steps, "schedule_ms_per_step": per_step("schedule_seconds"),
+            "update_ms_per_step": per_step("update_seconds"),
+            "engine_ms_per_step": per_step("schedule_seconds") + per_step("update_seconds"),
+            "worker_idle_ms_per_step": per_step("worker_idle_seconds"),
+            "worker_compute_ms_per_step": per_step("worker_compute_seconds"), "seconds": wall}
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    results = [measure(args, False), measure(args, True)]
+    for r in results:
+        print(json.dumps(r), flush=True)
+    print(f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output), per step (ms):")
+    print(f"{'async scheduling':<18}{'engine':>9}{'schedule':>10}{'update':>9}{'worker idle':>13}"
+          f"{'worker compute':>16}{'wall':>9}{'total s':>9}")
+    for r in results:
+        print(f"{'on' if r['async_scheduling'] else 'off':<18}{r['engine_ms_per_step']:>9.2f}"
+              f"{r['schedule_ms_per_step']:>10.2f}{r['update_ms_per_step']:>9.2f}{r['worker_idle_ms_per_step']:>13.2f}"
+              f"{r['worker_compute_ms_per_step']:>16.2f}{r['wall_ms_per_step']:>9.2f}{r['seconds']:>9.2f}")
+    return 0
+
+
+def add_overhead_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("overhead", help="engine time per step outside the forward, with and without "
+                                              "async scheduling")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--bench-seed", type=int, default=0)
+    add_engine_args(p)
+    p.set_defaults(func=run_overhead)
