@@ -96,6 +96,8 @@ class AsyncEngine:
         self._worker_init: WorkerInit | None = None
         self._restart_times: list[float] = []
         self.num_worker_restarts = 0
+        # (when the last worker death was noticed, when its replacement was ready), time.time()
+        self.last_restart: tuple[float, float] | None = None
         self.step_stats = StepStats()
 
     # -- lifecycle --------------------------------------------------------------------
@@ -126,7 +128,7 @@ class AsyncEngine:
         )
         self._worker_init = WorkerInit(config, model_dir, model_config, num_blocks, self.max_model_len,
                                        num_cpu_blocks)
-        self.worker = WorkerProcess(self._worker_init)
+        self.worker = WorkerProcess(self._worker_init, on_death=self._wakeup.set)
         ready = await self.worker.start()
         if ready.compile_seconds:
             logger.info("the worker compiled the model in %.1f s", ready.compile_seconds)
@@ -196,6 +198,13 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._loop_task is not None and self._dead is None
+
+    @property
+    def dead_reason(self) -> str:
+        """Why the engine stopped serving ("" while it runs)."""
+        if self._dead is None:
+            return "" if self._loop_task is not None else "it has not been started"
+        return str(self._dead)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Tokenizes a text prompt, or validates a token-id prompt."""
@@ -355,6 +364,7 @@ class AsyncEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 was_idle = True
+            worker.check()
             self._apply_aborts()
             if len(in_flight) < depth:
                 start = time.perf_counter()
@@ -386,6 +396,7 @@ class AsyncEngine:
         Returns:
             False when the restart budget is spent (the engine is then dead).
         """
+        detected = time.time()
         while True:
             if not self._take_restart(exc):
                 return False
@@ -393,13 +404,14 @@ class AsyncEngine:
             # NOTE: the KV cache and the swap space died with the worker: every request
             # starts over from its tokens so far (the prompt and the output already streamed).
             self.scheduler.reset_after_worker_loss()
-            self.worker = WorkerProcess(self._worker_init)
+            self.worker = WorkerProcess(self._worker_init, on_death=self._wakeup.set)
             try:
                 await self.worker.start()
             except WorkerDiedError as start_exc:
                 exc = start_exc
                 continue
-            logger.info("worker restarted (pid %s)", self.worker.pid)
+            self.last_restart = (detected, time.time())
+            logger.info("worker restarted (pid %s) in %.1f s", self.worker.pid, self.last_restart[1] - detected)
             self._wakeup.set()
             return True
 
@@ -411,10 +423,10 @@ class AsyncEngine:
         if len(self._restart_times) >= config.max_worker_restarts:
             logger.error("worker died: %s; it was restarted %d times in the last %d s, giving up", exc,
                          len(self._restart_times), config.worker_restart_window)
-            self._dead = exc
-            self._fail_all(EngineDeadError(
+            self._dead = EngineDeadError(
                 f"{exc}; it was restarted {len(self._restart_times)} times in {config.worker_restart_window} s "
-                "(--max-worker-restarts), so the engine gave up"))
+                "(--max-worker-restarts), so the engine gave up")
+            self._fail_all(self._dead)
             return False
         self._restart_times.append(now)
         self.num_worker_restarts += 1

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -51,11 +52,15 @@ class WorkerProcess:
     Args:
         init: What the worker loads (sent as its first message).
         env: Extra environment variables for the worker.
+        on_death: Called on the event loop when the worker is found dead, so that an
+            idle engine notices at once, not at its next step.
     """
 
-    def __init__(self, init: WorkerInit, env: dict[str, str] | None = None) -> None:
+    def __init__(self, init: WorkerInit, env: dict[str, str] | None = None,
+                 on_death: Callable[[], None] | None = None) -> None:
         self._init = init
         self._env = env or {}
+        self._on_death = on_death
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._inbox: asyncio.Queue | None = None
@@ -100,6 +105,11 @@ class WorkerProcess:
         assert isinstance(message, WorkerReady), f"unexpected message {type(message).__name__}"
         self.ready = message
         return message
+
+    def check(self) -> None:
+        """Raises WorkerDiedError if the worker is known to be dead."""
+        if self._death is not None:
+            raise self._death
 
     def send(self, scheduler_output: SchedulerOutput) -> None:
         """Sends one step without waiting for it (results come back in order)."""
@@ -156,9 +166,11 @@ class WorkerProcess:
 
     def _post(self, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue, message) -> bool:
         def deliver() -> None:
+            inbox.put_nowait(message)
             if isinstance(message, WorkerDiedError):
                 self._death = message
-            inbox.put_nowait(message)
+                if self._on_death is not None:
+                    self._on_death()
 
         try:
             loop.call_soon_threadsafe(deliver)

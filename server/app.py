@@ -100,12 +100,14 @@ def body_size_middleware(max_bytes: int):
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: 200 while the engine can serve, 503 when its worker is dead or it is stopping."""
+    """GET /health: 200 while the engine can serve (also while it restarts a dead worker), 503 once it
+    has given up on its worker or while it is stopping."""
     state = request.app[STATE_KEY]
     if state.draining:
         return APIError(503, "The server is shutting down.", code="shutting_down").to_response()
     if not state.is_healthy():
-        return APIError(503, "The engine's worker process is dead.", code="engine_dead").to_response()
+        return APIError(503, f"The engine is not serving: {state.engine.dead_reason}.",
+                        code="engine_dead").to_response()
     return _json({"status": "ok"})
 
 

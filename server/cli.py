@@ -25,6 +25,12 @@ def _add(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
         parser.add_argument(flag, **kwargs)
 
 
+def _optional_int(value: str) -> int | None:
+    """An integer flag where 0 means "no limit"."""
+    number = int(value)
+    return None if number == 0 else number
+
+
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the ``serve`` subcommand."""
     parser = subparsers.add_parser(
@@ -43,6 +49,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
          help="names the model answers to (default: the --model value)")
     _add(parser, "--max-waiting-requests", type=int, default=None,
          help="answer 503 with Retry-After while this many requests wait (default: no limit)")
+    _add(parser, "--max-concurrent-requests", type=_optional_int, default=1024,
+         help="generation requests in flight at once; more get 429 (default 1024; 0 for no limit)")
+    _add(parser, "--max-concurrent-requests-per-key", type=_optional_int, default=None,
+         help="the same per API key, or per client address without keys; more get 429 (default: no limit)")
+    _add(parser, "--max-tokens-limit", type=_optional_int, default=None,
+         help="most tokens one request may generate; larger max_tokens get 400 (default: the context)")
     _add(parser, "--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
          help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
     _add(parser, "--shutdown-timeout", type=float, default=30.0,
@@ -67,6 +79,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         served_model_names=list(args.served_model_name), max_waiting_requests=args.max_waiting_requests,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
+        max_tokens_limit=args.max_tokens_limit,
         max_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout, max_n=args.max_n,
         max_logprobs=args.max_logprobs, max_stop=args.max_stop, max_prompts=args.max_prompts,
         chat_template=args.chat_template, otlp_traces_endpoint=args.otlp_traces_endpoint,

@@ -22,6 +22,13 @@ class ServerConfig:
             the ``--model`` value (or the default model's name).
         max_waiting_requests: Turn requests away with 503 while this many wait to be
             scheduled; None means no limit.
+        max_concurrent_requests: Generation requests in flight at once (streaming or
+            not); one more gets 429. None means no limit.
+        max_concurrent_requests_per_key: The same, per client: per API key when the
+            request has one, else per client address. None means no limit.
+        max_tokens_limit: The most tokens one request may ask to generate (max_tokens,
+            max_completion_tokens); more is a 400, and requests that leave it out are
+            capped to it. None means up to the context.
         max_body_bytes: Largest request body; larger ones get 413.
         shutdown_timeout: Seconds that in-flight requests get to finish on SIGTERM/SIGINT.
         max_n: Largest ``n``.
@@ -39,6 +46,9 @@ class ServerConfig:
     api_key: str | None = None
     served_model_names: list[str] = field(default_factory=list)
     max_waiting_requests: int | None = None
+    max_concurrent_requests: int | None = 1024
+    max_concurrent_requests_per_key: int | None = None
+    max_tokens_limit: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
     max_n: int = MAX_N
@@ -58,6 +68,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        for name in ("max_concurrent_requests", "max_concurrent_requests_per_key", "max_tokens_limit"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None; got {value!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0; got {self.max_waiting_requests!r}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:

@@ -67,6 +67,8 @@ class _EngineCollector:
         yield self._family(counter, "num_preemptions", "Cumulative number of preemptions from the engine.",
                            stats.num_preemptions)
         yield self._family(counter, "prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
+        yield self._family(counter, "worker_restarts", "Times the worker process died and was restarted.",
+                           self._engine.num_worker_restarts)
         yield self._family(counter, "generation_tokens", "Number of generation tokens processed.",
                            stats.num_generation_tokens)
 

@@ -188,8 +188,8 @@ def parse_chat(body: Any, config: ServerConfig) -> GenerateRequest:
     max_tokens_param = "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_tokens_param = b.int_("max_tokens", None), "max_tokens"
-    request = _parse_common(b, config, logprobs, max_tokens, add_special_tokens=False)
-    request.max_tokens_param = max_tokens_param
+    request = _parse_common(b, config, logprobs, max_tokens, add_special_tokens=False,
+                            max_tokens_param=max_tokens_param)
     request.messages = messages
     request.add_generation_prompt = b.bool_("add_generation_prompt", True)
     request.continue_final_message = b.bool_("continue_final_message", False)
@@ -214,8 +214,17 @@ def _check_fields(body: Any, known: frozenset[str]) -> Body:
 
 
 def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_tokens: int | None,
-                  add_special_tokens: bool = True, default_max_tokens: int | None = None) -> GenerateRequest:
+                  add_special_tokens: bool = True, default_max_tokens: int | None = None,
+                  max_tokens_param: str = "max_tokens") -> GenerateRequest:
     model = b.str_("model")
+    limit = config.max_tokens_limit
+    if limit is not None:
+        if max_tokens is not None and max_tokens > limit:
+            raise bad_request(f"'{max_tokens_param}' is too large: {max_tokens}. This server generates at most "
+                              f"{limit} tokens per request (--max-tokens-limit).", max_tokens_param,
+                              code="max_tokens_limit_exceeded")
+        if default_max_tokens is None or default_max_tokens > limit:
+            default_max_tokens = limit
     stream = b.bool_("stream", False)
     options = b.get("stream_options")
     include_usage = continuous_usage = False
@@ -275,7 +284,8 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
     except ValueError as exc:
         raise from_value_error(exc) from None
     return GenerateRequest(
-        model=model, params=params, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
+        model=model, params=params, max_tokens=max_tokens, max_tokens_param=max_tokens_param, stream=stream,
+        include_usage=include_usage,
         continuous_usage=continuous_usage, logprobs=logprobs, echo=echo,
         add_special_tokens=b.bool_("add_special_tokens", add_special_tokens), priority=priority,
         cache_salt=cache_salt, kv_retention=kv_retention,

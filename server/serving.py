@@ -12,6 +12,7 @@ next step.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from contextlib import aclosing
@@ -78,7 +79,12 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     span = state.tracing.start(request, operation) if state.tracing is not None else RequestSpan()
     status, error = 500, None
     task = asyncio.current_task()
-    state.track(task)
+    key = client_key(request)
+    try:
+        state.track(task, key)
+    except APIError as exc:
+        span.end(exc.status, exc.message)
+        raise
     try:
         response = await _generate(request, state, chat, span)
         status = response.status
@@ -90,8 +96,16 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         status, error = 499, "the client disconnected"
         raise
     finally:
-        state.untrack(task)
+        state.untrack(task, key)
         span.end(status, error)
+
+
+def client_key(request: web.Request) -> str:
+    """Who a request is from, for the per-client limits: its API key, else its address."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+    return "addr:" + (request.remote or "unknown")
 
 
 async def _generate(request: web.Request, state: ServerState, chat: bool, span: RequestSpan) -> web.StreamResponse:

@@ -72,6 +72,7 @@ class ServerState:
         draining: Set on shutdown: new generation requests get 503.
         inflight: The tasks running generation requests (for the drain on shutdown).
         idle: Set while no generation request runs.
+        inflight_per_key: Generation requests in flight per client key (API key or address).
     """
 
     engine: AsyncEngine
@@ -88,18 +89,37 @@ class ServerState:
     draining: bool = False
     inflight: set[asyncio.Task] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    inflight_per_key: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.idle.set()
 
     # -- in-flight requests -----------------------------------------------------------
 
-    def track(self, task: asyncio.Task) -> None:
+    def track(self, task: asyncio.Task, client_key: str) -> None:
+        """Counts a generation request in; 429 when a concurrency limit is reached."""
+        config = self.config
+        limit = config.max_concurrent_requests
+        if limit is not None and len(self.inflight) >= limit:
+            raise APIError(429, f"Too many concurrent requests: {len(self.inflight)} are in flight "
+                                f"(--max-concurrent-requests {limit}). Retry later.",
+                           code="too_many_requests", headers={"Retry-After": "1"})
+        per_key = config.max_concurrent_requests_per_key
+        if per_key is not None and self.inflight_per_key.get(client_key, 0) >= per_key:
+            raise APIError(429, f"Too many concurrent requests from this client: {per_key} are in flight "
+                                f"(--max-concurrent-requests-per-key {per_key}). Retry later.",
+                           code="too_many_requests", headers={"Retry-After": "1"})
         self.inflight.add(task)
+        self.inflight_per_key[client_key] = self.inflight_per_key.get(client_key, 0) + 1
         self.idle.clear()
 
-    def untrack(self, task: asyncio.Task) -> None:
+    def untrack(self, task: asyncio.Task, client_key: str) -> None:
         self.inflight.discard(task)
+        count = self.inflight_per_key.get(client_key, 0) - 1
+        if count > 0:
+            self.inflight_per_key[client_key] = count
+        else:
+            self.inflight_per_key.pop(client_key, None)
         if not self.inflight:
             self.idle.set()
 
@@ -133,15 +153,16 @@ class ServerState:
         return name
 
     def is_healthy(self) -> bool:
-        worker = self.engine.worker
-        return self.engine.is_running and worker is not None and worker.is_alive()
+        """True while the engine serves: also while it restarts a worker that died
+        (requests wait for it), False once the restart budget is spent."""
+        return self.engine.is_running
 
     def check_can_serve(self) -> None:
-        """503 while draining, when the worker is dead, or when the waiting queue is full."""
+        """503 while draining, when the engine gave up, or when the waiting queue is full."""
         if self.draining:
             raise APIError(503, "The server is shutting down.", code="shutting_down")
         if not self.is_healthy():
-            raise APIError(503, "The engine is not running: its worker process died. Restart the server.",
+            raise APIError(503, f"The engine is not running: {self.engine.dead_reason}. Restart the server.",
                            code="engine_dead")
         limit = self.config.max_waiting_requests
         if limit is not None and self.engine.scheduler.num_waiting >= limit:

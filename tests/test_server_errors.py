@@ -27,9 +27,9 @@ USER = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    engine_config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=256, block_size=8,
-                                 num_kv_blocks=256, max_num_seqs=1)
-    config = ServerConfig(api_key=API_KEY, max_body_bytes=MAX_BODY, max_waiting_requests=1)
+    engine_config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=256,
+                                 block_size=8, num_kv_blocks=256, max_num_seqs=1, max_worker_restarts=0)
+    config = ServerConfig(api_key=API_KEY, max_body_bytes=MAX_BODY, max_waiting_requests=1, max_tokens_limit=250)
     with ServerThread(engine_config, config) as server:
         yield server
 
@@ -71,8 +71,30 @@ CASES = [
      "Unrecognized request argument"),
     ("prompt over the context", "POST", C, completion(prompt=LONG), AUTH, 400, "prompt", "context_length_exceeded",
      "maximum context length is 256 tokens"),
-    ("max_tokens over the context", "POST", C, completion(max_tokens=1000), AUTH, 400, "max_tokens",
-     "context_length_exceeded", "maximum context length is 256 tokens"),
+    ("max_tokens over the context", "POST", C, completion(prompt=" hello" * 10, max_tokens=250), AUTH, 400,
+     "max_tokens", "context_length_exceeded", "maximum context length is 256 tokens"),
+    ("max_tokens over the server limit", "POST", C, completion(max_tokens=251), AUTH, 400, "max_tokens",
+     "max_tokens_limit_exceeded", "--max-tokens-limit"),
+    ("frequency_penalty out of range", "POST", C, completion(frequency_penalty=3), AUTH, 400, "frequency_penalty",
+     None, "[-2, 2]"),
+    ("presence_penalty a string", "POST", C, completion(presence_penalty="x"), AUTH, 400, "presence_penalty", None,
+     "number"),
+    ("repetition_penalty of 0", "POST", C, completion(repetition_penalty=0), AUTH, 400, "repetition_penalty", None,
+     "> 0"),
+    ("min_p over 1", "POST", C, completion(min_p=1.5), AUTH, 400, "min_p", None, "[0, 1]"),
+    ("top_k below -1", "POST", C, completion(top_k=-5), AUTH, 400, "top_k", None, "positive integer"),
+    ("seed a string", "POST", C, completion(seed="abc"), AUTH, 400, "seed", None, "integer"),
+    ("n of 0", "POST", C, completion(n=0), AUTH, 400, "n", None, "[1, 128]"),
+    ("min_tokens over max_tokens", "POST", C, completion(min_tokens=5), AUTH, 400, "min_tokens", None,
+     "max_tokens"),
+    ("stream not a boolean", "POST", C, completion(stream="yes"), AUTH, 400, "stream", None, "boolean"),
+    ("stop a number", "POST", C, completion(stop=5), AUTH, 400, "stop", None, "string"),
+    ("stop_token_ids of strings", "POST", C, completion(stop_token_ids=["a"]), AUTH, 400, "stop_token_ids", None,
+     "list of integers"),
+    ("temperature a string", "POST", C, completion(temperature="hot"), AUTH, 400, "temperature", None, "number"),
+    ("negative logprobs", "POST", C, completion(logprobs=-1), AUTH, 400, "logprobs", None, "[0, 20]"),
+    ("prompt of mixed types", "POST", C, completion(prompt=[1, "a"]), AUTH, 400, "prompt", None, "prompt"),
+    ("null body", "POST", C, b"null", AUTH, 400, None, None, "JSON object"),
     ("unknown model", "POST", C, completion(model="gpt-4"), AUTH, 404, "model", "model_not_found", "gpt-4"),
     ("stream_options without stream", "POST", C, completion(stream_options={"include_usage": True}), AUTH, 400,
      "stream_options", None, "stream"),
@@ -89,8 +111,15 @@ CASES = [
      "unsupported_parameter", "not supported"),
     ("chat over the context", "POST", CHAT, chat(messages=[{"role": "user", "content": LONG}]), AUTH, 400,
      "messages", "context_length_exceeded", "256"),
-    ("max_completion_tokens over the context", "POST", CHAT, chat(max_completion_tokens=500), AUTH, 400,
+    ("max_completion_tokens over the context", "POST", CHAT,
+     chat(messages=[{"role": "user", "content": " hello" * 20}], max_completion_tokens=250), AUTH, 400,
      "max_completion_tokens", "context_length_exceeded", "256"),
+    ("max_completion_tokens over the server limit", "POST", CHAT, chat(max_completion_tokens=300), AUTH, 400,
+     "max_completion_tokens", "max_tokens_limit_exceeded", "at most 250"),
+    ("empty messages", "POST", CHAT, chat(messages=[]), AUTH, 400, "messages", None, "messages"),
+    ("messages not a list", "POST", CHAT, chat(messages="hi"), AUTH, 400, "messages", None, "list"),
+    ("message without content", "POST", CHAT, chat(messages=[{"role": "user"}]), AUTH, 400, "messages[0].content",
+     None, "content"),
     ("bad detokenize tokens", "POST", "/detokenize", {"tokens": ["a"]}, AUTH, 400, "tokens", None, "tokens"),
     ("missing API key", "POST", C, completion(), {}, 401, None, "invalid_api_key", "API key"),
     ("wrong API key", "POST", C, completion(), {"Authorization": "Bearer sk-wrong"}, 401, None, "invalid_api_key",
@@ -179,8 +208,8 @@ def test_full_waiting_queue_gets_503_with_retry_after(server, client):
     check_still_serving(server)
 
 
-def test_dead_worker_gives_503_on_health_and_generation(server):
-    # NOTE: runs last in this module: it leaves the server without a worker.
+def test_dead_worker_past_the_restart_budget_gives_503_on_health_and_generation(server):
+    # NOTE: runs last in this module: it leaves the server without a worker (no restarts allowed).
     os.kill(server.engine.worker.pid, signal.SIGKILL)
     deadline = time.time() + 20
     while http_request(server.url + "/health").status != 503:

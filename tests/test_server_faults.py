@@ -1,0 +1,228 @@
+"""Faults with the real server: a killed worker, a crash loop, a disconnect storm, load, client limits."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from engine.config import EngineConfig
+from server.config import ServerConfig
+from server.testing import ServerThread, http_request
+from test_server_lifecycle import REPO, TINY_FLAGS, free_port
+
+PROMPTS = [f"Fault test number {i} says" for i in range(16)]
+
+
+def tiny_engine(tiny_llama_dir, **overrides) -> EngineConfig:
+    settings = dict(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=256, block_size=8,
+                    num_kv_blocks=512, max_num_seqs=64)
+    return EngineConfig(**{**settings, **overrides})
+
+
+def engine_is_empty(server: ServerThread) -> bool:
+    def check():
+        scheduler = server.engine.scheduler
+        kv = scheduler.kv_cache_manager
+        return scheduler.num_running == 0 and scheduler.num_waiting == 0 and kv.usage().num_used_blocks == 0
+
+    return server.call(check)
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_kill_9_during_16_streams_restarts_the_worker_and_every_stream_finishes_unchanged(tiny_llama_dir):
+    with ServerThread(tiny_engine(tiny_llama_dir)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        args = dict(model=model, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+        expected = [client.completions.create(prompt=p, **args).choices[0].text for p in PROMPTS]
+
+        texts = [""] * len(PROMPTS)
+        finish = [None] * len(PROMPTS)
+        started = threading.Barrier(len(PROMPTS) + 1)
+        killed_at: list[float] = []
+
+        def stream(i: int) -> None:
+            first = True
+            for chunk in client.completions.create(prompt=PROMPTS[i], stream=True, **args):
+                texts[i] += chunk.choices[0].text
+                finish[i] = chunk.choices[0].finish_reason or finish[i]
+                if first:
+                    first = False
+                    started.wait(60)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        started.wait(60)  # every stream has its first tokens
+        old_pid = server.engine.worker.pid
+        killed_at.append(time.time())
+        os.kill(old_pid, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert finish == ["length"] * len(PROMPTS)
+        assert texts == expected
+        assert server.engine.num_worker_restarts == 1 and server.engine.worker.pid != old_pid
+        metrics = http_request(server.url + "/metrics").text
+        assert 'pagoda:worker_restarts_total{engine="0",model_name=' in metrics
+        assert [line for line in metrics.splitlines() if line.startswith("pagoda:worker_restarts_total")][0] \
+            .endswith(" 1.0")
+        assert http_request(server.url + "/health").status == 200
+        wait_until(lambda: engine_is_empty(server), 10, "the engine to be empty")
+        detected, ready = server.engine.last_restart
+        assert detected - killed_at[0] < 1.0  # noticed within a second
+        print(f"\nworker killed: noticed in {detected - killed_at[0]:.3f} s, new worker ready {ready - detected:.2f} s "
+              f"later; all 16 streams done {time.time() - killed_at[0]:.2f} s after the kill")
+
+
+def children(pid: int) -> list[int]:
+    pids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def test_a_crash_loop_past_the_budget_turns_health_503_and_sigterm_still_exits_cleanly(tiny_llama_dir, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--model", str(tiny_llama_dir), *TINY_FLAGS,
+                             "--max-worker-restarts", "2", "--port", str(port)], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            try:
+                return http_request(url + "/health", timeout=5).status == 200
+            except OSError:
+                return False
+
+        wait_until(up, 120, "the server")
+        body = {"prompt": "Hello", "max_tokens": 3}
+        for round_ in range(3):
+            (worker,) = children(proc.pid)
+            os.kill(worker, signal.SIGKILL)
+            if round_ < 2:  # restarted: a new worker serves again
+                wait_until(lambda: children(proc.pid) and children(proc.pid) != [worker], 60, "a new worker")
+                wait_until(lambda: http_request(url + "/v1/completions", "POST", json=body).status == 200, 60,
+                           "the restarted worker to serve")
+        wait_until(lambda: http_request(url + "/health").status == 503, 30, "/health to give up")
+        error = http_request(url + "/health").json()["error"]
+        assert error["code"] == "engine_dead" and "--max-worker-restarts" in error["message"]
+        result = http_request(url + "/v1/completions", "POST", json=body)
+        assert result.status == 503 and result.json()["error"]["code"] == "engine_dead"
+        assert "pagoda:worker_restarts_total" in http_request(url + "/metrics").text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert not children(proc.pid) if proc.poll() is None else True
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    text = (tmp_path / "server.log").read_text()
+    assert "restarting it (restart 1)" in text and "giving up" in text
+
+
+def test_disconnect_storm_leaves_no_running_request_and_no_used_block(tiny_llama_dir):
+    rng = random.Random(0)
+    with ServerThread(tiny_engine(tiny_llama_dir, max_num_seqs=32)) as server:
+        def one(i: int, behaviour: str) -> None:
+            body = {"prompt": f"storm {i}", "max_tokens": rng.randrange(5, 60), "temperature": 0.5,
+                    "stream": behaviour != "impatient"}
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+            try:
+                conn.request("POST", "/v1/completions", body=json.dumps(body),
+                             headers={"Content-Type": "application/json"})
+                if behaviour == "impatient":
+                    conn.sock.settimeout(0.05)  # leaves before the whole answer comes
+                response = conn.getresponse()
+                if behaviour == "leaves":
+                    response.read(rng.randrange(1, 400))  # a few events, then hang up mid-stream
+                else:
+                    response.read()
+            except (TimeoutError, OSError):
+                pass
+            finally:
+                conn.close()
+
+        behaviours = [rng.choice(["leaves", "impatient", "stays"]) for _ in range(200)]
+        threads = []
+        for i, behaviour in enumerate(behaviours):
+            threads.append(threading.Thread(target=one, args=(i, behaviour)))
+            threads[-1].start()
+            if len(threads) >= 40:  # 40 clients at a time
+                threads.pop(0).join(60)
+        for t in threads:
+            t.join(60)
+        wait_until(lambda: engine_is_empty(server), 30, "every request to be gone")
+        assert http_request(server.url + "/health").status == 200
+        server.call(lambda: server.engine.scheduler.kv_cache_manager.check_invariants())
+
+
+def test_64_concurrent_streams_all_finish_without_errors(tiny_llama_dir):
+    with ServerThread(tiny_engine(tiny_llama_dir)) as server:
+        async def main() -> list[tuple[str, int]]:
+            client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+            model = (await client.models.list()).data[0].id
+
+            async def stream(i: int) -> tuple[str, int]:
+                reason, tokens = None, 0
+                async for chunk in await client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": f"Stream {i}"}], max_tokens=24,
+                        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+                    if chunk.choices:
+                        reason = chunk.choices[0].finish_reason or reason
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                return reason, tokens
+
+            results = await asyncio.gather(*(stream(i) for i in range(64)), return_exceptions=True)
+            await client.close()
+            return results
+
+        results = asyncio.run(main())
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors[:3]
+        assert all(reason == "length" and tokens == 24 for reason, tokens in results)
+        wait_until(lambda: engine_is_empty(server), 10, "the engine to be empty")
+
+
+def test_concurrency_limits_answer_429_per_client_and_overall(tiny_llama_dir):
+    config = ServerConfig(max_concurrent_requests=3, max_concurrent_requests_per_key=2)
+    with ServerThread(tiny_engine(tiny_llama_dir), config) as server:
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+        model = client("a").models.list().data[0].id
+        long = dict(model=model, prompt="Long", max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+        streams = [client("a").completions.create(**long) for _ in range(2)]
+        for s in streams:
+            next(iter(s))
+        with pytest.raises(openai.RateLimitError) as info:
+            client("a").completions.create(model=model, prompt="Hi", max_tokens=2)
+        assert info.value.body["code"] == "too_many_requests" and "per-key" in info.value.body["message"]
+        streams.append(client("b").completions.create(**long))  # another client still gets in
+        next(iter(streams[-1]))
+        with pytest.raises(openai.RateLimitError) as info:
+            client("c").completions.create(model=model, prompt="Hi", max_tokens=2)
+        assert "--max-concurrent-requests 3" in info.value.body["message"]
+        for s in streams:
+            s.close()
+        wait_until(lambda: engine_is_empty(server), 10, "the streams to end")
+        assert client("a").completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
