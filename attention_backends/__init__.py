@@ -31,31 +31,43 @@ def _cpu_paged() -> type[AttentionBackend]:
     return CpuPagedAttentionBackend
 
 
+def _triton() -> type[AttentionBackend]:
+    from attention_backends.triton_attention import TritonAttentionBackend
+
+    return TritonAttentionBackend
+
+
+def _flashinfer() -> type[AttentionBackend]:
+    from attention_backends.flashinfer_attention import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend
+
+
 SUPPORTED_ATTENTION_BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
     "naive": _naive,
     "torch_sdpa": _torch_sdpa,
     "cpu_paged": _cpu_paged,
+    "triton": _triton,
+    "flashinfer": _flashinfer,
 }
 
-# Fastest first: "auto" takes the first that is available on the device.
-_AUTO_ORDER = ("flashinfer", "triton", "cpu_paged", "torch_sdpa", "naive")
+# Fastest first, per device type: "auto" takes the first that is available.
+AUTO_ORDER = {
+    "cuda": ("flashinfer", "triton", "torch_sdpa", "naive"),
+    "cpu": ("cpu_paged", "torch_sdpa", "naive"),
+}
 
 
 def get_attention_backend(name: str, device: torch.device) -> type[AttentionBackend]:
     """Returns the backend class called ``name`` ("auto": the fastest available).
 
     Raises:
-        ValueError: The name is unknown or the backend cannot run on ``device``.
+        ValueError: The name is unknown or the backend cannot run on ``device`` (the
+            message says why).
     """
     if name == "auto":
-        for candidate in _AUTO_ORDER:
-            factory = SUPPORTED_ATTENTION_BACKENDS.get(candidate)
-            if factory is None:
-                continue
-            try:
-                backend = factory()
-            except ImportError:
-                continue
+        for candidate in AUTO_ORDER.get(device.type, ("torch_sdpa", "naive")):
+            backend = SUPPORTED_ATTENTION_BACKENDS[candidate]()
             if backend.is_available(device):
                 return backend
         raise ValueError(f"no attention backend is available on {device}")
@@ -64,7 +76,7 @@ def get_attention_backend(name: str, device: torch.device) -> type[AttentionBack
         raise ValueError(f"unknown attention backend {name!r}; known: auto, {known}")
     backend = SUPPORTED_ATTENTION_BACKENDS[name]()
     if not backend.is_available(device):
-        raise ValueError(f"attention backend {name!r} cannot run on {device}")
+        raise ValueError(f"attention backend {name!r} cannot run on {device}: {backend.unavailable_reason(device)}")
     return backend
 
 

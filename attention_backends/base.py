@@ -82,6 +82,11 @@ class AttentionBackend(ABC):
         """Whether the backend can run on ``device`` in this environment."""
         return True
 
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str:
+        """Why is_available is False on ``device`` (for the error message)."""
+        return "it does not support this device"
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's key (and value) cache tensor."""
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)

@@ -29,6 +29,12 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
     def is_available(cls, device: torch.device) -> bool:
         return device.type == "cpu" and cpu_kernels.available()
 
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str:
+        if device.type != "cpu":
+            return "it is a CPU backend"
+        return "its CPU kernels could not be built (a C compiler is needed; see the log)"
+
     def _decode(self, query, key_cache, value_cache, data: _SdpaData) -> torch.Tensor:
         if not cpu_kernels.supports(query.dtype):
             return super()._decode(query, key_cache, value_cache, data)

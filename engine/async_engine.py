@@ -130,8 +130,9 @@ class AsyncEngine:
                                        num_cpu_blocks)
         self.worker = WorkerProcess(self._worker_init, on_death=self._wakeup.set)
         ready = await self.worker.start()
-        if ready.compile_seconds:
-            logger.info("the worker compiled the model in %.1f s", ready.compile_seconds)
+        logger.info("worker ready: %s, %s, attention backend %s, %.2f GiB of KV cache%s", ready.device, ready.dtype,
+                    ready.attention_backend, ready.kv_cache_bytes / 1024**3,
+                    f", model compiled in {ready.compile_seconds:.1f} s" if ready.compile_seconds else "")
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="pagoda-engine-loop")
 
     async def shutdown(self) -> None:

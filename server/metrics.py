@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
@@ -69,6 +69,12 @@ class _EngineCollector:
         yield self._family(counter, "prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
         yield self._family(counter, "worker_restarts", "Times the worker process died and was restarted.",
                            self._engine.num_worker_restarts)
+        ready = self._engine.worker.ready if self._engine.worker is not None else None
+        if ready is not None:
+            info = InfoMetricFamily(PREFIX + "engine", "How the engine runs the model.", labels=LABELS)
+            info.add_metric(self._labels, {"attention_backend": ready.attention_backend, "device": ready.device,
+                                           "dtype": ready.dtype, "compiled": str(ready.compile_seconds > 0).lower()})
+            yield info
         yield self._family(counter, "generation_tokens", "Number of generation tokens processed.",
                            stats.num_generation_tokens)
 

@@ -1,5 +1,7 @@
 """Paged attention backends against a dense reference and against the naive backend."""
 
+import os
+
 import pytest
 import torch
 
@@ -10,20 +12,21 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
 
 def dense_attention(q, k, v):
     """Causal attention over one contiguous sequence; q is the last rows of k's positions."""
-    group = NUM_HEADS // NUM_KV_HEADS
+    group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("lhd,shd->hls", q, k) * HEAD_DIM**-0.5
+    scores = torch.einsum("lhd,shd->hls", q, k) * q.shape[-1] ** -0.5
     seq_len, query_len = k.shape[0], q.shape[0]
     mask = torch.arange(seq_len)[None, :] > torch.arange(seq_len - query_len, seq_len)[:, None]
     return torch.einsum("hls,shd->lhd", scores.masked_fill(mask, float("-inf")).softmax(-1), v)
 
 
-def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32, device="cpu"):
+def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32, device="cpu",
+             num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
     """Fills caches for the context, runs one mixed step, returns (output, reference) on the CPU."""
     gen = torch.Generator().manual_seed(seed)
-    backend = get_attention_backend(backend_name, torch.device(device))(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                                                                        HEAD_DIM**-0.5)
+    backend = get_attention_backend(backend_name, torch.device(device))(num_heads, num_kv_heads, head_dim,
+                                                                        head_dim**-0.5)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
     key_shape, value_shape = backend.kv_cache_shapes(num_blocks, block_size)
     kv_cache = (torch.zeros(key_shape, dtype=dtype, device=device),
@@ -35,14 +38,15 @@ def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch
         n = -(-s // block_size)
         tables.append(perm[:n])
         perm = perm[n:]
-        full_k.append(torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=dtype))
-        full_v.append(torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=dtype))
+        full_k.append(torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype))
+        full_v.append(torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype))
     # Context tokens (all but the step's queries) are already in the cache.
     for table, k, v, s, q in zip(tables, full_k, full_v, seq_lens, query_lens):
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(s - q)],
-                             dtype=torch.int64, device=device)
-        backend.write_kv(k[: s - q].to(device), v[: s - q].to(device), kv_cache, slots)
-    queries = [torch.randn(q, NUM_HEADS, HEAD_DIM, generator=gen, dtype=dtype) for q in query_lens]
+        if s > q:
+            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(s - q)],
+                                 dtype=torch.int64, device=device)
+            backend.write_kv(k[: s - q].to(device), v[: s - q].to(device), kv_cache, slots)
+    queries = [torch.randn(q, num_heads, head_dim, generator=gen, dtype=dtype) for q in query_lens]
     max_blocks = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
     slots = [table[p // block_size] * block_size + p % block_size
@@ -108,3 +112,85 @@ def test_auto_picks_the_cpu_kernel_backend_on_the_cpu():
 
     expected = "cpu_paged" if cpu_kernels.available() else "torch_sdpa"
     assert get_attention_backend("auto", torch.device("cpu")).name == expected
+
+
+@pytest.fixture
+def triton_interpreter():
+    """The triton backend's kernels run under Triton's interpreter here (conftest.py sets it)."""
+    pytest.importorskip("triton", reason="the triton package is not installed (pip install 'pagoda[triton]')")
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Prefill from scratch, a decode, a chunk over a cached prefix, a short prefill, a long decode;
+# no length is a multiple of the block sizes.
+WIDE = ([37, 20, 33, 5, 50], [37, 1, 9, 5, 1])
+
+
+def backend_matches_naive(backend, block_size, group, head_dim, dtype=torch.float32):
+    seq_lens, query_lens = WIDE
+    shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim)
+    naive, _ = run_step("naive", block_size, seq_lens, query_lens, seed=7, dtype=dtype, **shape)
+    out, _ = run_step(backend, block_size, seq_lens, query_lens, seed=7, dtype=dtype, **shape)
+    tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), naive.float(), **tolerance)
+
+
+@pytest.mark.parametrize("backend", ["torch_sdpa", "cpu_paged"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_backends_match_naive(backend, block_size, group, head_dim):
+    backend_matches_naive(backend, block_size, group, head_dim)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_kernels_match_naive_under_the_interpreter(triton_interpreter, block_size, group, head_dim):
+    backend_matches_naive("triton", block_size, group, head_dim)
+
+
+def test_triton_kernels_match_naive_in_bfloat16_under_the_interpreter(triton_interpreter):
+    backend_matches_naive("triton", 16, 3, 64, dtype=torch.bfloat16)
+
+
+def test_flashinfer_plan_describes_every_requests_pages_in_order():
+    from attention_backends.flashinfer_attention import plan_paged_kv
+
+    block_size = 16
+    seq_lens, query_lens = WIDE
+    rng = torch.Generator().manual_seed(0)
+    perm = torch.randperm(40, generator=rng).tolist()
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(perm[:n])
+        perm = perm[n:]
+    max_blocks = max(len(t) for t in tables)
+    starts = [0] + list(torch.tensor(query_lens).cumsum(0).tolist())
+    metadata = AttentionMetadata(
+        num_tokens=sum(query_lens), query_lens=query_lens, seq_lens=seq_lens,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [99] * (max_blocks - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64), block_size=block_size,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    plan = plan_paged_kv(metadata)
+    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    prefills = [i for i, q in enumerate(query_lens) if q != 1]
+    assert plan.decode_rows.tolist() == [starts[i] for i in decodes]
+    assert plan.prefill_rows.tolist() == [r for i in prefills for r in range(starts[i], starts[i + 1])]
+    assert plan.prefill_qo_indptr.tolist() == [0, *torch.tensor([query_lens[i] for i in prefills]).cumsum(0).tolist()]
+    for group, kv in ((decodes, plan.decode), (prefills, plan.prefill)):
+        assert kv.indptr.dtype == kv.indices.dtype == kv.last_page_len.dtype == torch.int32
+        for j, i in enumerate(group):
+            pages = kv.indices[kv.indptr[j] : kv.indptr[j + 1]].tolist()
+            assert pages == tables[i]  # no padding block, in table order
+            last = int(kv.last_page_len[j])
+            assert 1 <= last <= block_size and (len(pages) - 1) * block_size + last == seq_lens[i]
+
+
+def test_backends_that_cannot_run_say_why():
+    with pytest.raises(ValueError, match="CUDA"):
+        get_attention_backend("flashinfer", torch.device("cpu"))
+    assert "flashinfer" not in [get_attention_backend("auto", torch.device("cpu")).name]

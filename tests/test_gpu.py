@@ -1,21 +1,35 @@
 """CUDA checks, run with `pytest -m gpu` on a machine with a GPU (deselected by default).
 
 They cover what the CPU suite cannot: the engine's tensors, the sampler and the attention
-backends on a CUDA device, against the same oracles.
+backends on a CUDA device (FlashInfer, and the triton kernels compiled rather than
+interpreted), against the same oracles. `tests/run_gpu_checks.sh` runs them all.
 """
+
+import os
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from model_factory import make_hf_model
-from test_attention_backends import MIXED, run_step
+from conftest import TINY_INIT
+from model_factory import make_hf_model, make_tiny_model_dir
+from test_attention_backends import MIXED, WIDE, run_step
 from test_llm_parity import hf_greedy
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+CUDA_BACKENDS = ["naive", "torch_sdpa", "triton", "flashinfer"]
+
+
+def needs(backend: str) -> None:
+    if backend == "triton":
+        pytest.importorskip("triton")
+        assert os.environ.get("TRITON_INTERPRET") != "1", "the GPU checks must compile the triton kernels"
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
 
 
 def test_greedy_parity_on_cuda(tiny_llama_dir):
@@ -30,6 +44,40 @@ def test_greedy_parity_on_cuda(tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
+@pytest.fixture(scope="module")
+def head64_llama_dir(tmp_path_factory):
+    """A tiny model with 64-wide heads, a size FlashInfer's kernels take."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("head64"), "llama", hidden_size=128, num_attention_heads=2,
+                               num_key_value_heads=1, **TINY_INIT)
+
+
+def test_greedy_parity_on_cuda_with_the_triton_kernels(tiny_llama_dir):
+    needs("triton")
+    hf = make_hf_model(tiny_llama_dir)
+    prompts = [[1000 + 3 * i + j for j in range(10 + 7 * i)] for i in range(4)]
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    settings = dict(device="cuda", dtype="float32", block_size=16, max_model_len=64, num_kv_blocks=32)
+    with LLM(str(tiny_llama_dir), attention_backend="triton", **settings) as llm:
+        assert llm.engine.worker.ready.attention_backend == "triton"
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_greedy_parity_on_cuda_with_flashinfer(head64_llama_dir):
+    # NOTE: FlashInfer computes in half precision only, so its oracle is the naive backend in
+    # bfloat16 on the same engine (fp32 transformers and bf16 may part ways on near ties).
+    needs("flashinfer")
+    prompts = [[1000 + 3 * i + j for j in range(10 + 7 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    settings = dict(device="cuda", dtype="bfloat16", block_size=16, max_model_len=64, num_kv_blocks=32)
+    with LLM(str(head64_llama_dir), attention_backend="naive", **settings) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(head64_llama_dir), attention_backend="flashinfer", **settings) as llm:
+        assert llm.engine.worker.ready.attention_backend == "flashinfer"
+        outputs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
 def test_sampling_features_run_on_cuda(tiny_llama_dir):
     params = SamplingParams(n=2, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=3, presence_penalty=0.5,
                             repetition_penalty=1.1, min_tokens=4, max_tokens=8, logprobs=2)
@@ -40,8 +88,26 @@ def test_sampling_features_run_on_cuda(tiny_llama_dir):
     assert all(len(o.logprobs) == len(o.token_ids) >= 4 for o in first.outputs)
 
 
-@pytest.mark.parametrize("backend", ["naive", "torch_sdpa"])
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @pytest.mark.parametrize("seq_lens,query_lens", MIXED)
 def test_backends_on_cuda_match_dense_attention(backend, seq_lens, query_lens):
+    needs(backend)
+    if backend == "flashinfer":
+        pytest.skip("FlashInfer does not take the 16-wide heads of this case; see the next test")
     out, reference = run_step(backend, 16, seq_lens, query_lens, device="cuda")
     torch.testing.assert_close(out, reference, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch_sdpa", "triton", "flashinfer"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_backends_on_cuda_match_naive(backend, block_size, group, head_dim):
+    needs(backend)
+    seq_lens, query_lens = WIDE
+    shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim)
+    dtype = torch.bfloat16 if backend == "flashinfer" else torch.float32
+    naive, _ = run_step("naive", block_size, seq_lens, query_lens, seed=7, dtype=dtype, device="cuda", **shape)
+    out, _ = run_step(backend, block_size, seq_lens, query_lens, seed=7, dtype=dtype, device="cuda", **shape)
+    tolerance = dict(rtol=1e-3, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), naive.float(), **tolerance)

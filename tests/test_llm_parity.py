@@ -39,13 +39,13 @@ def model_and_expected(request, tiny_llama_dir, tiny_qwen2_dir):
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
 
-# NOTE: block16 and chunked run the compiled model (the default); the rest run eagerly, so
-# that both paths are held to the oracle without compiling in every case.
+# NOTE: block16 runs the compiled model (the default); the rest run eagerly, so that both
+# paths are held to the oracle without compiling in every case.
 ENGINE_SETUPS = {
     "block16": dict(block_size=16),
     "block1": dict(block_size=1, enforce_eager=True),
     "block7": dict(block_size=7, enforce_eager=True),  # divides none of the prompt lengths
-    "chunked": dict(block_size=4, max_num_batched_tokens=8),
+    "chunked": dict(block_size=4, max_num_batched_tokens=8, enforce_eager=True),
     "naive": dict(block_size=16, attention_backend="naive", enforce_eager=True),
     "torch_sdpa": dict(block_size=16, attention_backend="torch_sdpa", enforce_eager=True),
 }
@@ -74,3 +74,14 @@ def test_greedy_matches_transformers_under_preemption(model_and_expected):
         assert [o.outputs[0].token_ids for o in outputs] == expected
         kv = llm.engine.scheduler.kv_cache_manager
         assert kv.get_num_free_blocks() == kv.num_blocks
+
+
+def test_greedy_matches_transformers_with_the_triton_kernels(model_and_expected):
+    # NOTE: without a GPU the kernels run under Triton's interpreter (conftest.py), which the
+    # worker inherits: their logic is checked end to end on every machine.
+    pytest.importorskip("triton", reason="the triton package is not installed (pip install 'pagoda[triton]')")
+    model_dir, prompt_ids, expected = model_and_expected
+    with LLM(str(model_dir), dtype="float32", block_size=16, attention_backend="triton", enforce_eager=True) as llm:
+        assert llm.engine.worker.ready.attention_backend == "triton"
+        outputs = llm.generate(prompt_ids, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

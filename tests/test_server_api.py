@@ -300,6 +300,10 @@ def test_metrics_parse_and_move_with_traffic(server, client, model):
         assert delta(name + "_count") == 1, name
         assert delta(name + "_sum") >= 0, name
     assert metric(after, "pagoda:num_requests_running") == 0 and metric(after, "pagoda:kv_cache_usage_perc") == 0
+    ready = server.engine.worker.ready
+    assert metric(after, "pagoda:engine_info", attention_backend=ready.attention_backend, device="cpu",
+                  dtype="float32", compiled="false") == 1
+    assert metric(after, "pagoda:worker_restarts_total") == 0
 
 
 def test_request_span_has_gen_ai_attributes_and_events(server, client, model, exporter):

@@ -31,15 +31,14 @@ def tokens_printed(result: subprocess.CompletedProcess) -> list[int]:
     return eval(line.removeprefix("TOKENS"))  # noqa: S307 - a list literal we printed
 
 
-def test_script_without_main_guard_stdin_script_and_dash_c_all_generate(tiny_llama_dir, tmp_path):
+def test_script_without_main_guard_and_script_on_stdin_both_generate(tiny_llama_dir, tmp_path):
     script = SCRIPT.format(model=str(tiny_llama_dir))
     path = tmp_path / "unguarded.py"
     path.write_text(script)
     from_file = tokens_printed(run_python([str(path)], cwd=tmp_path))
     from_stdin = tokens_printed(run_python(["-"], stdin=script, cwd=tmp_path))
-    from_dash_c = tokens_printed(run_python(["-c", script], cwd=tmp_path))
     assert len(from_file) == 4
-    assert from_file == from_stdin == from_dash_c
+    assert from_file == from_stdin
 
 
 def test_a_worker_that_fails_to_start_reports_its_traceback(tiny_llama_dir, tmp_path):
