@@ -20,7 +20,8 @@ import pluggy
 
 from attention_backends import get_attention_backend
 from engine.config import EngineConfig
-from engine.executor import WorkerDiedError, WorkerProcess
+from engine.distributed import head_share
+from engine.executor import WorkerDiedError, WorkerGroup, WorkerProcess
 from engine.kv_cache_manager import KVCacheManager
 from engine.messages import RunnerOutput, SchedulerOutput, WorkerInit
 from engine.model_loader import load_tokenizer, resolve_model
@@ -85,7 +86,7 @@ class AsyncEngine:
         self.tokenizer = None
         self.model_config: ModelConfig | None = None
         self.scheduler: Scheduler | None = None
-        self.worker: WorkerProcess | None = None
+        self.worker: WorkerProcess | WorkerGroup | None = None
         self.max_model_len = 0
         self.output_processor: OutputProcessor | None = None
         self._pending_aborts: set[str] = set()
@@ -128,7 +129,7 @@ class AsyncEngine:
         )
         self._worker_init = WorkerInit(config, model_dir, model_config, num_blocks, self.max_model_len,
                                        num_cpu_blocks)
-        self.worker = WorkerProcess(self._worker_init, on_death=self._wakeup.set)
+        self.worker = self._make_worker()
         ready = await self.worker.start()
         logger.info("worker ready: %s, %s, attention backend %s, %.2f GiB of KV cache%s", ready.device, ready.dtype,
                     ready.attention_backend, ready.kv_cache_bytes / 1024**3,
@@ -153,11 +154,26 @@ class AsyncEngine:
     async def __aexit__(self, *exc_info) -> None:
         await self.shutdown()
 
+    def _make_worker(self):
+        """The worker (or the group of tensor-parallel ranks) that runs the model."""
+        config = self.config
+        if config.distributed_executor_backend == "ray":
+            from engine.ray_executor import RayWorkerGroup
+
+            return RayWorkerGroup(self._worker_init, config.tensor_parallel_size)
+        if config.tensor_parallel_size > 1:
+            return WorkerGroup(self._worker_init, config.tensor_parallel_size, on_death=self._wakeup.set)
+        return WorkerProcess(self._worker_init, on_death=self._wakeup.set)
+
     def _bytes_per_block(self, model_config: ModelConfig) -> int:
+        """Bytes of one block on the rank that holds the most KV heads (all of them without
+        tensor parallelism): kv_cache_bytes is what each rank may use."""
         config = self.config
         dtype = resolve_dtype(config.dtype, resolve_device(config.device))
-        return (2 * model_config.num_hidden_layers * config.block_size * model_config.num_key_value_heads
-                * model_config.head_dim * dtype.itemsize)
+        size = config.tensor_parallel_size
+        kv_heads = max(head_share(model_config.num_attention_heads, model_config.num_key_value_heads, rank,
+                                  size).num_kv_heads for rank in range(size))
+        return 2 * model_config.num_hidden_layers * config.block_size * kv_heads * model_config.head_dim * dtype.itemsize
 
     def _size_kv_cache(self, model_config: ModelConfig) -> tuple[int, int]:
         config = self.config
@@ -199,6 +215,15 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._loop_task is not None and self._dead is None
+
+    @property
+    def engines(self) -> list[AsyncEngine]:
+        """The engines behind this API: just this one (see DataParallelEngine)."""
+        return [self]
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
 
     @property
     def dead_reason(self) -> str:
@@ -401,11 +426,11 @@ class AsyncEngine:
         while True:
             if not self._take_restart(exc):
                 return False
-            await self.worker.shutdown()
+            await self.worker.shutdown(timeout=1.0)
             # NOTE: the KV cache and the swap space died with the worker: every request
             # starts over from its tokens so far (the prompt and the output already streamed).
             self.scheduler.reset_after_worker_loss()
-            self.worker = WorkerProcess(self._worker_init, on_death=self._wakeup.set)
+            self.worker = self._make_worker()
             try:
                 await self.worker.start()
             except WorkerDiedError as start_exc:

@@ -29,6 +29,11 @@ class EngineConfig:
         attention_backend: Name of the attention backend, or "auto".
         device: "cpu", "cuda" or "auto".
         num_threads: Torch threads in the worker; None keeps torch's default.
+        tensor_parallel_size: Worker processes (ranks) that split the model between them.
+        distributed_executor_backend: How the ranks are started: "mp" (local processes)
+            or "ray" (Ray actors, on a Ray cluster or a local one).
+        data_parallel_size: Engine replicas behind one server or LLM, each with its own
+            workers and KV cache; requests are routed by load and prefix-cache affinity.
         async_scheduling: Schedule and send step N+1 while the worker runs step N.
         max_worker_restarts: Worker restarts allowed within worker_restart_window
             seconds; past that the engine stops serving.
@@ -58,6 +63,9 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    data_parallel_size: int = 1
     async_scheduling: bool = True
     max_worker_restarts: int = 3
     worker_restart_window: int = 60
@@ -80,6 +88,11 @@ class EngineConfig:
         if self.num_threads is not None:
             _positive_int(self, "num_threads")
         _positive_int(self, "worker_restart_window")
+        _positive_int(self, "tensor_parallel_size")
+        _positive_int(self, "data_parallel_size")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray; got "
+                             f"{self.distributed_executor_backend!r}")
         if not isinstance(self.max_worker_restarts, int) or self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be a non-negative integer; got {self.max_worker_restarts!r}")
         if self.dtype not in DTYPES:

@@ -178,6 +178,13 @@ class WorkerProcess:
             return False
         return True
 
+    def fail(self, error: WorkerDiedError) -> None:
+        """Marks the worker dead from outside (another rank of its group died): a pending or
+        later receive raises ``error``."""
+        if self._death is None and self._inbox is not None:
+            self._death = error
+            self._inbox.put_nowait(error)
+
     def kill(self) -> None:
         """Kills the worker at once (SIGKILL); for fault tests."""
         if self._proc is not None and self._proc.poll() is None:
@@ -209,3 +216,82 @@ class WorkerProcess:
         if conn is not None:
             conn.close()
             self._conn = None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class WorkerGroup:
+    """The worker processes of the tensor-parallel ranks, driven like one worker.
+
+    Every rank gets its WorkerInit over its own socket (that socket is also how the
+    engine sees a rank die); steps go to rank 0 only, which hands them to the others over
+    torch.distributed, and rank 0 answers. When any rank dies the whole group counts as
+    dead: a pending receive raises at once, and the engine restarts every rank.
+
+    Args:
+        init: What to load; rank, world size and rendezvous are filled in per rank.
+        world_size: Number of ranks.
+        on_death: Called on the event loop when a rank is found dead.
+    """
+
+    def __init__(self, init: WorkerInit, world_size: int, on_death: Callable[[], None] | None = None) -> None:
+        from dataclasses import replace
+
+        self._on_death = on_death
+        method = f"tcp://127.0.0.1:{free_port()}"
+        self.workers = [WorkerProcess(replace(init, rank=rank, world_size=world_size, dist_init_method=method),
+                                      on_death=self._rank_died) for rank in range(world_size)]
+        self.ready: WorkerReady | None = None
+
+    def _rank_died(self) -> None:
+        dead = next((w._death for w in self.workers if w._death is not None), None)
+        if dead is not None:
+            self.workers[0].fail(dead)
+        if self._on_death is not None:
+            self._on_death()
+
+    @property
+    def pid(self) -> int | None:
+        return self.workers[0].pid
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [w.pid for w in self.workers]
+
+    def is_alive(self) -> bool:
+        return all(w.is_alive() for w in self.workers)
+
+    async def start(self) -> WorkerReady:
+        results = await asyncio.gather(*(w.start() for w in self.workers), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.shutdown(timeout=1.0)
+            raise errors[0]
+        self.ready = results[0]
+        return self.ready
+
+    def check(self) -> None:
+        for worker in self.workers:
+            worker.check()
+
+    def send(self, scheduler_output: SchedulerOutput) -> None:
+        self.workers[0].send(scheduler_output)
+
+    async def recv(self):
+        return await self.workers[0].recv()
+
+    async def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self.send(scheduler_output)
+        return await self.recv()
+
+    def kill(self) -> None:
+        self.workers[0].kill()
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops rank 0 first (it tells the others), then every rank."""
+        await self.workers[0].shutdown(timeout)
+        await asyncio.gather(*(w.shutdown(timeout) for w in self.workers[1:]))

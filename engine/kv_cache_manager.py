@@ -115,15 +115,29 @@ class KVCacheManager:
         later block, so requests with different salts never share.
         """
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
-        tokens = request.all_token_ids
-        size = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1][0] if hashes else None
-            extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
-            key = (parent, tuple(tokens[i * size : (i + 1) * size]), extra)
+            key = self._block_key(hashes[-1][0] if hashes else None, request.all_token_ids, i, request.cache_salt)
             hashes.append((hash(key), key))
         return hashes
+
+    def _block_key(self, parent: int | None, token_ids: list[int], index: int, cache_salt: str | None) -> BlockKey:
+        size = self.block_size
+        extra = (cache_salt,) if index == 0 and cache_salt is not None else ()
+        return (parent, tuple(token_ids[index * size : (index + 1) * size]), extra)
+
+    def num_cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of a prompt the prefix cache holds now (no side effects;
+        for routing between replicas)."""
+        if not self.enable_prefix_caching:
+            return 0
+        parent = None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            key = self._block_key(parent, token_ids, i, cache_salt)
+            parent = hash(key)
+            if self.block_pool.get_cached_block(parent, key) is None:
+                return i * self.block_size
+        return (len(token_ids) - 1) // self.block_size * self.block_size
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached full blocks that starts the request's tokens.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from engine.async_engine import AsyncEngine
+from engine.data_parallel import create_engine
 from engine.config import EngineConfig
 from engine.output_processor import OutputKind
 from engine.outputs import RequestOutput
@@ -47,7 +47,7 @@ class LLM:
                             f"known: {', '.join(EngineConfig.field_names())}")
         self.config = EngineConfig(model=model, **kwargs)
         self._loop = new_event_loop()
-        self.engine = AsyncEngine(self.config, plugin_manager)
+        self.engine = create_engine(self.config, plugin_manager)
         try:
             self._loop.run_until_complete(self.engine.start())
         except BaseException:

@@ -29,6 +29,10 @@ class WorkerInit:
         num_blocks: KV blocks to allocate.
         max_model_len: Longest sequence (sizes the RoPE tables).
         num_cpu_blocks: Blocks of the CPU swap space.
+        rank: Tensor-parallel rank of this worker.
+        world_size: Tensor-parallel ranks in all.
+        dist_init_method: torch.distributed rendezvous (``tcp://host:port``) when
+            world_size > 1.
     """
 
     config: EngineConfig
@@ -37,6 +41,9 @@ class WorkerInit:
     num_blocks: int
     max_model_len: int
     num_cpu_blocks: int = 0
+    rank: int = 0
+    world_size: int = 1
+    dist_init_method: str | None = None
 
 
 @dataclass(slots=True)

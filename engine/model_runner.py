@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from attention_backends import AttentionMetadata, get_attention_backend
+from engine.distributed import head_share, init_tensor_parallel
 from engine.input_batch import InputBatch
 from engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
 from engine.model_loader import load_weights
@@ -39,14 +40,17 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model_config = model_config
+        self.tp = tp = init_tensor_parallel(init.rank, init.world_size, init.dist_init_method, self.device)
+        heads = head_share(model_config.num_attention_heads, model_config.num_key_value_heads, tp.rank,
+                           tp.world_size)
         backend_cls = get_attention_backend(config.attention_backend, self.device)
-        backend = backend_cls(model_config.num_attention_heads, model_config.num_key_value_heads,
-                              model_config.head_dim, model_config.head_dim**-0.5)
+        backend = backend_cls(heads.num_heads, heads.num_kv_heads, model_config.head_dim,
+                              model_config.head_dim**-0.5)
         self.attention_backend = backend
         # NOTE: built on the meta device so that no time goes into random init of weights
         # that the checkpoint overwrites anyway.
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, backend, init.max_model_len)
+            model = LlamaForCausalLM(model_config, backend, init.max_model_len, tp)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.rotary = RotaryEmbedding(model_config, init.max_model_len).to(self.device)
         model.load_weights(load_weights(init.model_dir))
@@ -74,8 +78,9 @@ class ModelRunner:
         self._failed: set[str] = set()
         self.compile_seconds = 0.0
         # NOTE: compiled on the CPU only for now: the compiled path has not been checked on
-        # a GPU yet, so CUDA runs eagerly.
-        if not config.enforce_eager and self.device.type == "cpu":
+        # a GPU yet, so CUDA runs eagerly; and not across tensor-parallel ranks, whose
+        # all-reduces sit inside the compiled regions.
+        if not config.enforce_eager and self.device.type == "cpu" and not tp.is_parallel:
             start = time.perf_counter()
             self.model.compile_regions()
             self._warm_up()
@@ -172,9 +177,16 @@ class ModelRunner:
         sample_rows = rows[samples]
         last = torch.from_numpy(query_start[1:][samples].astype(np.int64) - 1).to(device)
         logits = self.model.compute_logits(hidden[last])
-        result = self.sampler(logits, batch.sampling_metadata(sample_rows))
-        token_ids = result.sampled_token_ids.cpu().numpy()
+        # NOTE: rank 0 samples and every other rank takes its tokens, so all keep the same ids.
+        if self.tp.rank == 0:
+            result = self.sampler(logits, batch.sampling_metadata(sample_rows))
+            sampled = result.sampled_token_ids
+        else:
+            sampled = torch.empty(len(sample_rows), dtype=torch.int64, device=device)
+        token_ids = self.tp.broadcast(sampled.to(torch.int64)).cpu().numpy()
         batch.append_sampled(sample_rows, token_ids)
+        if self.tp.rank != 0:
+            return out
         request_ids = [batch.req_ids[row] for row in sample_rows.tolist()]
         out.sampled = dict(zip(request_ids, token_ids.tolist()))
         if result.logprobs is not None:

@@ -29,38 +29,83 @@ def serve(conn: Connection) -> None:
     except (EOFError, OSError):
         return
     try:
-        import torch
-
-        from engine.messages import WorkerReady
-        from engine.model_runner import ModelRunner
-
-        if init.config.num_threads is not None:
-            torch.set_num_threads(init.config.num_threads)
-        torch.manual_seed(init.config.seed)
-        runner = ModelRunner(init)
+        runner = build_runner(init)
     except BaseException:  # noqa: BLE001 - the engine reports it; SystemExit from a library too
         _send_failure(conn, traceback.format_exc())
         return
-    conn.send(WorkerReady(device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-                          attention_backend=runner.attention_backend.name, kv_cache_bytes=runner.kv_cache_bytes,
-                          pid=os.getpid(), compile_seconds=runner.compile_seconds))
+    conn.send(ready_message(runner))
+    if init.rank == 0:
+        lead(runner, conn.recv, conn.send)
+    else:
+        follow(runner)
+
+
+def build_runner(init):
+    """The model runner of one rank (joins the tensor-parallel group when there are several)."""
+    import torch
+
+    from engine.model_runner import ModelRunner
+
+    threads = init.config.num_threads
+    if threads is None and init.world_size > 1 and init.config.device != "cuda":
+        # NOTE: the ranks share the machine's cores.
+        threads = max(1, (os.cpu_count() or 1) // init.world_size)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.manual_seed(init.config.seed)
+    return ModelRunner(init)
+
+
+def ready_message(runner):
+    from engine.messages import WorkerReady
+
+    return WorkerReady(device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+                       attention_backend=runner.attention_backend.name, kv_cache_bytes=runner.kv_cache_bytes,
+                       pid=os.getpid(), compile_seconds=runner.compile_seconds)
+
+
+def lead(runner, receive, send) -> None:
+    """Rank 0: takes each step from the engine, hands it to the other ranks, runs it, answers.
+
+    Returns when told to stop or when the engine goes away; the other ranks are told to
+    stop either way.
+    """
     from engine.messages import SchedulerOutput, Shutdown
 
     answered = None  # when the previous answer went out
     while True:
         try:
-            message = conn.recv()
+            message = receive()
         except (EOFError, OSError):
-            return
+            message = None
         received = time.perf_counter()
+        if not isinstance(message, SchedulerOutput):
+            runner.tp.broadcast_object(Shutdown())
+            return
+        output = run_step(runner, message)
+        output.idle_seconds = 0.0 if answered is None else received - answered
+        send(output)
+        answered = time.perf_counter()
+
+
+def run_step(runner, message):
+    """Rank 0's part of one step: hand it to the other ranks, run it, time it."""
+    start = time.perf_counter()
+    runner.tp.broadcast_object(message)
+    output = runner.execute(message)
+    output.compute_seconds = time.perf_counter() - start
+    return output
+
+
+def follow(runner) -> None:
+    """Ranks above 0: run every step rank 0 hands out, until it says stop."""
+    from engine.messages import Shutdown
+
+    while True:
+        message = runner.tp.broadcast_object()
         if isinstance(message, Shutdown):
             return
-        assert isinstance(message, SchedulerOutput), f"unexpected message {type(message).__name__}"
-        output = runner.execute(message)
-        output.compute_seconds = time.perf_counter() - received
-        output.idle_seconds = 0.0 if answered is None else received - answered
-        conn.send(output)
-        answered = time.perf_counter()
+        runner.execute(message)
 
 
 def _send_failure(conn: Connection, error: str) -> None:

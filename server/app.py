@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.async_engine import AsyncEngine
+from engine.data_parallel import create_engine
 from engine.config import EngineConfig
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, error_middleware
@@ -225,7 +225,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
 
     async def engine_context(app: web.Application) -> AsyncIterator[None]:
-        engine = AsyncEngine(engine_config)
+        engine = create_engine(engine_config)
         try:
             await engine.start()
         except BaseException:

@@ -36,47 +36,57 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 
 class _EngineCollector:
-    """Reads the engine's own counters at scrape time, so nothing is counted twice."""
+    """Reads the engines' own counters at scrape time, so nothing is counted twice; one
+    sample per engine replica (label ``engine``)."""
 
-    def __init__(self, engine: AsyncEngine, labels: list[str]) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self._engine = engine
-        self._labels = labels
-
-    def _family(self, cls, name: str, doc: str, value: float):
-        family = cls(PREFIX + name, doc, labels=LABELS)
-        family.add_metric(self._labels, value)
-        return family
+        self._model_name = model_name
 
     def collect(self):
-        scheduler = self._engine.scheduler
-        if scheduler is None:
+        engines = [e for e in self._engine.engines if e.scheduler is not None]
+        if not engines:
             return
-        stats = scheduler.stats
-        usage = scheduler.kv_cache_manager.usage()
+        families = {}
+
+        def sample(cls, name: str, doc: str, labels: list[str], value: float) -> None:
+            family = families.get(name)
+            if family is None:
+                family = families[name] = cls(PREFIX + name, doc, labels=LABELS)
+            family.add_metric(labels, value)
+
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(gauge, "num_requests_running", "Number of requests in model execution batches.",
-                           scheduler.num_running)
-        yield self._family(gauge, "num_requests_waiting", "Number of requests waiting to be processed.",
-                           scheduler.num_waiting)
-        yield self._family(gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage.usage)
-        yield self._family(counter, "prefix_cache_queries",
-                           "Prefix cache queries, in terms of number of queried tokens.",
-                           stats.prefix_cache_queries)
-        yield self._family(counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                           stats.prefix_cache_hits)
-        yield self._family(counter, "num_preemptions", "Cumulative number of preemptions from the engine.",
-                           stats.num_preemptions)
-        yield self._family(counter, "prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
-        yield self._family(counter, "worker_restarts", "Times the worker process died and was restarted.",
-                           self._engine.num_worker_restarts)
-        ready = self._engine.worker.ready if self._engine.worker is not None else None
-        if ready is not None:
-            info = InfoMetricFamily(PREFIX + "engine", "How the engine runs the model.", labels=LABELS)
-            info.add_metric(self._labels, {"attention_backend": ready.attention_backend, "device": ready.device,
-                                           "dtype": ready.dtype, "compiled": str(ready.compile_seconds > 0).lower()})
-            yield info
-        yield self._family(counter, "generation_tokens", "Number of generation tokens processed.",
-                           stats.num_generation_tokens)
+        for index, engine in enumerate(engines):
+            labels = [self._model_name, str(index)]
+            scheduler = engine.scheduler
+            stats = scheduler.stats
+            usage = scheduler.kv_cache_manager.usage()
+            sample(gauge, "num_requests_running", "Number of requests in model execution batches.", labels,
+                   scheduler.num_running)
+            sample(gauge, "num_requests_waiting", "Number of requests waiting to be processed.", labels,
+                   scheduler.num_waiting)
+            sample(gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, usage.usage)
+            sample(counter, "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                   labels, stats.prefix_cache_queries)
+            sample(counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels,
+                   stats.prefix_cache_hits)
+            sample(counter, "num_preemptions", "Cumulative number of preemptions from the engine.", labels,
+                   stats.num_preemptions)
+            sample(counter, "prompt_tokens", "Number of prefill tokens processed.", labels, stats.num_prompt_tokens)
+            sample(counter, "generation_tokens", "Number of generation tokens processed.", labels,
+                   stats.num_generation_tokens)
+            sample(counter, "worker_restarts", "Times the worker process died and was restarted.", labels,
+                   engine.num_worker_restarts)
+            ready = engine.worker.ready if engine.worker is not None else None
+            if ready is not None:
+                info = families.get("engine")
+                if info is None:
+                    info = families["engine"] = InfoMetricFamily(PREFIX + "engine", "How the engine runs the model.",
+                                                                 labels=LABELS)
+                info.add_metric(labels, {"attention_backend": ready.attention_backend, "device": ready.device,
+                                         "dtype": ready.dtype, "compiled": str(ready.compile_seconds > 0).lower(),
+                                         "tensor_parallel_size": str(engine.config.tensor_parallel_size)})
+        yield from families.values()
 
 
 class ServerMetrics:
@@ -92,7 +102,7 @@ class ServerMetrics:
         self.labels = [model_name, "0"]
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
-        registry.register(_EngineCollector(engine, self.labels))
+        registry.register(_EngineCollector(engine, model_name))
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=registry)

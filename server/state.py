@@ -165,8 +165,8 @@ class ServerState:
             raise APIError(503, f"The engine is not running: {self.engine.dead_reason}. Restart the server.",
                            code="engine_dead")
         limit = self.config.max_waiting_requests
-        if limit is not None and self.engine.scheduler.num_waiting >= limit:
-            raise APIError(503, f"The server is overloaded: {self.engine.scheduler.num_waiting} requests are "
+        if limit is not None and self.engine.num_waiting >= limit:
+            raise APIError(503, f"The server is overloaded: {self.engine.num_waiting} requests are "
                                 f"waiting (--max-waiting-requests {limit}). Retry later.",
                            code="overloaded", headers={"Retry-After": "1"})
 

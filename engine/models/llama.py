@@ -16,6 +16,10 @@ whatever the backend needs. RoPE's cos/sin are gathered once per step, not per l
 On the CPU in bfloat16, the linear layers' weights are repacked once into oneDNN's
 blocked layout (``pack_weights``), which runs the same products faster and gives
 bit-identical results.
+
+With tensor parallelism each rank builds the model with its share of heads, of the MLP
+and of the vocabulary (engine/distributed.py); ``load_weights`` cuts each checkpoint tensor
+down to the rank's share, and the row-parallel outputs and the embedding are all-reduced.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention_backends.base import AttentionBackend, AttentionMetadata
+from engine.distributed import TensorParallelGroup, even_split, head_share
 from engine.models.config import ModelConfig
 from engine.models.rope import compute_inv_freq
 
@@ -100,10 +105,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        share = head_share(config.num_attention_heads, config.num_key_value_heads, tp.rank, tp.world_size)
+        self.num_heads = share.num_heads
+        self.num_kv_heads = share.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -120,11 +126,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        start, end = even_split(config.intermediate_size, tp.rank, tp.world_size)
+        self.intermediate_size = end - start
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -132,23 +139,25 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
+        self.tp = tp
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The layer after attention: o_proj, residual, norm, MLP, residual."""
-        hidden = residual + self.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """The layer after attention: o_proj, residual, norm, MLP, residual (row-parallel
+        outputs summed over the tensor-parallel ranks)."""
+        hidden = residual + self.tp.all_reduce(self.self_attn.o_proj(attn.reshape(attn.shape[0], -1)))
+        return hidden + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 # -- the regions between attention calls (compiled once each, shared by every layer) --------
 
 
-def before_first_attention(embed: nn.Embedding, layer: DecoderLayer, input_ids, cos, sin):
+def before_first_attention(embed: VocabParallelEmbedding, layer: DecoderLayer, input_ids, cos, sin):
     hidden = embed(input_ids)
     q, k, v = layer.self_attn.qkv(layer.input_layernorm(hidden), cos, sin)
     return q, k, v, hidden
@@ -164,21 +173,50 @@ def after_last_attention(layer: DecoderLayer, norm: RMSNorm, attn, residual):
     return norm(layer.finish(attn, residual))
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding rows [vocab_start, vocab_end) of this rank; other ids look up zeros, and
+    the ranks' results are summed (every id is on exactly one rank)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
+        self.vocab_start, self.vocab_end = even_split(vocab_size, tp.rank, tp.world_size)
+        super().__init__(self.vocab_end - self.vocab_start, hidden_size)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.is_parallel:
+            return super().forward(input_ids)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        hidden = super().forward((input_ids - self.vocab_start) * mine) * mine.unsqueeze(-1)
+        return self.tp.all_reduce(hidden)
+
+
 class LlamaForCausalLM(nn.Module):
     """The model. ``forward`` returns hidden states; ``compute_logits`` runs the LM head
-    only on the rows that sample."""
+    only on the rows that sample.
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    Args:
+        config: The model configuration.
+        backend: The attention backend (built for this rank's heads).
+        max_positions: Length of the RoPE tables.
+        tp: This rank's tensor-parallel group (None: the whole model on one rank).
+    """
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.tp = tp = tp or TensorParallelGroup()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            start, end = self.embed_tokens.vocab_start, self.embed_tokens.vocab_end
+            self.lm_head = Linear(config.hidden_size, end - start, bias=False)
+        self._vocab_shares = [b - a for a, b in (even_split(config.vocab_size, r, tp.world_size)
+                                                 for r in range(tp.world_size))]
         self._regions = (before_first_attention, between_attentions, after_last_attention)
         self._packed_lm_head: torch.Tensor | None = None
 
@@ -213,12 +251,38 @@ class LlamaForCausalLM(nn.Module):
         return last(layers[-1], self.norm, attn, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] logits in the model's dtype (the sampler upcasts where it must)."""
+        """[rows, vocab] logits in the model's dtype (the sampler upcasts where it must),
+        gathered from every tensor-parallel rank's share of the vocabulary."""
         if self._packed_lm_head is not None:
-            return packed_linear(hidden, self._packed_lm_head, None)
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return F.linear(hidden, self.embed_tokens.weight)
+            logits = packed_linear(hidden, self._packed_lm_head, None)
+        elif self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        return self.tp.all_gather_last_dim(logits, self._vocab_shares)
+
+    def _share_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor (Hugging Face name, "model." stripped)."""
+        tp = self.tp
+        if not tp.is_parallel:
+            return tensor
+        parts = name.split(".")
+        kind = parts[-2] if len(parts) >= 2 else ""
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return tensor[self.embed_tokens.vocab_start : self.embed_tokens.vocab_end]
+        if kind in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            config = self.config
+            share = head_share(config.num_attention_heads, config.num_key_value_heads, tp.rank, tp.world_size)
+            dim = config.head_dim
+            if kind == "q_proj":
+                return tensor[share.q_start * dim : share.q_end * dim]
+            if kind == "o_proj":
+                return tensor[:, share.q_start * dim : share.q_end * dim]
+            return tensor[share.kv_start * dim : share.kv_end * dim]
+        if kind in ("gate_proj", "up_proj", "down_proj"):
+            start, end = even_split(self.config.intermediate_size, tp.rank, tp.world_size)
+            return tensor[:, start:end] if kind == "down_proj" else tensor[start:end]
+        return tensor
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -240,6 +304,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway
+            tensor = self._share_of(name, tensor)
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in fused:
                 target, num_parts = fused[parts[-2]]

@@ -1,0 +1,208 @@
+"""Data parallelism: several engine replicas behind one API, with a prefix-aware router.
+
+``--data-parallel-size N`` runs N full engines (each with its own scheduler, KV cache and
+workers, tensor-parallel or not) in one process; the server and the offline LLM class talk
+to a :class:`DataParallelEngine` exactly as to one engine. Each new request goes to a
+replica chosen by :class:`Router`: the replica whose prefix cache holds the longest prefix
+of the request's prompt, as long as its load (running plus waiting requests) is within a
+small slack of the least loaded replica's; otherwise the least loaded one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import pluggy
+
+from engine.async_engine import AsyncEngine, StepStats
+from engine.config import EngineConfig
+from engine.output_processor import RequestStream
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """How requests were routed.
+
+    Attributes:
+        num_routed: Requests routed.
+        num_by_prefix: Sent to the replica holding their longest cached prefix.
+        per_replica: Requests sent to each replica.
+    """
+
+    num_routed: int = 0
+    num_by_prefix: int = 0
+    per_replica: list[int] | None = None
+
+
+class Router:
+    """Picks a replica for each request (see the module docstring).
+
+    Args:
+        replicas: The engines.
+        slack: Extra load (requests) a replica may carry over the least loaded one and
+            still get a request for its cached prefix; None: a quarter of the least
+            load, at least 2.
+    """
+
+    def __init__(self, replicas: list[AsyncEngine], slack: int | None = None) -> None:
+        self.replicas = replicas
+        self.slack = slack
+        self.stats = RouterStats(per_replica=[0] * len(replicas))
+        self._round_robin = itertools.cycle(range(len(replicas)))
+
+    def route(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        loads = [r.scheduler.num_running + r.scheduler.num_waiting for r in self.replicas]
+        cached = [r.scheduler.kv_cache_manager.num_cached_prefix_tokens(prompt_token_ids, cache_salt)
+                  for r in self.replicas]
+        least = min(loads)
+        slack = self.slack if self.slack is not None else max(2, least // 4)
+        best = max(range(len(self.replicas)), key=lambda i: (cached[i], -loads[i]))
+        if cached[best] > 0 and loads[best] <= least + slack:
+            self.stats.num_by_prefix += 1
+            choice = best
+        else:
+            # NOTE: among equally loaded replicas, take turns.
+            choice = next(i for i in self._round_robin if loads[i] == least)
+        self.stats.num_routed += 1
+        self.stats.per_replica[choice] += 1
+        return choice
+
+
+class DataParallelEngine:
+    """N AsyncEngine replicas behind the AsyncEngine API.
+
+    Args:
+        config: The engine configuration; each replica gets it with data_parallel_size 1.
+        plugin_manager: Not supported with several replicas (each builds its own from
+            the config, so that stateful policies stay per replica).
+    """
+
+    def __init__(self, config: EngineConfig, plugin_manager: pluggy.PluginManager | None = None) -> None:
+        if plugin_manager is not None:
+            raise ValueError("a plugin_manager cannot be shared by data-parallel replicas; name plugins in the "
+                             "config instead")
+        self.config = config
+        self.replicas = [AsyncEngine(replace(config, data_parallel_size=1))
+                         for _ in range(config.data_parallel_size)]
+        self.router = Router(self.replicas)
+        self._owner: dict[str, AsyncEngine] = {}
+        self._ids = itertools.count()
+
+    # -- what callers read of an engine -------------------------------------------------
+
+    @property
+    def engines(self) -> list[AsyncEngine]:
+        return self.replicas
+
+    @property
+    def tokenizer(self):
+        return self.replicas[0].tokenizer
+
+    @property
+    def model_config(self):
+        return self.replicas[0].model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return all(r.is_running for r in self.replicas)
+
+    @property
+    def dead_reason(self) -> str:
+        return "; ".join(f"replica {i}: {r.dead_reason}" for i, r in enumerate(self.replicas) if r.dead_reason)
+
+    @property
+    def num_worker_restarts(self) -> int:
+        return sum(r.num_worker_restarts for r in self.replicas)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.num_waiting for r in self.replicas)
+
+    @property
+    def step_stats(self) -> StepStats:
+        total = StepStats()
+        for r in self.replicas:
+            for name in StepStats.__slots__:
+                setattr(total, name, getattr(total, name) + getattr(r.step_stats, name))
+        return total
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.replicas[0].encode_prompt(prompt)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            await asyncio.gather(*(r.start() for r in self.replicas))
+        except BaseException:
+            await self.shutdown()
+            raise
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(r.shutdown() for r in self.replicas))
+
+    async def __aenter__(self) -> DataParallelEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.shutdown()
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt_token_ids: list[int] | None = None, **kwargs) -> RequestStream:
+        """Routes the request to a replica and queues it there (see AsyncEngine.add_request)."""
+        if prompt_token_ids is None:
+            prompt_token_ids = self.encode_prompt(prompt)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        replica = self.replicas[self.router.route(prompt_token_ids, kwargs.get("cache_salt"))]
+        stream = replica.add_request(prompt, params, request_id, prompt_token_ids, **kwargs)
+        self._owner[request_id] = replica
+        return stream
+
+    async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        replica = self._owner[stream.request_id]
+        try:
+            async for output in replica.stream_outputs(stream):
+                yield output
+        finally:
+            self._owner.pop(stream.request_id, None)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
+        params = params or SamplingParams()
+        prompt_token_ids = None
+        if isinstance(prompt, str) and prompt:
+            prompt_token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+        stream = self.add_request(prompt, params, request_id, prompt_token_ids, **kwargs)
+        async for output in self.stream_outputs(stream):
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        replica = self._owner.get(request_id)
+        if replica is not None:
+            replica.abort(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        return all([r.reset_prefix_cache() for r in self.replicas])
+
+
+def create_engine(config: EngineConfig,
+                  plugin_manager: pluggy.PluginManager | None = None) -> AsyncEngine | DataParallelEngine:
+    """One engine, or data_parallel_size replicas behind one."""
+    if config.data_parallel_size > 1:
+        return DataParallelEngine(config, plugin_manager)
+    return AsyncEngine(config, plugin_manager)

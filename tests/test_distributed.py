@@ -1,0 +1,155 @@
+"""Scale-out on this machine: tensor parallelism over gloo, the Ray executor, data-parallel replicas."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.distributed import even_split, head_share
+from engine.plugin_manager import create_plugin_manager
+from model_factory import make_hf_model
+from plugins import hookimpl
+from server.testing import ServerThread, http_request
+from test_llm_parity import GREEDY, NUM_NEW, hf_greedy
+
+PROMPTS = [[1000 + 7 * i + j for j in range(5 + 9 * i)] for i in range(4)]
+TP2 = dict(enforce_eager=True, dtype="float32", tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir):
+    hf = make_hf_model(tiny_llama_dir)
+    return [hf_greedy(hf, p, NUM_NEW) for p in PROMPTS]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_heads_are_split_by_kv_groups_or_replicated():
+    assert even_split(10, 0, 3) == (0, 4) and even_split(10, 2, 3) == (7, 10)
+    # SmolLM2-135M: 9 query heads over 3 KV heads, on 2 ranks: whole groups of 3.
+    assert [(s.q_start, s.q_end, s.kv_start, s.kv_end) for s in (head_share(9, 3, r, 2) for r in range(2))] == \
+        [(0, 6, 0, 2), (6, 9, 2, 3)]
+    # One KV head, 4 ranks: each rank a quarter of the query heads and a copy of the KV head.
+    assert [(head_share(8, 1, r, 4).q_start, head_share(8, 1, r, 4).num_kv_heads) for r in range(4)] == \
+        [(0, 1), (2, 1), (4, 1), (6, 1)]
+    with pytest.raises(ValueError, match="cannot split"):
+        head_share(6, 2, 0, 4)
+
+
+def test_tp2_matches_transformers_under_swap_preemption(tiny_llama_dir, expected):
+    num_blocks = sum(-(-len(p) // 4) for p in PROMPTS) + 1
+    with LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=num_blocks, max_model_len=64, preemption_mode="swap",
+             swap_space_bytes=1 << 20, **TP2) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert llm.engine.scheduler.stats.num_swapped_out > 0
+        kv = llm.engine.scheduler.kv_cache_manager
+        assert kv.get_num_free_blocks() == kv.num_blocks
+    assert token_ids(outputs) == expected
+
+
+def test_tp2_matches_transformers_on_qwen2_with_biases(tiny_qwen2_dir):
+    hf = make_hf_model(tiny_qwen2_dir)
+    want = [hf_greedy(hf, p, NUM_NEW) for p in PROMPTS]
+    with LLM(str(tiny_qwen2_dir), max_model_len=128, **TP2) as llm:
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
+
+
+def test_tp2_prefix_cache_and_copy_on_write_forks(tiny_llama_dir):
+    prefix = [2000 + i for i in range(48)]
+    with LLM(str(tiny_llama_dir), max_model_len=128, block_size=16, **TP2) as llm:
+        first = llm.generate([prefix + [7, 8]], GREEDY)[0]
+        stats = llm.engine.scheduler.stats
+        hits = stats.prefix_cache_hits
+        cached = llm.generate([prefix + [9, 10]], GREEDY)[0]
+        assert stats.prefix_cache_hits - hits == 48
+        llm.reset_prefix_cache()
+        uncached = llm.generate([prefix + [9, 10]], GREEDY)[0]
+        assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids != first.outputs[0].token_ids
+        forks = llm.generate([prefix], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
+        alone = llm.generate([prefix] * 4, [SamplingParams(temperature=1.0, seed=3 + i, max_tokens=8, ignore_eos=True)
+                                            for i in range(4)])
+        assert stats.num_forks == 3
+        assert [o.token_ids for o in forks[0].outputs] == token_ids(alone)
+
+
+def test_tp2_equals_tp1_on_smollm2_135m():
+    prompts = ["What is the capital of France?", "Paged attention keeps keys and values in blocks"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(enforce_eager=True, dtype="float32", max_model_len=256) as llm:
+        one = token_ids(llm.generate(prompts, params))
+    with LLM(max_model_len=256, **TP2) as llm:
+        assert llm.engine.worker.ready.attention_backend in ("cpu_paged", "torch_sdpa")
+        two = token_ids(llm.generate(prompts, params))
+    assert one == two
+
+
+def test_ray_executor_on_a_local_cluster_matches_transformers(tiny_llama_dir, expected):
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'pagoda[ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with LLM(str(tiny_llama_dir), max_model_len=128, distributed_executor_backend="ray", **TP2) as llm:
+            outputs = llm.generate(PROMPTS, GREEDY)
+            assert llm.engine.worker.ready.pid != os.getpid()
+    finally:
+        ray.shutdown()
+    assert token_ids(outputs) == expected
+
+
+class KillRankAtStep:
+    """Kills one tensor-parallel rank when a given step finishes."""
+
+    def __init__(self, step_id: int) -> None:
+        self.step_id = step_id
+        self.pid = None
+
+    @hookimpl
+    def pagoda_step_finished(self, step):
+        if step.step_id == self.step_id and self.pid is not None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def test_tp2_restarts_every_rank_when_one_dies(tiny_llama_dir, expected):
+    killer = KillRankAtStep(step_id=4)
+    pm = create_plugin_manager(load_entry_points=False, extra=[killer])
+    with LLM(str(tiny_llama_dir), plugin_manager=pm, max_model_len=128, async_scheduling=False, **TP2) as llm:
+        old = llm.engine.worker.pids
+        killer.pid = old[1]
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert llm.engine.num_worker_restarts == 1
+        assert not set(llm.engine.worker.pids) & set(old)
+    assert token_ids(outputs) == expected
+
+
+def test_dp2_both_replicas_serve_and_a_shared_prefix_goes_where_it_is_cached(tiny_llama_dir, expected):
+    config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=128,
+                          block_size=16, data_parallel_size=2)
+    with ServerThread(config) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        args = dict(model=model, max_tokens=NUM_NEW, temperature=0, extra_body={"ignore_eos": True})
+        got = [client.completions.create(prompt=p, **args).choices[0] for p in PROMPTS]
+        router = server.engine.router
+        assert all(n > 0 for n in router.stats.per_replica)  # both replicas served
+        tokenizer = server.engine.tokenizer
+        assert [c.text for c in got] == [tokenizer.decode(ids, skip_special_tokens=True,
+                                                          clean_up_tokenization_spaces=False) for ids in expected]
+
+        prefix = [3000 + i for i in range(64)]
+        client.completions.create(prompt=prefix + [1], **args)
+        holder = next(i for i, r in enumerate(server.engine.replicas)
+                      if r.scheduler.kv_cache_manager.num_cached_prefix_tokens(prefix + [2]) == 64)
+        before = server.engine.replicas[holder].scheduler.stats.prefix_cache_hits
+        by_prefix = router.stats.num_by_prefix
+        for suffix in range(3):
+            client.completions.create(prompt=prefix + [10 + suffix], **args)
+        assert router.stats.num_by_prefix - by_prefix == 3
+        assert server.engine.replicas[holder].scheduler.stats.prefix_cache_hits - before == 3 * 64
+        metrics = http_request(server.url + "/metrics").text
+        assert 'engine="0"' in metrics and 'engine="1"' in metrics
