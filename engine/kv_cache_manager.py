@@ -66,6 +66,10 @@ class SlotAllocation:
     table_changed: bool = False
 
 
+# What allocate_slots returns when a table did not change (read-only, shared).
+_UNCHANGED = SlotAllocation()
+
+
 class KVCacheManager:
     """Owns every request's block table; allocates blocks on demand as requests grow.
 
@@ -176,8 +180,22 @@ class KVCacheManager:
             allocated then.
         """
         request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks and not computed_blocks:
+            # NOTE: the common decode case, checked first: the tokens fit in the blocks the
+            # request holds and the block written into is its own; nothing changes but
+            # the token count (and a block that just filled up joins the prefix cache).
+            num_computed = request.num_computed_tokens
+            num_total = num_computed + num_new_tokens
+            index, offset = divmod(num_computed, self.block_size)
+            if num_total <= len(blocks) * self.block_size and (
+                    offset == 0 or index >= len(blocks) or blocks[index].ref_cnt == 1):
+                if num_total > self.req_to_num_tokens[request_id]:
+                    self.req_to_num_tokens[request_id] = num_total
+                self._cache_full_blocks(request, num_total)
+                return _UNCHANGED
         computed_blocks = computed_blocks or []
-        blocks = self.req_to_blocks.get(request_id, [])
+        blocks = blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
         num_new_blocks = self.num_blocks_needed(num_total) - len(blocks) - len(computed_blocks)
