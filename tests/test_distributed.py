@@ -81,7 +81,7 @@ def test_tp2_prefix_cache_and_copy_on_write_forks(tiny_llama_dir):
 
 def test_tp2_equals_tp1_on_smollm2_135m():
     prompts = ["What is the capital of France?", "Paged attention keeps keys and values in blocks"]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with LLM(enforce_eager=True, dtype="float32", max_model_len=256) as llm:
         one = token_ids(llm.generate(prompts, params))
     with LLM(max_model_len=256, **TP2) as llm:

@@ -7,8 +7,6 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.async_engine import EngineDeadError
-from engine.plugin_manager import create_plugin_manager
-from plugins import hookimpl
 
 
 @pytest.fixture(scope="module")
@@ -148,36 +146,3 @@ def test_a_dead_worker_past_the_restart_budget_fails_requests_instead_of_hanging
             llm.generate("c", SamplingParams(max_tokens=2))
     finally:
         llm.shutdown()
-
-
-class KillWorkerAtStep:
-    """A plugin that kills the worker with SIGKILL when a given step finishes."""
-
-    def __init__(self, step_id: int) -> None:
-        self.step_id = step_id
-        self.pid = None
-
-    @hookimpl
-    def pagoda_step_finished(self, step):
-        if step.step_id == self.step_id and self.pid is not None:
-            os.kill(self.pid, signal.SIGKILL)
-
-
-def test_a_killed_worker_is_restarted_and_every_request_finishes_unchanged(tiny_llama_dir):
-    # NOTE: without async scheduling here; tests/test_server_faults.py kills a worker under it.
-    prompts = [[1000 + 7 * i + j for j in range(5 + 3 * i)] for i in range(6)]
-    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True)
-    settings = dict(enforce_eager=True, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4,
-                    async_scheduling=False)
-    with LLM(str(tiny_llama_dir), **settings) as llm:
-        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, [greedy, seeded] * 3)]
-    killer = KillWorkerAtStep(step_id=6)
-    pm = create_plugin_manager(load_entry_points=False, extra=[killer])
-    with LLM(str(tiny_llama_dir), plugin_manager=pm, **settings) as llm:
-        killer.pid = llm.engine.worker.pid
-        outputs = llm.generate(prompts, [greedy, seeded] * 3)
-        assert llm.engine.num_worker_restarts == 1
-        assert llm.engine.worker.pid != killer.pid
-        assert_all_blocks_free(llm)
-    assert [o.outputs[0].token_ids for o in outputs] == expected

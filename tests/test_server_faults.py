@@ -51,8 +51,10 @@ def test_kill_9_during_16_streams_restarts_the_worker_and_every_stream_finishes_
     with ServerThread(tiny_engine(tiny_llama_dir)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
-        args = dict(model=model, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
-        expected = [client.completions.create(prompt=p, **args).choices[0].text for p in PROMPTS]
+        # Half greedy, half seeded sampling: both must continue exactly across the restart.
+        args = [dict(model=model, max_tokens=40, temperature=0 if i % 2 else 0.9, seed=i,
+                     extra_body={"ignore_eos": True}) for i in range(len(PROMPTS))]
+        expected = [client.completions.create(prompt=p, **a).choices[0].text for p, a in zip(PROMPTS, args)]
 
         texts = [""] * len(PROMPTS)
         finish = [None] * len(PROMPTS)
@@ -61,7 +63,7 @@ def test_kill_9_during_16_streams_restarts_the_worker_and_every_stream_finishes_
 
         def stream(i: int) -> None:
             first = True
-            for chunk in client.completions.create(prompt=PROMPTS[i], stream=True, **args):
+            for chunk in client.completions.create(prompt=PROMPTS[i], stream=True, **args[i]):
                 texts[i] += chunk.choices[0].text
                 finish[i] = chunk.choices[0].finish_reason or finish[i]
                 if first:
