@@ -181,15 +181,8 @@ class DataParallelEngine:
         finally:
             self._owner.pop(stream.request_id, None)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
-        params = params or SamplingParams()
-        prompt_token_ids = None
-        if isinstance(prompt, str) and prompt:
-            prompt_token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
-        stream = self.add_request(prompt, params, request_id, prompt_token_ids, **kwargs)
-        async for output in self.stream_outputs(stream):
-            yield output
+    # The same as one engine's: tokenize, add_request (routed), stream_outputs.
+    generate = AsyncEngine.generate
 
     def abort(self, request_id: str) -> None:
         replica = self._owner.get(request_id)

@@ -21,9 +21,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-CUDA_BACKENDS = ["naive", "torch_sdpa", "triton", "flashinfer"]
-
-
 def needs(backend: str) -> None:
     if backend == "triton":
         pytest.importorskip("triton")
@@ -88,12 +85,11 @@ def test_sampling_features_run_on_cuda(tiny_llama_dir):
     assert all(len(o.logprobs) == len(o.token_ids) >= 4 for o in first.outputs)
 
 
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+# NOTE: FlashInfer does not take MIXED's 16-wide heads; it is checked on 64/128-wide ones below.
+@pytest.mark.parametrize("backend", ["naive", "torch_sdpa", "triton"])
 @pytest.mark.parametrize("seq_lens,query_lens", MIXED)
 def test_backends_on_cuda_match_dense_attention(backend, seq_lens, query_lens):
     needs(backend)
-    if backend == "flashinfer":
-        pytest.skip("FlashInfer does not take the 16-wide heads of this case; see the next test")
     out, reference = run_step(backend, 16, seq_lens, query_lens, device="cuda")
     torch.testing.assert_close(out, reference, rtol=1e-3, atol=1e-4)
 
