@@ -53,6 +53,7 @@ class StepStats:
         worker_compute_seconds: Worker time running steps.
         worker_idle_seconds: Worker time waiting for its next step: the engine
             overhead that is on the critical path.
+        max_in_flight: Most steps sent and not yet answered at once.
     """
 
     num_steps: int = 0
@@ -60,6 +61,7 @@ class StepStats:
     update_seconds: float = 0.0
     worker_compute_seconds: float = 0.0
     worker_idle_seconds: float = 0.0
+    max_in_flight: int = 0
 
     def record(self, runner_output: RunnerOutput, update_seconds: float) -> None:
         self.num_steps += 1
@@ -366,11 +368,12 @@ class AsyncEngine:
         """Runs steps; when the worker dies, restarts it (within the budget) and goes on."""
         while True:
             try:
-                await self._run_steps()
-            except WorkerDiedError as exc:
-                if not await self._restart_worker(exc):
-                    return
-            except Exception as exc:  # a bug in the loop must not leave requests hanging
+                try:
+                    await self._run_steps()
+                except WorkerDiedError as exc:
+                    if not await self._restart_worker(exc):
+                        return
+            except Exception as exc:  # a bug in the loop (or the restart) must not leave requests hanging
                 logger.exception("engine loop crashed")
                 self._dead = exc
                 self._fail_all(EngineDeadError(f"the engine loop crashed: {exc!r}"))
@@ -395,21 +398,24 @@ class AsyncEngine:
             if len(in_flight) < depth:
                 start = time.perf_counter()
                 scheduler_output = scheduler.schedule()
-                if scheduler_output.has_work:
+                sent = scheduler_output.has_work
+                if sent:
                     worker.send(scheduler_output)
                     in_flight.append((scheduler_output, was_idle))
+                    stats.max_in_flight = max(stats.max_in_flight, len(in_flight))
                     was_idle = False
                 stats.schedule_seconds += time.perf_counter() - start
                 if not in_flight:
                     await asyncio.sleep(0.001)  # nothing runnable yet; do not spin
                     was_idle = True
                     continue
+                if sent and len(in_flight) < depth:
+                    continue  # keep the worker's queue full before waiting for a result
             runner_output = await worker.recv()
             step, after_idle = in_flight.popleft()
             start = time.perf_counter()
             if runner_output.error is not None:
-                scheduler.discard_step(step)
-                self._fail_step(step.num_scheduled_tokens, runner_output.error)
+                self._fail_step(step, runner_output.error, [s for s, _ in in_flight])
             else:
                 self._process_updates(scheduler.update(step, runner_output))
             if after_idle:
@@ -425,6 +431,7 @@ class AsyncEngine:
         detected = time.time()
         while True:
             if not self._take_restart(exc):
+                await self.worker.shutdown(timeout=1.0)
                 return False
             await self.worker.shutdown(timeout=1.0)
             # NOTE: the KV cache and the swap space died with the worker: every request
@@ -473,10 +480,18 @@ class AsyncEngine:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             outputs.finish_sample(request)
 
-    def _fail_step(self, request_ids, error: str) -> None:
+    def _fail_step(self, step: SchedulerOutput, error: str, later_steps: list[SchedulerOutput]) -> None:
+        """Fails the requests of a step that failed in the worker.
+
+        The steps sent after it may have read K/V the failed step never wrote (a prefix-cache
+        hit on its blocks), so their requests are failed too; failures are rare and this
+        keeps every output trustworthy.
+        """
         logger.error("step failed in the worker:\n%s", error)
         step_error = StepError(f"the model step failed: {error.strip().splitlines()[-1]}")
-        for child_id in list(request_ids):
+        self.scheduler.discard_step(step)
+        request_ids = [*step.num_scheduled_tokens, *(r for s in later_steps for r in s.num_scheduled_tokens)]
+        for child_id in request_ids:
             request = self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR)
             if request is not None:
                 self.output_processor.fail(request, step_error)

@@ -132,7 +132,8 @@ class DataParallelEngine:
         total = StepStats()
         for r in self.replicas:
             for name in StepStats.__slots__:
-                setattr(total, name, getattr(total, name) + getattr(r.step_stats, name))
+                combine = max if name == "max_in_flight" else (lambda a, b: a + b)
+                setattr(total, name, combine(getattr(total, name), getattr(r.step_stats, name)))
         return total
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -6,14 +6,16 @@ receives the worker's messages in order and hands them to the event loop; when t
 worker dies its end of the socket closes, which the reader sees at once, so a pending
 or later receive raises :class:`WorkerDiedError` instead of hanging.
 
-Several steps may be in flight: ``send`` does not wait, and results come back in the
-order the steps were sent.
+Several steps may be in flight: ``send`` only queues the message for a writer thread
+(a large step must not block the event loop while the worker is busy with the one
+before), and results come back in the order the steps were sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -27,6 +29,7 @@ from engine.messages import RunnerOutput, SchedulerOutput, Shutdown, WorkerFaile
 
 # The directory that holds the `engine` package, so the worker imports the same code.
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+_STOP_WRITING = object()
 
 
 class WorkerDiedError(RuntimeError):
@@ -65,6 +68,8 @@ class WorkerProcess:
         self._conn: Connection | None = None
         self._inbox: asyncio.Queue | None = None
         self._reader: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._death: WorkerDiedError | None = None
         self.ready: WorkerReady | None = None
 
@@ -97,6 +102,8 @@ class WorkerProcess:
         self._inbox = asyncio.Queue()
         self._reader = threading.Thread(target=self._read, args=(loop,), name="pagoda-worker-reader", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="pagoda-worker-writer", daemon=True)
+        self._writer.start()
         self._send(self._init)
         message = await self.recv()
         if isinstance(message, WorkerFailed):
@@ -141,10 +148,20 @@ class WorkerProcess:
     def _send(self, message) -> None:
         if self._conn is None or self._death is not None:
             raise self._death or WorkerDiedError("the worker is not running")
-        try:
-            self._conn.send(message)
-        except (OSError, ValueError) as exc:
-            raise WorkerDiedError(f"the worker is gone ({exc})") from exc
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        """Writer thread: sends queued messages in order (a failure shows up as the
+        worker's death, which the reader reports)."""
+        conn = self._conn
+        while True:
+            message = self._outbox.get()
+            if message is _STOP_WRITING:
+                return
+            try:
+                conn.send(message)
+            except (OSError, ValueError):
+                return
 
     def _read(self, loop: asyncio.AbstractEventLoop) -> None:
         """Reader thread: forwards every message to the loop; on end-of-file, the death."""
@@ -152,7 +169,7 @@ class WorkerProcess:
         while True:
             try:
                 message = conn.recv()
-            except (EOFError, OSError):
+            except Exception:  # noqa: BLE001 - end of file, or a message that cannot be read
                 break
             if not self._post(loop, inbox, message):
                 return
@@ -194,10 +211,7 @@ class WorkerProcess:
         """Asks the worker to exit, then terminates and finally kills it if it lingers."""
         proc, conn = self._proc, self._conn
         if conn is not None and self._death is None:
-            try:
-                conn.send(Shutdown())
-            except (OSError, ValueError):
-                pass
+            self._outbox.put(Shutdown())
         if proc is not None:
             loop = asyncio.get_running_loop()
             for stop in (None, proc.terminate, proc.kill):
@@ -209,10 +223,12 @@ class WorkerProcess:
                     await loop.run_in_executor(None, proc.wait, timeout)
                 except subprocess.TimeoutExpired:
                     pass
-            if self._reader is not None:
-                # NOTE: the reader sees end-of-file once the process is gone; the socket is
-                # closed only after it is done with it.
-                await loop.run_in_executor(None, self._reader.join, timeout)
+            # NOTE: the reader sees end-of-file once the process is gone; the socket is
+            # closed only after both threads are done with it.
+            self._outbox.put(_STOP_WRITING)
+            for thread in (self._reader, self._writer):
+                if thread is not None:
+                    await loop.run_in_executor(None, thread.join, timeout)
         if conn is not None:
             conn.close()
             self._conn = None

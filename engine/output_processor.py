@@ -187,6 +187,9 @@ class OutputProcessor:
                     if not update.finished:
                         stopped_requests.append(request)
                         continue
+                    # NOTE: the text ends at the stop string, so that is the finish reason
+                    # even when the same token also reached max_tokens.
+                    request.status = RequestStatus.FINISHED_STOPPED
             if request.is_finished:
                 self.finish_sample(request)
             else:

@@ -84,6 +84,8 @@ class Scheduler:
         # Requests whose worker state exists (sent as new once, deltas afterwards).
         self._in_worker: set[str] = set()
         self._step_id = 0
+        # Per step in flight: the requests it scheduled, by id (see _commit).
+        self._scheduled: dict[int, dict[str, Request]] = {}
         self._preempted_this_step = False
         self._out: SchedulerOutput | None = None
         # Within schedule(): the step's budget left and the running-walk position.
@@ -202,8 +204,12 @@ class Scheduler:
         a known token when the result arrives.
         """
         stats = self.stats
+        # NOTE: the step's result is matched to these objects, not to ids: an id may be
+        # reused by a new request while a step holding the old one is still running.
+        self._scheduled[out.step_id] = scheduled = {}
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = self.requests[request_id]
+            scheduled[request_id] = request
             if request.num_computed_tokens < request.num_prompt_tokens:
                 stats.num_prompt_tokens += min(num_tokens, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += num_tokens
@@ -305,6 +311,7 @@ class Scheduler:
         requests first.
         """
         self.kv_cache_manager.reset()
+        self._scheduled.clear()
         requests = [*self.running, *self.waiting]
         self.running.clear()
         self.waiting = WaitingQueue()
@@ -326,8 +333,12 @@ class Scheduler:
         copies may be incomplete). The caller then fails the step's requests.
         """
         kv = self.kv_cache_manager
+        self._scheduled.pop(scheduler_output.step_id, None)
         for request_id in scheduler_output.num_scheduled_tokens:
             kv.uncache(request_id)
+        # NOTE: blocks the step was to fill may have been freed since it was sent (a
+        # preemption while it ran) and still be cached: nothing unreferenced stays cached.
+        kv.reset_prefix_cache()
         swapped_cpu_blocks = {cpu for _, cpu in scheduler_output.swap_out}
         for request in list(self.waiting):
             if swapped_cpu_blocks.intersection(kv.get_cpu_block_ids(request.request_id)):
@@ -342,17 +353,17 @@ class Scheduler:
         (its token is dropped).
         """
         updates: list[RequestUpdate] = []
+        scheduled = self._scheduled.pop(scheduler_output.step_id, {})
         if scheduler_output.is_empty:
             return updates
         self.stats.num_steps += 1
         now = time.time()
         sampled = runner_output.sampled
-        for request_id in scheduler_output.num_scheduled_tokens:
+        for request_id, request in scheduled.items():
             token_id = sampled.get(request_id)
             if token_id is None:
                 continue
-            request = self.requests.get(request_id)
-            if request is None:
+            if self.requests.get(request_id) is not request:
                 continue  # finished (aborted, a stop string) while the step ran
             request.num_pending_tokens -= 1
             request.append_output_token(token_id)

@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: Ctrl-C reaches the whole process group; the engine process decides when the
     # worker stops (it drains requests first), so the worker leaves SIGINT to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # NOTE: not inherited by anything this process starts, so that its death still closes
+    # the socket (the engine notices a dead worker by that).
+    os.set_inheritable(args.fd, False)
     conn = Connection(args.fd)
     try:
         serve(conn)

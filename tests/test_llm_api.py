@@ -146,3 +146,21 @@ def test_a_dead_worker_past_the_restart_budget_fails_requests_instead_of_hanging
             llm.generate("c", SamplingParams(max_tokens=2))
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_async_scheduling_keeps_two_steps_in_flight_and_changes_no_token(tiny_llama_dir, async_scheduling):
+    prompts = [[1000 + 7 * i + j for j in range(5 + 3 * i)] for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=7, stop_token_ids=[40000])] * 2
+    settings = dict(enforce_eager=True, dtype="float32", max_model_len=64, num_kv_blocks=24, block_size=4)
+    with LLM(str(tiny_llama_dir), async_scheduling=async_scheduling, **settings) as llm:
+        outputs = llm.generate(prompts, params)
+        assert llm.engine.step_stats.max_in_flight == (2 if async_scheduling else 1)
+        assert llm.engine.scheduler.stats.num_preemptions > 0  # pending tokens meet preemption too
+        assert_all_blocks_free(llm)
+    with LLM(str(tiny_llama_dir), async_scheduling=False, num_kv_blocks=256, enforce_eager=True, dtype="float32",
+             max_model_len=128, block_size=4) as llm:
+        alone = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in alone]
