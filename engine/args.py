@@ -17,7 +17,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "plugins":
             parser.add_argument("--plugin", dest="plugins", action="append", default=[], metavar="MODULE:OBJECT",
                                 help="load a plugin (repeatable), after those installed under the 'pagoda' group")
-        elif isinstance(default, bool):
+        elif isinstance(default, bool) or f.type in ("bool | None", bool | None):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif isinstance(default, str) or f.name == "model":
             parser.add_argument(flag, default=default)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -133,9 +134,10 @@ class AsyncEngine:
                                        num_cpu_blocks)
         self.worker = self._make_worker()
         ready = await self.worker.start()
-        logger.info("worker ready: %s, %s, attention backend %s, %.2f GiB of KV cache%s", ready.device, ready.dtype,
-                    ready.attention_backend, ready.kv_cache_bytes / 1024**3,
-                    f", model compiled in {ready.compile_seconds:.1f} s" if ready.compile_seconds else "")
+        logger.info("worker ready: %s, %s, attention backend %s, %.2f GiB of KV cache%s; async scheduling %s",
+                    ready.device, ready.dtype, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
+                    f", model compiled in {ready.compile_seconds:.1f} s" if ready.compile_seconds else "",
+                    "on" if self.uses_async_scheduling() else "off")
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="pagoda-engine-loop")
 
     async def shutdown(self) -> None:
@@ -155,6 +157,19 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.shutdown()
+
+    def uses_async_scheduling(self) -> bool:
+        """The config's choice, or auto (see EngineConfig.async_scheduling)."""
+        config = self.config
+        if config.async_scheduling is not None:
+            return config.async_scheduling
+        if resolve_device(config.device).type == "cuda":
+            return True
+        import torch
+
+        # NOTE: torch uses every core by default; only explicitly fewer leaves one spare.
+        threads = config.num_threads or torch.get_num_threads()
+        return (os.cpu_count() or 1) > threads * config.tensor_parallel_size
 
     def _make_worker(self):
         """The worker (or the group of tensor-parallel ranks) that runs the model."""
@@ -386,7 +401,7 @@ class AsyncEngine:
         # Steps sent and not answered yet, each with whether the engine had been idle
         # (no work at all) before it: the worker's wait for such a step is not overhead.
         in_flight: deque[tuple[SchedulerOutput, bool]] = deque()
-        depth = 2 if self.config.async_scheduling else 1
+        depth = 2 if self.uses_async_scheduling() else 1
         was_idle = True
         while True:
             if not in_flight and not scheduler.has_unfinished_requests() and not self._pending_aborts:

@@ -34,7 +34,10 @@ class EngineConfig:
             or "ray" (Ray actors, on a Ray cluster or a local one).
         data_parallel_size: Engine replicas behind one server or LLM, each with its own
             workers and KV cache; requests are routed by load and prefix-cache affinity.
-        async_scheduling: Schedule and send step N+1 while the worker runs step N.
+        async_scheduling: Schedule and send step N+1 while the worker runs step N. None
+            (auto): on when the engine has compute of its own to overlap with (the model
+            on a GPU, or spare CPU cores beside the worker's threads), off otherwise: on
+            a CPU whose cores the worker uses, the engine's work would slow it down.
         max_worker_restarts: Worker restarts allowed within worker_restart_window
             seconds; past that the engine stops serving.
         worker_restart_window: The window of max_worker_restarts, in seconds.
@@ -66,7 +69,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     data_parallel_size: int = 1
-    async_scheduling: bool = True
+    async_scheduling: bool | None = None
     max_worker_restarts: int = 3
     worker_restart_window: int = 60
     enable_prefix_caching: bool = True
