@@ -9,12 +9,18 @@ scheduling, and reports per step:
 * worker idle: how long the worker waited for its next step after answering one, which
   is the part of the engine's cost on the critical path (async scheduling hides the
   engine's work behind the worker's);
-* worker compute and the wall time per step.
+* worker compute, the wall time, and their difference: all the time per step outside
+  the forward (engine time, both ends of the message passing, admitting the requests).
+
+``--output-kind delta`` reads every request as a stream of deltas, as the server's
+streaming responses do (text detokenized and each stream woken every step); ``final``
+reads one output per request, as ``LLM.generate`` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import time
@@ -23,8 +29,18 @@ from dataclasses import asdict
 from engine.args import add_engine_args, engine_config_from_args
 
 
+async def _consume(engine, prompts, params, kind) -> None:
+    async def one(prompt):
+        stream = engine.add_request(prompt, params, output_kind=kind)
+        async for _ in engine.stream_outputs(stream):
+            pass
+
+    await asyncio.gather(*(one(p) for p in prompts))
+
+
 def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
     from engine.llm import LLM
+    from engine.output_processor import OutputKind
     from engine.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
@@ -38,7 +54,7 @@ def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
         s = llm.engine.step_stats
         before = asdict(s)
         start = time.perf_counter()
-        llm.generate(prompts, params)
+        llm._loop.run_until_complete(_consume(llm.engine, prompts, params, OutputKind(args.output_kind)))
         wall = time.perf_counter() - start
         after = asdict(s)
     steps = after["num_steps"] - before["num_steps"]
@@ -51,20 +67,24 @@ def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
             "update_ms_per_step": per_step("update_seconds"),
             "engine_ms_per_step": per_step("schedule_seconds") + per_step("update_seconds"),
             "worker_idle_ms_per_step": per_step("worker_idle_seconds"),
-            "worker_compute_ms_per_step": per_step("worker_compute_seconds"), "seconds": wall}
+            "worker_compute_ms_per_step": per_step("worker_compute_seconds"),
+            "outside_forward_ms_per_step": 1e3 * wall / steps - per_step("worker_compute_seconds"),
+            "output_kind": args.output_kind, "seconds": wall}
 
 
 def run_overhead(args: argparse.Namespace) -> int:
     results = [measure(args, False), measure(args, True)]
     for r in results:
         print(json.dumps(r), flush=True)
-    print(f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output), per step (ms):")
+    print(f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output), "
+          f"{args.output_kind} outputs, per step (ms):")
     print(f"{'async scheduling':<18}{'engine':>9}{'schedule':>10}{'update':>9}{'worker idle':>13}"
-          f"{'worker compute':>16}{'wall':>9}{'total s':>9}")
+          f"{'worker compute':>16}{'wall':>9}{'outside fwd':>13}{'total s':>9}")
     for r in results:
         print(f"{'on' if r['async_scheduling'] else 'off':<18}{r['engine_ms_per_step']:>9.2f}"
               f"{r['schedule_ms_per_step']:>10.2f}{r['update_ms_per_step']:>9.2f}{r['worker_idle_ms_per_step']:>13.2f}"
-              f"{r['worker_compute_ms_per_step']:>16.2f}{r['wall_ms_per_step']:>9.2f}{r['seconds']:>9.2f}")
+              f"{r['worker_compute_ms_per_step']:>16.2f}{r['wall_ms_per_step']:>9.2f}"
+              f"{r['outside_forward_ms_per_step']:>13.2f}{r['seconds']:>9.2f}")
     return 0
 
 
@@ -75,5 +95,7 @@ def add_overhead_parser(bench_sub) -> None:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--bench-seed", type=int, default=0)
+    p.add_argument("--output-kind", choices=["final", "delta"], default="final",
+                   help="final: one output per request (LLM.generate); delta: streamed deltas (the server)")
     add_engine_args(p)
     p.set_defaults(func=run_overhead)

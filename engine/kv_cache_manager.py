@@ -67,7 +67,8 @@ class SlotAllocation:
 
 
 # What allocate_slots returns when a table did not change (read-only, shared).
-_UNCHANGED = SlotAllocation()
+# What allocate_slots returns when nothing but the token count changed (shared; not to be mutated).
+UNCHANGED = SlotAllocation()
 
 
 class KVCacheManager:
@@ -192,8 +193,10 @@ class KVCacheManager:
                     offset == 0 or index >= len(blocks) or blocks[index].ref_cnt == 1):
                 if num_total > self.req_to_num_tokens[request_id]:
                     self.req_to_num_tokens[request_id] = num_total
-                self._cache_full_blocks(request, num_total)
-                return _UNCHANGED
+                if (self.enable_prefix_caching and min(num_total, len(request.all_token_ids)) // self.block_size
+                        > self.req_to_num_cached.get(request_id, 0)):
+                    self._cache_full_blocks(request, num_total)
+                return UNCHANGED
         computed_blocks = computed_blocks or []
         blocks = blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size

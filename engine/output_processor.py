@@ -11,8 +11,11 @@ A consumer chooses what it reads (:class:`OutputKind`):
     * ``FINAL``: one output when every sample has finished, woken once;
     * ``CUMULATIVE``: each output holds everything so far (copied; for small scripts).
 
-Requests read FINAL and without stop strings are not detokenized token by token at
-all: their text is decoded once, when they finish.
+Detokenizing stays off the step's critical path where it can: requests without stop
+strings are detokenized when their consumer reads (after the next step went out, while
+the worker computes it), requests read FINAL and without stop strings are decoded once
+when they finish, and only requests with stop strings are detokenized between steps
+(a match must finish them before the next step is scheduled).
 """
 
 from __future__ import annotations
@@ -53,11 +56,16 @@ class Sample:
         finish_sent: The delta carrying the finish reason was handed out.
     """
 
-    __slots__ = ("request", "detokenizer", "output", "num_tokens_sent", "finish_sent", "_text_delta")
+    __slots__ = ("request", "detokenizer", "output", "num_tokens_sent", "finish_sent", "_text_delta",
+                 "detokenize_on_read", "_num_detokenized")
 
     def __init__(self, request: Request, detokenizer: IncrementalDetokenizer | None, index: int) -> None:
         self.request = request
         self.detokenizer = detokenizer
+        # Without stop strings nothing between steps depends on the text: it is made when
+        # read (catch_up), off the step's critical path.
+        self.detokenize_on_read = detokenizer is not None and not request.sampling_params.stop
+        self._num_detokenized = 0
         logprobs = [] if request.sampling_params.logprobs is not None else None
         self.output = CompletionOutput(index=index, logprobs=logprobs)
         self.num_tokens_sent = 0
@@ -69,8 +77,23 @@ class Sample:
             self.output.text += text
             self._text_delta.append(text)
 
+    def catch_up(self, stop_terminated: bool = False) -> None:
+        """Detokenizes the tokens not detokenized yet (samples detokenized on read).
+
+        Args:
+            stop_terminated: The last token is EOS or a stop token id that ended the
+                request (left out of the text).
+        """
+        ids = self.output.token_ids
+        if not self.detokenize_on_read or self._num_detokenized == len(ids):
+            return
+        self.detokenizer.update(ids[self._num_detokenized:], stop_terminated)
+        self._num_detokenized = len(ids)
+        self.add_text(self.detokenizer.get_delta())
+
     def take_delta(self) -> CompletionOutput:
         """What is new since the previous call."""
+        self.catch_up()
         out = self.output
         start = self.num_tokens_sent
         self.num_tokens_sent = len(out.token_ids)
@@ -121,6 +144,8 @@ class RequestStream:
         elif self.kind is OutputKind.FINAL:
             outputs = [sample.output for sample in self.samples]
         else:
+            for sample in self.samples:
+                sample.catch_up()
             outputs = [replace(s.output, token_ids=list(s.output.token_ids),
                                logprobs=None if s.output.logprobs is None else list(s.output.logprobs))
                        for s in self.samples]
@@ -179,7 +204,7 @@ class OutputProcessor:
             if out.logprobs is not None:
                 out.logprobs.extend(update.new_logprobs)
             detokenizer = sample.detokenizer
-            if detokenizer is not None:
+            if detokenizer is not None and not sample.detokenize_on_read:
                 # EOS or a stop token id: the token ends the text and is left out of it.
                 stop_terminated = update.finished and request.status == RequestStatus.FINISHED_STOPPED
                 if detokenizer.update(update.new_token_ids, stop_terminated):
@@ -193,7 +218,7 @@ class OutputProcessor:
             if request.is_finished:
                 self.finish_sample(request)
             else:
-                if detokenizer is not None:
+                if detokenizer is not None and not sample.detokenize_on_read:
                     sample.add_text(detokenizer.get_delta())
                 stream.notify()
         return stopped_requests
@@ -206,6 +231,8 @@ class OutputProcessor:
         stream, sample = entry
         out = sample.output
         if sample.detokenizer is not None:
+            # EOS or a stop token id ended it: that token is left out of the text.
+            sample.catch_up(stop_terminated=request.status == RequestStatus.FINISHED_STOPPED)
             sample.add_text(sample.detokenizer.finish())
         else:
             ids = out.token_ids

@@ -150,15 +150,6 @@ class Request:
         self.metrics.events.append((event, now))
         return now
 
-    def can_sample_more(self, max_model_len: int) -> bool:
-        """Whether a step may still sample for it: pending tokens count against the limits."""
-        return (self.num_output_tokens + self.num_pending_tokens < self.max_tokens
-                and self.num_tokens_with_pending < max_model_len)
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-
     def check_stop(self) -> RequestStatus | None:
         """Returns the finished status the last token implies, or None to go on."""
         num_output = len(self.output_token_ids)

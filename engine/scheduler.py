@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import KVCacheManager, SlotAllocation
+from engine.kv_cache_manager import UNCHANGED, KVCacheManager, SlotAllocation
 from engine.policy import Policy
 from engine.request_queue import WaitingQueue
 from engine.messages import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -171,7 +171,10 @@ class Scheduler:
             allocation = self._allocate_or_preempt(request, num_new)
             if allocation is None:
                 continue  # the request preempted itself; the cursor already moved past it
-            self._schedule_running(request, num_new, allocation)
+            if allocation is UNCHANGED and request.request_id in self._in_worker:
+                out.num_scheduled_tokens[request.request_id] = num_new  # the common decode
+            else:
+                self._schedule_running(request, num_new, allocation)
             self._budget -= num_new
             self._cursor += 1
 
@@ -204,16 +207,18 @@ class Scheduler:
         a known token when the result arrives.
         """
         stats = self.stats
+        requests = self.requests
         # NOTE: the step's result is matched to these objects, not to ids: an id may be
         # reused by a new request while a step holding the old one is still running.
         self._scheduled[out.step_id] = scheduled = {}
         for request_id, num_tokens in out.num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            scheduled[request_id] = request
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                stats.num_prompt_tokens += min(num_tokens, request.num_prompt_tokens - request.num_computed_tokens)
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_tokens_with_pending:
+            request = scheduled[request_id] = requests[request_id]
+            num_computed = request.num_computed_tokens
+            num_prompt = len(request.prompt_token_ids)
+            if num_computed < num_prompt:
+                stats.num_prompt_tokens += min(num_tokens, num_prompt - num_computed)
+            num_computed = request.num_computed_tokens = num_computed + num_tokens
+            if num_computed == len(request.all_token_ids) + request.num_pending_tokens:
                 request.num_pending_tokens += 1
 
     def _admit(self, request: Request, budget: int) -> str | None:
@@ -359,29 +364,35 @@ class Scheduler:
         self.stats.num_steps += 1
         now = time.time()
         sampled = runner_output.sampled
+        all_logprobs = runner_output.logprobs
+        requests = self.requests
+        max_model_len = self.max_model_len
         for request_id, request in scheduled.items():
             token_id = sampled.get(request_id)
             if token_id is None:
                 continue
-            if self.requests.get(request_id) is not request:
+            if requests.get(request_id) is not request:
                 continue  # finished (aborted, a stop string) while the step ran
             request.num_pending_tokens -= 1
-            request.append_output_token(token_id)
-            self.stats.num_generation_tokens += 1
-            request.metrics.last_token_time = now
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = request.record("first_token", now)
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            metrics = request.metrics
+            metrics.last_token_time = now
+            if metrics.first_token_time is None:
+                metrics.first_token_time = request.record("first_token", now)
             update = RequestUpdate(request, [token_id])
-            logprobs = runner_output.logprobs.get(request_id)
-            if logprobs is not None:
-                update.new_logprobs.append(logprobs)
+            if all_logprobs:
+                logprobs = all_logprobs.get(request_id)
+                if logprobs is not None:
+                    update.new_logprobs.append(logprobs)
             status = request.check_stop()
-            if status is None and request.num_tokens >= self.max_model_len:
+            if status is None and len(request.all_token_ids) >= max_model_len:
                 status = RequestStatus.FINISHED_LENGTH_CAPPED
             if status is not None:
                 self.finish_request(request_id, status)
                 update.finished = True
             updates.append(update)
+        self.stats.num_generation_tokens += len(updates)
         kv = self.kv_cache_manager
         self.policy.step_finished(StepView(
             step_id=scheduler_output.step_id,
@@ -398,9 +409,13 @@ class Scheduler:
     def _num_tokens_to_run(self, request: Request) -> int:
         if request.pending_forks:
             return request.num_prompt_tokens - 1 - request.num_computed_tokens
-        if not request.can_sample_more(self.max_model_len):
+        # NOTE: pending tokens count against the limits.
+        num_pending = request.num_pending_tokens
+        num_with_pending = len(request.all_token_ids) + num_pending
+        if (len(request.output_token_ids) + num_pending >= request.max_tokens
+                or num_with_pending >= self.max_model_len):
             return 0  # its pending token finishes it
-        return request.num_tokens_with_pending - request.num_computed_tokens
+        return num_with_pending - request.num_computed_tokens
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> SlotAllocation | None:
         """Allocates the step's slots, preempting newer requests until they fit.

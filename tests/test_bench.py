@@ -1,6 +1,9 @@
 """The model-free benchmark commands run and report what they claim."""
 
+import json
 import re
+
+import pytest
 
 from cli.main import main
 
@@ -20,3 +23,17 @@ def test_plugins_bench_times_every_hook(capsys):
     for hook in ("sort_key", "select_victim", "preemption_mode", "request_finished", "step_finished"):
         assert hook in out
     assert "us per step" in out
+
+
+def test_overhead_bench_streams_deltas_and_accounts_for_the_step(capsys, tiny_llama_dir):
+    assert main(["bench", "overhead", "--model", str(tiny_llama_dir), "--num-requests", "12", "--input-len", "5",
+                 "--output-len", "7", "--output-kind", "delta", "--dtype", "float32", "--enforce-eager"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["async_scheduling"] for r in rows] == [False, True]
+    for r in rows:
+        assert r["output_kind"] == "delta"
+        assert r["steps"] >= 7  # a prefill and a decode per output token (the first comes with the prefill)
+        assert r["worker_compute_ms_per_step"] > 0
+        assert r["engine_ms_per_step"] == pytest.approx(r["schedule_ms_per_step"] + r["update_ms_per_step"])
+        assert r["outside_forward_ms_per_step"] == pytest.approx(
+            r["wall_ms_per_step"] - r["worker_compute_ms_per_step"])
