@@ -143,6 +143,20 @@ def test_cpu_backends_match_naive(backend, block_size, group, head_dim):
     backend_matches_naive(backend, block_size, group, head_dim)
 
 
+@pytest.mark.parametrize("block_size", [32, 64, 128])
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (1, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_paged_decode_over_many_large_blocks(block_size, group, head_dim, dtype):
+    # Decodes whose contexts cross several blocks of every size and end mid-block (the vector
+    # kernel walks a block 16 tokens at a time), beside a prefill.
+    seq_lens, query_lens = [300, 129, 17, 256, 40], [1, 1, 1, 1, 40]
+    shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim)
+    naive, _ = run_step("naive", block_size, seq_lens, query_lens, seed=11, dtype=dtype, **shape)
+    out, _ = run_step("cpu_paged", block_size, seq_lens, query_lens, seed=11, dtype=dtype, **shape)
+    tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), naive.float(), **tolerance)
+
+
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])

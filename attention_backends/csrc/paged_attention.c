@@ -109,12 +109,12 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 }
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
-/* The block_size == 16 task with vector registers: lanes are the block's 16 tokens for
+/* The task for block sizes that are multiples of 16, with vector registers: lanes are 16 tokens for
  * the scores, and 16 consecutive head_dim entries for the values. */
 #define FAST_TASK(T, LOAD16)                                                                               \
 static inline __attribute__((always_inline)) void NAME_FAST_##T(const T *query, const T *key_cache, const T *value_cache, const int32_t *table,   \
                           int64_t len, float *out, int64_t group, int64_t head_dim, int64_t block_stride,   \
-                          int64_t kh, float scale, const T *qsrc) {                                         \
+                          int64_t kh, float scale, const T *qsrc, int64_t bs) {                             \
     const int64_t chunks = head_dim / 16;                                                                  \
     float q[FAST_MAX_GROUP][128];                                                                          \
     __m512 acc[FAST_MAX_GROUP][FAST_MAX_CHUNKS];                                                           \
@@ -132,17 +132,27 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(const T *query, 
     for (int64_t start = 0; start < len; start += 16) {                                                    \
         const int64_t n = len - start < 16 ? len - start : 16;                                             \
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);                                               \
-        const int64_t base = (int64_t)table[start / 16] * block_stride + kh * 16 * head_dim;               \
-        const T *k = key_cache + base;                                                                     \
-        const T *v = value_cache + base;                                                                   \
+        /* 16 tokens at a time: the block's keys are [head_dim][bs], its values [bs][head_dim]. */       \
+        const int64_t base = (int64_t)table[start / bs] * block_stride + kh * bs * head_dim;               \
+        const int64_t sub = start % bs;                                                                    \
+        const T *k = key_cache + base + sub;                                                               \
+        const T *v = value_cache + base + sub * head_dim;                                                  \
         if (start + 16 < len) {                                                                            \
             /* NOTE: blocks are scattered, so the hardware prefetcher cannot guess the next   \
-             * one: ask for it while this one is computed. */                                             \
-            const int64_t next = (int64_t)table[start / 16 + 1] * block_stride + kh * 16 * head_dim;      \
-            const char *nk = (const char *)(key_cache + next), *nv = (const char *)(value_cache + next);   \
-            for (int64_t off = 0; off < 16 * head_dim * (int64_t)sizeof(T); off += 64) {                   \
-                _mm_prefetch(nk + off, _MM_HINT_T0);                                                       \
+             * one: ask for the next 16 tokens while these are computed. */                               \
+            const int64_t nstart = start + 16, nsub = nstart % bs;                                         \
+            const int64_t next = (int64_t)table[nstart / bs] * block_stride + kh * bs * head_dim;          \
+            const char *nv = (const char *)(value_cache + next + nsub * head_dim);                         \
+            for (int64_t off = 0; off < 16 * head_dim * (int64_t)sizeof(T); off += 64)                     \
                 _mm_prefetch(nv + off, _MM_HINT_T0);                                                       \
+            if (bs == 16) {                                                                                \
+                const char *nk = (const char *)(key_cache + next);                                         \
+                for (int64_t off = 0; off < 16 * head_dim * (int64_t)sizeof(T); off += 64)                 \
+                    _mm_prefetch(nk + off, _MM_HINT_T0);                                                   \
+            } else if (nsub % (64 / (int64_t)sizeof(T)) == 0) {                                            \
+                /* a new cache line in every key row */                                                    \
+                for (int64_t d = 0; d < head_dim; d++)                                                     \
+                    _mm_prefetch((const char *)(key_cache + next + nsub + d * bs), _MM_HINT_T0);           \
             }                                                                                              \
         }                                                                                                  \
         /* NOTE: four partial sums per head: one chain of head_dim dependent FMAs would be    \
@@ -151,8 +161,8 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(const T *query, 
         for (int64_t g = 0; g < group; g++)                                                                \
             s[g] = s1[g] = s2[g] = s3[g] = _mm512_setzero_ps();                                            \
         for (int64_t d = 0; d < head_dim; d += 4) {                                                        \
-            const __m512 k0 = LOAD16(k + d * 16), k1 = LOAD16(k + (d + 1) * 16);                           \
-            const __m512 k2 = LOAD16(k + (d + 2) * 16), k3 = LOAD16(k + (d + 3) * 16);                     \
+            const __m512 k0 = LOAD16(k + d * bs), k1 = LOAD16(k + (d + 1) * bs);                           \
+            const __m512 k2 = LOAD16(k + (d + 2) * bs), k3 = LOAD16(k + (d + 3) * bs);                     \
             for (int64_t g = 0; g < group; g++) {                                                          \
                 s[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d]), k0, s[g]);                                 \
                 s1[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d + 1]), k1, s1[g]);                           \
@@ -194,15 +204,19 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(const T *query, 
 FAST_TASK(uint16_t, load16_bf16)
 FAST_TASK(float, load16_f32)
 
-/* Calls the task with the group size and head_dim as constants, so that the compiler
- * unrolls its loops and keeps the accumulators in registers. */
+/* Calls the task with the group size and head_dim (and a block size of 16) as constants, so
+ * that the compiler unrolls its loops and keeps the accumulators in registers. */
 #define FAST_CASE(FAST, G, D)                                                                              \
+    case 1000000 + (G) * 1000 + (D):                                                                       \
+        FAST(query, key_cache, value_cache, table, len, result, G, D, block_stride, kh, scale, qsrc, 16);  \
+        break;                                                                                             \
     case (G) * 1000 + (D):                                                                                 \
-        FAST(query, key_cache, value_cache, table, len, result, G, D, block_stride, kh, scale, qsrc);      \
+        FAST(query, key_cache, value_cache, table, len, result, G, D, block_stride, kh, scale, qsrc,       \
+             block_size);                                                                                  \
         break;
 
 #define FAST_PATH(T, STORE, FAST)                                                                          \
-    if (block_size == 16 && head_dim % 16 == 0 && head_dim <= 128 && group <= FAST_MAX_GROUP) {             \
+    if (block_size % 16 == 0 && head_dim % 16 == 0 && head_dim <= 128 && group <= FAST_MAX_GROUP) {         \
         _Pragma("omp parallel for schedule(dynamic, 1) collapse(2)")                                        \
         for (int64_t r = 0; r < num_reqs; r++) {                                                           \
             for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                                \
@@ -210,13 +224,13 @@ FAST_TASK(float, load16_f32)
                 const int32_t *table = block_tables + r * block_table_stride;                              \
                 const int64_t len = seq_lens[r];                                                           \
                 const T *qsrc = query + (r * num_heads + kh * group) * head_dim;                           \
-                switch (group * 1000 + head_dim) {                                                         \
+                switch ((block_size == 16) * 1000000 + group * 1000 + head_dim) {                          \
                     FAST_CASE(FAST, 1, 64) FAST_CASE(FAST, 2, 64) FAST_CASE(FAST, 3, 64)                   \
                     FAST_CASE(FAST, 4, 64) FAST_CASE(FAST, 8, 64) FAST_CASE(FAST, 1, 128)                  \
                     FAST_CASE(FAST, 2, 128) FAST_CASE(FAST, 4, 128) FAST_CASE(FAST, 8, 128)                \
                     default:                                                                               \
                         FAST(query, key_cache, value_cache, table, len, result, group, head_dim,           \
-                             block_stride, kh, scale, qsrc);                                               \
+                             block_stride, kh, scale, qsrc, block_size);                                   \
                 }                                                                                          \
                 T *dst = out + (r * num_heads + kh * group) * head_dim;                                    \
                 for (int64_t i = 0; i < group * head_dim; i++) dst[i] = STORE(result[i]);                  \
