@@ -66,7 +66,6 @@ class SlotAllocation:
     table_changed: bool = False
 
 
-# What allocate_slots returns when a table did not change (read-only, shared).
 # What allocate_slots returns when nothing but the token count changed (shared; not to be mutated).
 UNCHANGED = SlotAllocation()
 
@@ -193,6 +192,8 @@ class KVCacheManager:
                     offset == 0 or index >= len(blocks) or blocks[index].ref_cnt == 1):
                 if num_total > self.req_to_num_tokens[request_id]:
                     self.req_to_num_tokens[request_id] = num_total
+                # NOTE: _cache_full_blocks's own first test, here to save a call per request
+                # per step in the steps where no block fills up.
                 if (self.enable_prefix_caching and min(num_total, len(request.all_token_ids)) // self.block_size
                         > self.req_to_num_cached.get(request_id, 0)):
                     self._cache_full_blocks(request, num_total)

@@ -126,8 +126,8 @@ def triton_interpreter():
 WIDE = ([37, 20, 33, 5, 50], [37, 1, 9, 5, 1])
 
 
-def backend_matches_naive(backend, block_size, group, head_dim, dtype=torch.float32):
-    seq_lens, query_lens = WIDE
+def backend_matches_naive(backend, block_size, group, head_dim, dtype=torch.float32, cases=WIDE):
+    seq_lens, query_lens = cases
     shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim)
     naive, _ = run_step("naive", block_size, seq_lens, query_lens, seed=7, dtype=dtype, **shape)
     out, _ = run_step(backend, block_size, seq_lens, query_lens, seed=7, dtype=dtype, **shape)
@@ -149,12 +149,8 @@ def test_cpu_backends_match_naive(backend, block_size, group, head_dim):
 def test_cpu_paged_decode_over_many_large_blocks(block_size, group, head_dim, dtype):
     # Decodes whose contexts cross several blocks of every size and end mid-block (the vector
     # kernel walks a block 16 tokens at a time), beside a prefill.
-    seq_lens, query_lens = [300, 129, 17, 256, 40], [1, 1, 1, 1, 40]
-    shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim)
-    naive, _ = run_step("naive", block_size, seq_lens, query_lens, seed=11, dtype=dtype, **shape)
-    out, _ = run_step("cpu_paged", block_size, seq_lens, query_lens, seed=11, dtype=dtype, **shape)
-    tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out.float(), naive.float(), **tolerance)
+    long_contexts = ([300, 129, 17, 256, 40], [1, 1, 1, 1, 40])
+    backend_matches_naive("cpu_paged", block_size, group, head_dim, dtype, cases=long_contexts)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])

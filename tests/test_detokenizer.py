@@ -201,3 +201,32 @@ def test_property_stop_strings_never_leak(tokenizer, parts, stops, include):
             break
     else:
         assert streamed == full and det.stop_reason is None
+
+
+@pytest.mark.parametrize("stop", [[], ["zzz"]])
+def test_streams_without_stop_strings_are_detokenized_when_read(tokenizer, stop):
+    # Between steps (process) only a request with stop strings is detokenized; the others
+    # make their text when the stream is read, and the deltas still add up to the full
+    # text with EOS left out.
+    from engine.output_processor import OutputKind, OutputProcessor, RequestStream
+    from engine.request import Request, RequestStatus
+    from engine.scheduler import RequestUpdate
+
+    ids = encode(tokenizer, TEXTS[1])
+    eos = tokenizer.eos_token_id
+    request = Request("r", [1, 2, 3], SamplingParams(stop=stop), max_tokens=100, eos_token_ids=frozenset([eos]))
+    processor = OutputProcessor(tokenizer)
+    stream = RequestStream("r", None, [1, 2, 3], OutputKind.DELTA)
+    sample = processor.new_sample(stream, request, 0)
+    processor.add(stream)
+    texts, decoded_in_process = [], 0
+    for i, token in enumerate([*ids, eos]):
+        finished = i == len(ids)
+        if finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        before = sample.detokenizer.output_text
+        processor.process([RequestUpdate(request, [token], finished=finished)])
+        decoded_in_process += not finished and sample.detokenizer.output_text != before
+        texts.append(stream.take().outputs[0].text)
+    assert (decoded_in_process > 0) == bool(stop)
+    assert "".join(texts) == tokenizer.decode(ids, clean_up_tokenization_spaces=False)
