@@ -29,34 +29,42 @@ from dataclasses import asdict
 from engine.args import add_engine_args, engine_config_from_args
 
 
-async def _consume(engine, prompts, params, kind) -> None:
-    async def one(prompt):
-        stream = engine.add_request(prompt, params, output_kind=kind)
-        async for _ in engine.stream_outputs(stream):
-            pass
-
-    await asyncio.gather(*(one(p) for p in prompts))
-
-
-def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
-    from engine.llm import LLM
+async def _run(config, args: argparse.Namespace) -> tuple[dict, dict, float]:
+    """Starts an engine, warms it up, runs the workload; returns the step stats before and
+    after it and its wall time."""
+    from engine.async_engine import AsyncEngine
     from engine.output_processor import OutputKind
     from engine.sampling_params import SamplingParams
 
-    config = engine_config_from_args(args)
-    config.async_scheduling = async_scheduling
+    async def consume(engine, prompt, params, kind) -> None:
+        async for _ in engine.stream_outputs(engine.add_request(prompt, params, output_kind=kind)):
+            pass
+
     rng = random.Random(args.bench_seed)
-    with LLM(**asdict(config)) as llm:
-        vocab = llm.engine.model_config.vocab_size
+    async with AsyncEngine(config) as engine:
+        vocab = engine.model_config.vocab_size
         prompts = [[rng.randrange(1000, vocab) for _ in range(args.input_len)] for _ in range(args.num_requests)]
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-        s = llm.engine.step_stats
-        before = asdict(s)
+        warm_up = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        await asyncio.gather(*(consume(engine, p, warm_up, OutputKind.FINAL) for p in prompts[:4]))
+        before = asdict(engine.step_stats)
         start = time.perf_counter()
-        llm._loop.run_until_complete(_consume(llm.engine, prompts, params, OutputKind(args.output_kind)))
+        kind = OutputKind(args.output_kind)
+        await asyncio.gather(*(consume(engine, p, params, kind) for p in prompts))
         wall = time.perf_counter() - start
-        after = asdict(s)
+        return before, asdict(engine.step_stats), wall
+
+
+def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
+    from engine.llm import new_event_loop
+
+    config = engine_config_from_args(args)
+    config.async_scheduling = async_scheduling
+    loop = new_event_loop()
+    try:
+        before, after, wall = loop.run_until_complete(_run(config, args))
+    finally:
+        loop.close()
     steps = after["num_steps"] - before["num_steps"]
 
     def per_step(key: str) -> float:
