@@ -94,10 +94,14 @@ def load() -> ctypes.CDLL:
         raise KernelUnavailable(f"disabled by {DISABLE_ENV}")
     lib = ctypes.CDLL(str(_build(_compiler())))
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    for name in ("paged_decode_bf16", "paged_decode_f32"):
+    for name in ("paged_attention_bf16", "paged_attention_f32"):
         fn = getattr(lib, name)
-        fn.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, i64, i64, i64, i64, i64,
+        fn.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, i64, i64, i64, i64, i64,
                        ctypes.c_float]
+        fn.restype = None
+    for name in ("paged_write_kv_bf16", "paged_write_kv_f32"):
+        fn = getattr(lib, name)
+        fn.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64]
         fn.restype = None
     return lib
 
@@ -112,35 +116,63 @@ def available() -> bool:
     return True
 
 
-_DECODE = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def supports(dtype: torch.dtype) -> bool:
-    return dtype in _DECODE
+    return dtype in _SUFFIX
 
 
-def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention over the paged cache, one query per request.
+def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor) -> None:
+    """Writes each token's key and value into its cache slot (a negative slot is skipped).
 
     Args:
-        query: [num_reqs, num_heads, head_dim], contiguous.
+        key, value: [num_tokens, num_kv_heads, head_dim], contiguous, in the cache's dtype.
+        slot_mapping: int64 [num_tokens]: block_id * block_size + offset.
+        key_cache: [num_blocks, num_kv_heads, head_dim, block_size] (keys transposed per block).
+        value_cache: [num_blocks, num_kv_heads, block_size, head_dim].
+    """
+    fn = getattr(load(), "paged_write_kv_" + _SUFFIX[key_cache.dtype])
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert key.is_contiguous() and value.is_contiguous() and slot_mapping.is_contiguous()
+    assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype and slot_mapping.dtype == torch.int64
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    fn(key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+       num_tokens, num_kv_heads, head_dim, value_cache.shape[2])
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of every query row over its request's paged context.
+
+    Request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]``, the last of its
+    ``seq_lens[i]`` positions; a row at position p attends to keys 0..p. Decodes are
+    requests with one row.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim], contiguous.
         key_cache: [num_blocks, num_kv_heads, head_dim, block_size] (keys transposed per block).
         value_cache: [num_blocks, num_kv_heads, block_size, head_dim].
         block_tables: int32 [num_reqs, >= max blocks], rows contiguous.
-        seq_lens: int32 [num_reqs] context lengths.
+        seq_lens: int32 [num_reqs] context lengths (the step's tokens included).
+        query_start_loc: int32 [num_reqs + 1].
         scale: Softmax scale.
 
     Returns:
-        [num_reqs, num_heads, head_dim] in the query's dtype.
+        [num_tokens, num_heads, head_dim] in the query's dtype.
     """
-    fn = getattr(load(), _DECODE[query.dtype])
-    num_reqs, num_heads, head_dim = query.shape
+    fn = getattr(load(), "paged_attention_" + _SUFFIX[query.dtype])
+    num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, _, block_size = key_cache.shape
+    num_reqs = seq_lens.shape[0]
     assert query.is_contiguous() and block_tables.stride(1) == 1 and seq_lens.is_contiguous()
-    assert key_cache.dtype == value_cache.dtype == query.dtype and block_tables.dtype == seq_lens.dtype == torch.int32
+    assert query_start_loc.is_contiguous() and query_start_loc.shape[0] == num_reqs + 1
+    assert key_cache.dtype == value_cache.dtype == query.dtype
+    assert block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
     out = torch.empty_like(query)
     fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-       block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim,
-       block_size, scale)
+       block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(), num_reqs, num_heads,
+       num_kv_heads, head_dim, block_size, scale)
     return out

@@ -41,8 +41,13 @@ def test_greedy_matches_transformers_gguf_loading():
 
 
 def test_cli_generate_answers_paris():
+    # NOTE: a question whose greedy answer has a margin. Asked bare ("What is the capital of
+    # France?"), the model's first token is a near-tie in bfloat16 ("The" against "L", 0.125
+    # apart in log-probability, one bfloat16 step of the logits): any change in the order of a
+    # float sum (another attention kernel) decides it either way.
     result = subprocess.run(
-        [sys.executable, "-m", "cli", "generate", "What is the capital of France?", "--max-model-len", "512"],
+        [sys.executable, "-m", "cli", "generate", "What is the capital of France? Answer in one sentence.",
+         "--max-model-len", "512"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr

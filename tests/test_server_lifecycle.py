@@ -197,7 +197,8 @@ def test_readme_default_model_answers_a_chat(serve):
     client = server.client("no-key-needed")
     assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
     answer = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
         max_tokens=32, temperature=0)
     assert "Paris" in answer.choices[0].message.content
     assert answer.choices[0].finish_reason in ("stop", "length")

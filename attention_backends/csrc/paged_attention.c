@@ -1,19 +1,24 @@
 /*
- * Paged decode attention for the CPU: one query token per request, read from the KV
- * blocks in place (no gather, no padding to the longest request).
+ * Paged attention for the CPU: every query row of a step (prefill chunks and decodes alike)
+ * against its request's context, read from the KV blocks in place (no gather, no padding
+ * to the longest request), plus the write of the step's new keys and values.
  *
  * Layout (the cpu_paged backend's cache):
- *   query, out:     [num_reqs, num_heads, head_dim]
+ *   query, out:     [num_tokens, num_heads, head_dim]
  *   key cache:      [num_blocks, num_kv_heads, head_dim, block_size]  (keys transposed per block)
  *   value cache:    [num_blocks, num_kv_heads, block_size, head_dim]
  *   block_tables:   [num_reqs, block_table_stride] int32
- *   seq_lens:       [num_reqs] int32 (tokens of context, the new one included)
+ *   seq_lens:       [num_reqs] int32 (tokens of context, the step's new ones included)
+ *   query_start:    [num_reqs + 1] int32: request i owns query rows query_start[i]..query_start[i+1],
+ *                   the last of its seq_lens[i] positions (causal: a row at position p sees keys 0..p)
  *
- * Each (request, KV head) is one task: its query heads (num_heads / num_kv_heads of them)
- * walk the request's blocks once with an online softmax in float32, so every key and
- * value is read from memory once per step. Keys are stored transposed within a block so
- * that a block's scores are computed token-parallel (vector lanes over the block's
- * tokens, no horizontal sums); values are accumulated lane-parallel over head_dim.
+ * A query row at position p is a decode over a context of p + 1 tokens, so one kernel serves
+ * both. A task is a tile of consecutive query tokens of one request and one KV head: its rows
+ * (tokens x the query heads sharing the KV head) walk the blocks once with an online softmax
+ * in float32, so a prefill chunk reads each key and value once per tile, not once per token.
+ * Keys are stored transposed within a block so that a block's scores are computed
+ * token-parallel (vector lanes over the block's tokens, no horizontal sums); values are
+ * accumulated lane-parallel over head_dim.
  *
  * Tasks are spread over OpenMP threads; torch's own libgomp is already loaded when this
  * library is, so both share one thread pool. Built on first use by
@@ -21,6 +26,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define MIN_SCORE (-1e30f)
 
@@ -41,18 +48,42 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static inline float f32_id(float x) { return x; }
 
-/* One (request, KV head) task for a block size known at compile time (BS) or not (bs). */
+/* ---- writing the step's keys and values into their slots --------------------------------- */
+
+#define DEFINE_WRITE_KV(NAME, T)                                                                           \
+void NAME(const T *key, const T *value, const int64_t *slot_mapping, T *key_cache, T *value_cache,          \
+          int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {                  \
+    const int64_t block_stride = num_kv_heads * head_dim * block_size;                                     \
+    _Pragma("omp parallel for schedule(static) if (num_tokens > 64)")                                       \
+    for (int64_t i = 0; i < num_tokens; i++) {                                                             \
+        const int64_t slot = slot_mapping[i];                                                              \
+        if (slot < 0) continue; /* a padding row */                                                        \
+        const int64_t block = slot / block_size, offset = slot % block_size;                               \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                                       \
+            const T *k = key + (i * num_kv_heads + h) * head_dim;                                          \
+            T *kdst = key_cache + block * block_stride + h * head_dim * block_size + offset;               \
+            for (int64_t d = 0; d < head_dim; d++) kdst[d * block_size] = k[d];                            \
+            memcpy(value_cache + block * block_stride + (h * block_size + offset) * head_dim,             \
+                   value + (i * num_kv_heads + h) * head_dim, head_dim * sizeof(T));                       \
+        }                                                                                                  \
+    }                                                                                                      \
+}
+
+DEFINE_WRITE_KV(paged_write_kv_bf16, uint16_t)
+DEFINE_WRITE_KV(paged_write_kv_f32, float)
+
+/* ---- the generic path: one query token per task, any block size, no vector extensions ----- */
+
+/* One (query token, KV head) task over a context of len tokens. */
 #define TASK_BODY(T, LOAD, STORE, BS)                                                                      \
     float q[group][head_dim], acc[group][head_dim], m[group], l[group];                                    \
     float s[group][BS], krow[BS], vrow[head_dim];                                                          \
     for (int64_t g = 0; g < group; g++) {                                                                  \
-        const T *src = query + (r * num_heads + kh * group + g) * head_dim;                                \
+        const T *src = query + (row * num_heads + kh * group + g) * head_dim;                              \
         for (int64_t d = 0; d < head_dim; d++) { q[g][d] = LOAD(src[d]) * scale; acc[g][d] = 0; }         \
         m[g] = MIN_SCORE;                                                                                  \
         l[g] = 0;                                                                                          \
     }                                                                                                      \
-    const int32_t *table = block_tables + r * block_table_stride;                                          \
-    const int64_t len = seq_lens[r];                                                                       \
     for (int64_t start = 0; start < len; start += BS) {                                                    \
         const int64_t n = len - start < BS ? len - start : BS;                                             \
         const int64_t base = (int64_t)table[start / BS] * block_stride + kh * BS * head_dim;              \
@@ -90,10 +121,20 @@ static inline float f32_id(float x) { return x; }
         }                                                                                                  \
     }                                                                                                      \
     for (int64_t g = 0; g < group; g++) {                                                                  \
-        T *dst = out + (r * num_heads + kh * group + g) * head_dim;                                        \
+        T *dst = out + (row * num_heads + kh * group + g) * head_dim;                                      \
         const float inv = l[g] > 0 ? 1.0f / l[g] : 0.0f;                                                   \
         for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE(acc[g][d] * inv);                            \
     }
+
+/* The request whose query rows hold row: query_start is sorted, so a binary search. */
+static inline int64_t request_of_row(const int32_t *query_start, int64_t num_reqs, int64_t row) {
+    int64_t lo = 0, hi = num_reqs - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (query_start[mid] <= row) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -101,7 +142,7 @@ static inline float f32_id(float x) { return x; }
 /* glibc's libmvec: 16 expf at once (what gcc's vectorizer calls). */
 __m512 _ZGVeN16v_expf(__m512 x);
 
-#define FAST_MAX_GROUP 8
+#define FAST_MAX_ROWS 8   /* query rows of a tile: its tokens x the query heads of one KV head */
 #define FAST_MAX_CHUNKS 8 /* head_dim up to 128 */
 
 static inline __m512 load16_bf16(const uint16_t *p) {
@@ -109,29 +150,37 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 }
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
-/* The task for block sizes that are multiples of 16, with vector registers: lanes are 16 tokens for
- * the scores, and 16 consecutive head_dim entries for the values. */
+/* A tile for block sizes that are multiples of 16, with vector registers: lanes are 16 key
+ * tokens for the scores, and 16 consecutive head_dim entries for the values. The tile's rows
+ * are tq consecutive query tokens (first at position first_pos) x group query heads; a tile
+ * with fewer tokens (ntok < tq) repeats its last token, whose rows are computed but not kept. */
 #define FAST_TASK(T, LOAD16)                                                                               \
-static inline __attribute__((always_inline)) void NAME_FAST_##T(const T *query, const T *key_cache, const T *value_cache, const int32_t *table,   \
-                          int64_t len, float *out, int64_t group, int64_t head_dim, int64_t block_stride,   \
-                          int64_t kh, float scale, const T *qsrc, int64_t bs) {                             \
-    const int64_t chunks = head_dim / 16;                                                                  \
-    float q[FAST_MAX_GROUP][128];                                                                          \
-    __m512 acc[FAST_MAX_GROUP][FAST_MAX_CHUNKS];                                                           \
-    float m[FAST_MAX_GROUP], l[FAST_MAX_GROUP];                                                            \
-    float p[FAST_MAX_GROUP][16];                                                                           \
-    for (int64_t g = 0; g < group; g++) {                                                                  \
-        for (int64_t c = 0; c < chunks; c++) {                                                             \
-            _mm512_storeu_ps(&q[g][c * 16], _mm512_mul_ps(LOAD16(qsrc + g * head_dim + c * 16),            \
-                                                          _mm512_set1_ps(scale)));                          \
-            acc[g][c] = _mm512_setzero_ps();                                                               \
+static inline __attribute__((always_inline)) void NAME_FAST_##T(                                           \
+        const T *qsrc, int64_t q_token_stride, const T *key_cache, const T *value_cache, const int32_t *table, \
+        int64_t first_pos, int64_t ntok, float *out, int64_t group, int64_t tq, int64_t head_dim,         \
+        int64_t block_stride, int64_t kh, float scale, int64_t bs) {                                      \
+    const int64_t chunks = head_dim / 16, rows = group * tq;                                               \
+    const int64_t len = first_pos + ntok; /* keys the tile's last token sees */                           \
+    float q[FAST_MAX_ROWS][128];                                                                           \
+    __m512 acc[FAST_MAX_ROWS][FAST_MAX_CHUNKS];                                                            \
+    float m[FAST_MAX_ROWS], l[FAST_MAX_ROWS], p[FAST_MAX_ROWS][16];                                        \
+    int64_t last[FAST_MAX_ROWS]; /* the last key position each row sees */                                 \
+    for (int64_t j = 0; j < tq; j++) {                                                                     \
+        const int64_t token = j < ntok ? j : ntok - 1;                                                     \
+        for (int64_t g = 0; g < group; g++) {                                                              \
+            const int64_t r = j * group + g;                                                               \
+            const T *src = qsrc + token * q_token_stride + g * head_dim;                                   \
+            for (int64_t c = 0; c < chunks; c++) {                                                         \
+                _mm512_storeu_ps(&q[r][c * 16], _mm512_mul_ps(LOAD16(src + c * 16), _mm512_set1_ps(scale))); \
+                acc[r][c] = _mm512_setzero_ps();                                                           \
+            }                                                                                              \
+            m[r] = MIN_SCORE;                                                                              \
+            l[r] = 0;                                                                                      \
+            last[r] = first_pos + token;                                                                   \
         }                                                                                                  \
-        m[g] = MIN_SCORE;                                                                                  \
-        l[g] = 0;                                                                                          \
     }                                                                                                      \
     for (int64_t start = 0; start < len; start += 16) {                                                    \
         const int64_t n = len - start < 16 ? len - start : 16;                                             \
-        const __mmask16 valid = (__mmask16)((1u << n) - 1u);                                               \
         /* 16 tokens at a time: the block's keys are [head_dim][bs], its values [bs][head_dim]. */       \
         const int64_t base = (int64_t)table[start / bs] * block_stride + kh * bs * head_dim;               \
         const int64_t sub = start % bs;                                                                    \
@@ -155,47 +204,60 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(const T *query, 
                     _mm_prefetch((const char *)(key_cache + next + nsub + d * bs), _MM_HINT_T0);           \
             }                                                                                              \
         }                                                                                                  \
-        /* NOTE: four partial sums per head: one chain of head_dim dependent FMAs would be    \
-         * bound by their latency, not by the FMA units. */                                               \
-        __m512 s[FAST_MAX_GROUP], s1[FAST_MAX_GROUP], s2[FAST_MAX_GROUP], s3[FAST_MAX_GROUP];              \
-        for (int64_t g = 0; g < group; g++)                                                                \
-            s[g] = s1[g] = s2[g] = s3[g] = _mm512_setzero_ps();                                            \
-        for (int64_t d = 0; d < head_dim; d += 4) {                                                        \
-            const __m512 k0 = LOAD16(k + d * bs), k1 = LOAD16(k + (d + 1) * bs);                           \
-            const __m512 k2 = LOAD16(k + (d + 2) * bs), k3 = LOAD16(k + (d + 3) * bs);                     \
-            for (int64_t g = 0; g < group; g++) {                                                          \
-                s[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d]), k0, s[g]);                                 \
-                s1[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d + 1]), k1, s1[g]);                           \
-                s2[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d + 2]), k2, s2[g]);                           \
-                s3[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d + 3]), k3, s3[g]);                           \
+        /* NOTE: independent partial sums (two per row, or four for a single row): one chain  \
+         * of head_dim dependent FMAs would be bound by their latency, not by the FMA units. */          \
+        __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS], s2[FAST_MAX_ROWS], s3[FAST_MAX_ROWS];                  \
+        for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = s2[r] = s3[r] = _mm512_setzero_ps();             \
+        if (rows <= 4) {                                                                                   \
+            for (int64_t d = 0; d < head_dim; d += 4) {                                                    \
+                const __m512 k0 = LOAD16(k + d * bs), k1 = LOAD16(k + (d + 1) * bs);                       \
+                const __m512 k2 = LOAD16(k + (d + 2) * bs), k3 = LOAD16(k + (d + 3) * bs);                 \
+                for (int64_t r = 0; r < rows; r++) {                                                       \
+                    s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, s[r]);                             \
+                    s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), k1, s1[r]);                       \
+                    s2[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 2]), k2, s2[r]);                       \
+                    s3[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 3]), k3, s3[r]);                       \
+                }                                                                                          \
             }                                                                                              \
+            for (int64_t r = 0; r < rows; r++)                                                             \
+                s[r] = _mm512_add_ps(_mm512_add_ps(s[r], s1[r]), _mm512_add_ps(s2[r], s3[r]));             \
+        } else {                                                                                           \
+            for (int64_t d = 0; d < head_dim; d += 2) {                                                    \
+                const __m512 k0 = LOAD16(k + d * bs), k1 = LOAD16(k + (d + 1) * bs);                       \
+                for (int64_t r = 0; r < rows; r++) {                                                       \
+                    s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, s[r]);                             \
+                    s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), k1, s1[r]);                       \
+                }                                                                                          \
+            }                                                                                              \
+            for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);                          \
         }                                                                                                  \
-        for (int64_t g = 0; g < group; g++)                                                                \
-            s[g] = _mm512_add_ps(_mm512_add_ps(s[g], s1[g]), _mm512_add_ps(s2[g], s3[g]));                 \
-        for (int64_t g = 0; g < group; g++) {                                                              \
-            const __m512 masked = _mm512_mask_blend_ps(valid, _mm512_set1_ps(MIN_SCORE), s[g]);            \
-            const float block_max = fmaxf(m[g], _mm512_reduce_max_ps(masked));                             \
-            const float correction = expf(m[g] - block_max);                                               \
+        for (int64_t r = 0; r < rows; r++) {                                                               \
+            const int64_t seen = last[r] - start + 1; /* keys of this chunk the row sees */               \
+            const __mmask16 valid = seen >= 16 ? (__mmask16)0xffff                                         \
+                                  : seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1u);           \
+            const __m512 masked = _mm512_mask_blend_ps(valid, _mm512_set1_ps(MIN_SCORE), s[r]);            \
+            const float block_max = fmaxf(m[r], _mm512_reduce_max_ps(masked));                             \
+            const float correction = expf(m[r] - block_max);                                               \
             __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(masked, _mm512_set1_ps(block_max)));                   \
             e = _mm512_maskz_mov_ps(valid, e);                                                             \
-            l[g] = l[g] * correction + _mm512_reduce_add_ps(e);                                            \
-            m[g] = block_max;                                                                              \
-            _mm512_storeu_ps(p[g], e);                                                                     \
+            l[r] = l[r] * correction + _mm512_reduce_add_ps(e);                                            \
+            m[r] = block_max;                                                                              \
+            _mm512_storeu_ps(p[r], e);                                                                     \
             const __m512 corr = _mm512_set1_ps(correction);                                                \
-            for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], corr);               \
+            for (int64_t c = 0; c < chunks; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], corr);               \
         }                                                                                                  \
         for (int64_t t = 0; t < n; t++) {                                                                  \
             for (int64_t c = 0; c < chunks; c++) {                                                         \
                 const __m512 vv = LOAD16(v + t * head_dim + c * 16);                                       \
-                for (int64_t g = 0; g < group; g++)                                                        \
-                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g][t]), vv, acc[g][c]);                   \
+                for (int64_t r = 0; r < rows; r++)                                                         \
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vv, acc[r][c]);                   \
             }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
-    for (int64_t g = 0; g < group; g++) {                                                                  \
-        const __m512 inv = _mm512_set1_ps(l[g] > 0 ? 1.0f / l[g] : 0.0f);                                  \
-        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + g * head_dim + c * 16,                 \
-                                                              _mm512_mul_ps(acc[g][c], inv));              \
+    for (int64_t r = 0; r < rows; r++) {                                                                   \
+        const __m512 inv = _mm512_set1_ps(l[r] > 0 ? 1.0f / l[r] : 0.0f);                                  \
+        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + r * head_dim + c * 16,                 \
+                                                              _mm512_mul_ps(acc[r][c], inv));              \
     }                                                                                                      \
 }
 
@@ -204,61 +266,92 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(const T *query, 
 FAST_TASK(uint16_t, load16_bf16)
 FAST_TASK(float, load16_f32)
 
-/* Calls the task with the group size and head_dim (and a block size of 16) as constants, so
- * that the compiler unrolls its loops and keeps the accumulators in registers. */
-#define FAST_CASE(FAST, G, D)                                                                              \
-    case 1000000 + (G) * 1000 + (D):                                                                       \
-        FAST(query, key_cache, value_cache, table, len, result, G, D, block_stride, kh, scale, qsrc, 16);  \
-        break;                                                                                             \
-    case (G) * 1000 + (D):                                                                                 \
-        FAST(query, key_cache, value_cache, table, len, result, G, D, block_stride, kh, scale, qsrc,       \
-             block_size);                                                                                  \
+/* Query tokens per tile: as many as keep a tile's rows and accumulators in registers. */
+static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
+    const int64_t max_rows = head_dim <= 64 ? FAST_MAX_ROWS : FAST_MAX_ROWS / 2;
+    return group >= max_rows ? 1 : max_rows / group;
+}
+
+/* Calls the task with the group size, tile tokens and head_dim as constants, so that the
+ * compiler unrolls its loops and keeps the accumulators in registers. */
+#define FAST_CASE(FAST, G, TQ, D)                                                                          \
+    case ((G) * 100 + (TQ)) * 1000 + (D):                                                                  \
+        FAST(qsrc, q_token_stride, key_cache, value_cache, table, first_pos, ntok, result, G, TQ, D,       \
+             block_stride, kh, scale, block_size);                                                         \
         break;
 
 #define FAST_PATH(T, STORE, FAST)                                                                          \
-    if (block_size % 16 == 0 && head_dim % 16 == 0 && head_dim <= 128 && group <= FAST_MAX_GROUP) {         \
-        _Pragma("omp parallel for schedule(dynamic, 1) collapse(2)")                                        \
-        for (int64_t r = 0; r < num_reqs; r++) {                                                           \
-            for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                                \
-                float result[FAST_MAX_GROUP * 128];                                                        \
-                const int32_t *table = block_tables + r * block_table_stride;                              \
-                const int64_t len = seq_lens[r];                                                           \
-                const T *qsrc = query + (r * num_heads + kh * group) * head_dim;                           \
-                switch ((block_size == 16) * 1000000 + group * 1000 + head_dim) {                          \
-                    FAST_CASE(FAST, 1, 64) FAST_CASE(FAST, 2, 64) FAST_CASE(FAST, 3, 64)                   \
-                    FAST_CASE(FAST, 4, 64) FAST_CASE(FAST, 8, 64) FAST_CASE(FAST, 1, 128)                  \
-                    FAST_CASE(FAST, 2, 128) FAST_CASE(FAST, 4, 128) FAST_CASE(FAST, 8, 128)                \
-                    default:                                                                               \
-                        FAST(query, key_cache, value_cache, table, len, result, group, head_dim,           \
-                             block_stride, kh, scale, qsrc, block_size);                                   \
+    if (block_size % 16 == 0 && head_dim % 16 == 0 && head_dim <= 128 && group <= FAST_MAX_ROWS) {          \
+        const int64_t tq = tile_tokens(group, head_dim);                                                   \
+        /* The tiles: (request, first query row) pairs; decodes are one tile each. */                     \
+        int32_t *tile_req = malloc(2 * sizeof(int32_t) * (size_t)(query_start[num_reqs] + 1));             \
+        int32_t *tile_row = tile_req + query_start[num_reqs] + 1;                                          \
+        if (tile_req != NULL) { /* else the generic path */                                                \
+            int64_t num_tiles = 0;                                                                         \
+            for (int64_t i = 0; i < num_reqs; i++) {                                                       \
+                const int64_t step = query_start[i + 1] - query_start[i] == 1 ? 1 : tq;                    \
+                for (int64_t row = query_start[i]; row < query_start[i + 1]; row += step) {                \
+                    tile_req[num_tiles] = (int32_t)i;                                                      \
+                    tile_row[num_tiles++] = (int32_t)row;                                                  \
                 }                                                                                          \
-                T *dst = out + (r * num_heads + kh * group) * head_dim;                                    \
-                for (int64_t i = 0; i < group * head_dim; i++) dst[i] = STORE(result[i]);                  \
             }                                                                                              \
+            _Pragma("omp parallel for schedule(dynamic, 1) collapse(2)")                                    \
+            for (int64_t tile = 0; tile < num_tiles; tile++) {                                             \
+                for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                            \
+                    float result[FAST_MAX_ROWS * 128];                                                     \
+                    const int64_t i = tile_req[tile], row = tile_row[tile];                                \
+                    const int64_t end = query_start[i + 1];                                                \
+                    const int64_t ntok = end - row < tq ? end - row : tq;                                  \
+                    const int64_t tile_tq = end - query_start[i] == 1 ? 1 : tq;                            \
+                    const int32_t *table = block_tables + i * block_table_stride;                          \
+                    const int64_t first_pos = seq_lens[i] - (end - row);                                   \
+                    const int64_t q_token_stride = num_heads * head_dim;                                   \
+                    const T *qsrc = query + (row * num_heads + kh * group) * head_dim;                     \
+                    switch ((group * 100 + tile_tq) * 1000 + head_dim) {                                   \
+                        FAST_CASE(FAST, 1, 1, 64) FAST_CASE(FAST, 2, 1, 64) FAST_CASE(FAST, 3, 1, 64)      \
+                        FAST_CASE(FAST, 4, 1, 64) FAST_CASE(FAST, 8, 1, 64) FAST_CASE(FAST, 1, 8, 64)      \
+                        FAST_CASE(FAST, 2, 4, 64) FAST_CASE(FAST, 3, 2, 64) FAST_CASE(FAST, 4, 2, 64)      \
+                        FAST_CASE(FAST, 1, 1, 128) FAST_CASE(FAST, 2, 1, 128) FAST_CASE(FAST, 4, 1, 128)   \
+                        FAST_CASE(FAST, 8, 1, 128) FAST_CASE(FAST, 1, 4, 128) FAST_CASE(FAST, 2, 2, 128)   \
+                        default:                                                                           \
+                            FAST(qsrc, q_token_stride, key_cache, value_cache, table, first_pos, ntok,     \
+                                 result, group, tile_tq, head_dim, block_stride, kh, scale, block_size);   \
+                    }                                                                                      \
+                    for (int64_t j = 0; j < ntok; j++) {                                                   \
+                        T *dst = out + ((row + j) * num_heads + kh * group) * head_dim;                    \
+                        const float *src = result + j * group * head_dim;                                  \
+                        for (int64_t e = 0; e < group * head_dim; e++) dst[e] = STORE(src[e]);             \
+                    }                                                                                      \
+                }                                                                                          \
+            }                                                                                              \
+            free(tile_req);                                                                                \
+            return;                                                                                        \
         }                                                                                                  \
-        return;                                                                                            \
     }
 #else
 #define FAST_PATH(T, STORE, FAST)
 #endif
 
-#define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE, FAST)                                                    \
+#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, FAST)                                                 \
 void NAME(const T *query, const T *key_cache, const T *value_cache, const int32_t *block_tables,            \
-          int64_t block_table_stride, const int32_t *seq_lens, T *out, int64_t num_reqs, int64_t num_heads,  \
-          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {                         \
+          int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start, T *out,           \
+          int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,   \
+          float scale) {                                                                                    \
     const int64_t group = num_heads / num_kv_heads;                                                        \
     const int64_t block_stride = num_kv_heads * block_size * head_dim;                                     \
     FAST_PATH(T, STORE, FAST)                                                                              \
-    if (block_size == 16) {                                                                                \
-        _Pragma("omp parallel for schedule(dynamic, 1) collapse(2)")                                        \
-        for (int64_t r = 0; r < num_reqs; r++)                                                             \
-            for (int64_t kh = 0; kh < num_kv_heads; kh++) { TASK_BODY(T, LOAD, STORE, 16) }                \
-    } else {                                                                                               \
-        _Pragma("omp parallel for schedule(dynamic, 1) collapse(2)")                                        \
-        for (int64_t r = 0; r < num_reqs; r++)                                                             \
-            for (int64_t kh = 0; kh < num_kv_heads; kh++) { TASK_BODY(T, LOAD, STORE, block_size) }        \
+    const int64_t num_rows = query_start[num_reqs];                                                        \
+    _Pragma("omp parallel for schedule(dynamic, 1) collapse(2)")                                            \
+    for (int64_t row = 0; row < num_rows; row++) {                                                         \
+        for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                                    \
+            const int64_t i = request_of_row(query_start, num_reqs, row);                                  \
+            const int32_t *table = block_tables + i * block_table_stride;                                  \
+            const int64_t len = seq_lens[i] - (query_start[i + 1] - row) + 1;                              \
+            if (block_size == 16) { TASK_BODY(T, LOAD, STORE, 16) }                                        \
+            else { TASK_BODY(T, LOAD, STORE, block_size) }                                                 \
+        }                                                                                                  \
     }                                                                                                      \
 }
 
-DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16, fast_task_bf16)
-DEFINE_PAGED_DECODE(paged_decode_f32, float, f32_id, f32_id, fast_task_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, fast_task_bf16)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, float, f32_id, f32_id, fast_task_f32)
