@@ -261,10 +261,134 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
     }                                                                                                      \
 }
 
-#define NAME_FAST_uint16_t fast_task_bf16
 #define NAME_FAST_float fast_task_f32
-FAST_TASK(uint16_t, load16_bf16)
 FAST_TASK(float, load16_f32)
+
+#if defined(__AVX512BF16__)
+/* bfloat16 with AVX512-BF16 dot products (vdpbf16ps: two bf16 products added into each float32
+ * lane, twice the work of an FMA per instruction): key rows d and d+1 are interleaved into
+ * (token, d-pair) lanes against the query's (q[d], q[d+1]) pair; value rows t and t+1 into
+ * (dim, t-pair) lanes against the probabilities (p[t], p[t+1]) rounded to bfloat16 (as torch's
+ * flash attention rounds them for its second product). The interleave is one permute per
+ * pair of rows, shared by every query row of the tile. Scores are scaled in float32 after the
+ * product, so the queries stay exact. */
+static inline __m512i pair_rows(const uint16_t *a, const uint16_t *b, __m512i index) {
+    return _mm512_permutex2var_epi16(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)), index,
+                                     _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b)));
+}
+
+static inline __attribute__((always_inline)) void fast_task_bf16(
+        const uint16_t *qsrc, int64_t q_token_stride, const uint16_t *key_cache, const uint16_t *value_cache,
+        const int32_t *table, int64_t first_pos, int64_t ntok, float *out, int64_t group, int64_t tq,
+        int64_t head_dim, int64_t block_stride, int64_t kh, float scale, int64_t bs) {
+    const int64_t chunks = head_dim / 16, rows = group * tq;
+    const int64_t len = first_pos + ntok;
+    uint32_t q[FAST_MAX_ROWS][64]; /* (q[2i], q[2i+1]) bf16 pairs */
+    __m512 acc[FAST_MAX_ROWS][FAST_MAX_CHUNKS];
+    float m[FAST_MAX_ROWS], l[FAST_MAX_ROWS], p[FAST_MAX_ROWS][16];
+    uint16_t pb[FAST_MAX_ROWS][16];
+    int64_t last[FAST_MAX_ROWS];
+    /* lane 2i takes a[i], lane 2i+1 takes b[i] (b's lanes are numbered from 32) */
+    uint16_t pattern[32];
+    for (int i = 0; i < 16; i++) { pattern[2 * i] = (uint16_t)i; pattern[2 * i + 1] = (uint16_t)(32 + i); }
+    const __m512i interleave = _mm512_loadu_si512(pattern);
+    for (int64_t j = 0; j < tq; j++) {
+        const int64_t token = j < ntok ? j : ntok - 1;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t r = j * group + g;
+            memcpy(q[r], qsrc + token * q_token_stride + g * head_dim, head_dim * sizeof(uint16_t));
+            for (int64_t c = 0; c < chunks; c++) acc[r][c] = _mm512_setzero_ps();
+            m[r] = MIN_SCORE;
+            l[r] = 0;
+            last[r] = first_pos + token;
+        }
+    }
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int64_t start = 0; start < len; start += 16) {
+        const int64_t n = len - start < 16 ? len - start : 16;
+        const int64_t base = (int64_t)table[start / bs] * block_stride + kh * bs * head_dim;
+        const int64_t sub = start % bs;
+        const uint16_t *k = key_cache + base + sub;
+        const uint16_t *v = value_cache + base + sub * head_dim;
+        if (start + 16 < len) {
+            const int64_t nstart = start + 16, nsub = nstart % bs;
+            const int64_t next = (int64_t)table[nstart / bs] * block_stride + kh * bs * head_dim;
+            const char *nv = (const char *)(value_cache + next + nsub * head_dim);
+            for (int64_t off = 0; off < 16 * head_dim * 2; off += 64) _mm_prefetch(nv + off, _MM_HINT_T0);
+            if (bs == 16) {
+                const char *nk = (const char *)(key_cache + next);
+                for (int64_t off = 0; off < 16 * head_dim * 2; off += 64) _mm_prefetch(nk + off, _MM_HINT_T0);
+            } else if (nsub % 32 == 0) {
+                for (int64_t d = 0; d < head_dim; d++)
+                    _mm_prefetch((const char *)(key_cache + next + nsub + d * bs), _MM_HINT_T0);
+            }
+        }
+        /* NOTE: two partial sums per row when the tile has few rows: one chain of dependent
+         * dot products would be bound by their latency, not by the units. */
+        __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS];
+        for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = _mm512_setzero_ps();
+        if (rows <= 4) {
+            for (int64_t d = 0; d < head_dim; d += 4) {
+                const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
+                const __m512bh k1 = (__m512bh)pair_rows(k + (d + 2) * bs, k + (d + 3) * bs, interleave);
+                for (int64_t r = 0; r < rows; r++) {
+                    s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2]));
+                    s1[r] = _mm512_dpbf16_ps(s1[r], k1, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2 + 1]));
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);
+        } else {
+            for (int64_t d = 0; d < head_dim; d += 2) {
+                const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
+                for (int64_t r = 0; r < rows; r++)
+                    s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2]));
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t seen = last[r] - start + 1;
+            const __mmask16 valid = seen >= 16 ? (__mmask16)0xffff
+                                  : seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1u);
+            const __m512 masked = _mm512_mask_blend_ps(valid, _mm512_set1_ps(MIN_SCORE), _mm512_mul_ps(s[r], scale16));
+            const float block_max = fmaxf(m[r], _mm512_reduce_max_ps(masked));
+            const float correction = expf(m[r] - block_max);
+            __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(masked, _mm512_set1_ps(block_max)));
+            e = _mm512_maskz_mov_ps(valid, e);
+            l[r] = l[r] * correction + _mm512_reduce_add_ps(e);
+            m[r] = block_max;
+            _mm512_storeu_ps(p[r], e);
+            _mm256_storeu_si256((__m256i *)pb[r], (__m256i)_mm512_cvtneps_pbh(e));
+            const __m512 corr = _mm512_set1_ps(correction);
+            for (int64_t c = 0; c < chunks; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], corr);
+        }
+        int64_t t = 0;
+        for (; t + 1 < n; t += 2) {
+            for (int64_t c = 0; c < chunks; c++) {
+                const __m512bh vv = (__m512bh)pair_rows(v + t * head_dim + c * 16, v + (t + 1) * head_dim + c * 16,
+                                                        interleave);
+                for (int64_t r = 0; r < rows; r++) {
+                    uint32_t pair;
+                    memcpy(&pair, &pb[r][t], sizeof(pair));
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv, (__m512bh)_mm512_set1_epi32((int)pair));
+                }
+            }
+        }
+        if (t < n) { /* an odd last token: its row alone (the next one may not be written yet) */
+            for (int64_t c = 0; c < chunks; c++) {
+                const __m512 vv = load16_bf16(v + t * head_dim + c * 16);
+                for (int64_t r = 0; r < rows; r++)
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vv, acc[r][c]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(l[r] > 0 ? 1.0f / l[r] : 0.0f);
+        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + r * head_dim + c * 16, _mm512_mul_ps(acc[r][c], inv));
+    }
+}
+#else
+#define NAME_FAST_uint16_t fast_task_bf16
+FAST_TASK(uint16_t, load16_bf16)
+#endif
 
 /* Query tokens per tile: as many as keep a tile's rows and accumulators in registers. */
 static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
