@@ -78,5 +78,6 @@ WORKLOADS = {
         Workload("single", "1 x 128 -> 128 out (single stream)", "random", 1, 128, 128),
         Workload("chat", "64 chat-like: prompts ~200 (long tail to 1200), outputs ~100 (to 400)", "chat", 64, 200,
                  100),
+        Workload("prefill", "64 x 256 random prompt -> 1 out (prefill only)", "random", 64, 256, 1),
     )
 }

@@ -37,3 +37,19 @@ def test_overhead_bench_streams_deltas_and_accounts_for_the_step(capsys, tiny_ll
         assert r["engine_ms_per_step"] == pytest.approx(r["schedule_ms_per_step"] + r["update_ms_per_step"])
         assert r["outside_forward_ms_per_step"] == pytest.approx(
             r["wall_ms_per_step"] - r["worker_compute_ms_per_step"])
+
+
+def test_compare_workloads_draw_fresh_prompts_of_their_shape():
+    from benchmarks.workloads import WORKLOADS
+
+    for workload in WORKLOADS.values():
+        prompts, output_lens = workload.draw(seed=1, vocab_size=49152)
+        again, _ = workload.draw(seed=1, vocab_size=49152)
+        other, _ = workload.draw(seed=2, vocab_size=49152)
+        assert len(prompts) == len(output_lens) == workload.count
+        assert prompts == again and prompts != other  # reproducible per run, fresh between runs
+        assert all(len(p) + n <= workload.max_len for p, n in zip(prompts, output_lens))
+    prompts, output_lens = WORKLOADS["shared-prefix"].draw(seed=0, vocab_size=49152)
+    assert len({tuple(p[:512]) for p in prompts}) == 1 and len({tuple(p[512:]) for p in prompts}) == len(prompts)
+    _, output_lens = WORKLOADS["prefill"].draw(seed=0, vocab_size=49152)
+    assert set(output_lens) == {1}
