@@ -36,15 +36,29 @@ from engine.models.config import ModelConfig
 from engine.models.rope import compute_inv_freq
 
 
-@torch.library.custom_op("pagoda::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias with a oneDNN-packed weight (an opaque op for torch.compile)."""
+# pagoda::packed_linear: x @ weight.T + bias with a oneDNN-packed weight, an opaque op for
+# torch.compile. NOTE: defined with torch.library.Library, not @torch.library.custom_op, whose
+# calls from compiled code cost more (measured on one token: a compiled layer region 286 -> 270 µs,
+# a single stream's forward 18.0-18.7 -> 17.5-18.4 ms).
+_library = torch.library.Library("pagoda", "FRAGMENT")
+_library.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@packed_linear.register_fake
+_library.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pagoda::packed_linear")
 def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias with a oneDNN-packed weight (see can_pack_weights)."""
+    return torch.ops.pagoda.packed_linear(x, weight, bias)
 
 
 def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
