@@ -150,6 +150,50 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 }
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
+/* Prefetches the 16 keys and values from key position nstart (elem bytes each): blocks are
+ * scattered, so the hardware prefetcher cannot guess the next one. */
+static inline __attribute__((always_inline)) void prefetch_next16(
+        const char *key_cache, const char *value_cache, const int32_t *table, int64_t nstart, int64_t bs,
+        int64_t block_stride, int64_t kh, int64_t head_dim, int64_t elem) {
+    const int64_t nsub = nstart % bs;
+    const int64_t next = ((int64_t)table[nstart / bs] * block_stride + kh * bs * head_dim) * elem;
+    const char *nv = value_cache + next + nsub * head_dim * elem;
+    for (int64_t off = 0; off < 16 * head_dim * elem; off += 64) _mm_prefetch(nv + off, _MM_HINT_T0);
+    if (bs == 16) {
+        for (int64_t off = 0; off < 16 * head_dim * elem; off += 64) _mm_prefetch(key_cache + next + off, _MM_HINT_T0);
+    } else if ((nsub * elem) % 64 == 0) {
+        /* a new cache line in every key row */
+        for (int64_t d = 0; d < head_dim; d++) _mm_prefetch(key_cache + next + (nsub + d * bs) * elem, _MM_HINT_T0);
+    }
+}
+
+/* One row's online-softmax step over 16 scores whose keys start at position start (the row
+ * sees keys up to last): updates its max m and sum l, rescales its accumulators, and
+ * returns the probabilities (zero past the row's last key). */
+static inline __attribute__((always_inline)) __m512 softmax_step(
+        __m512 scores, int64_t start, int64_t last, float *m, float *l, __m512 *acc, int64_t chunks) {
+    const int64_t seen = last - start + 1; /* keys of this chunk the row sees */
+    const __mmask16 valid = seen >= 16 ? (__mmask16)0xffff : seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1u);
+    const __m512 masked = _mm512_mask_blend_ps(valid, _mm512_set1_ps(MIN_SCORE), scores);
+    const float block_max = fmaxf(*m, _mm512_reduce_max_ps(masked));
+    const float correction = expf(*m - block_max);
+    const __m512 e = _mm512_maskz_mov_ps(valid, _ZGVeN16v_expf(_mm512_sub_ps(masked, _mm512_set1_ps(block_max))));
+    *l = *l * correction + _mm512_reduce_add_ps(e);
+    *m = block_max;
+    const __m512 corr = _mm512_set1_ps(correction);
+    for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_mul_ps(acc[c], corr);
+    return e;
+}
+
+/* The tile's result: each row's accumulators over its softmax sum. */
+static inline __attribute__((always_inline)) void store_rows(
+        float *out, __m512 acc[][FAST_MAX_CHUNKS], const float *l, int64_t rows, int64_t chunks, int64_t head_dim) {
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(l[r] > 0 ? 1.0f / l[r] : 0.0f);
+        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + r * head_dim + c * 16, _mm512_mul_ps(acc[r][c], inv));
+    }
+}
+
 /* A tile for block sizes that are multiples of 16, with vector registers: lanes are 16 key
  * tokens for the scores, and 16 consecutive head_dim entries for the values. The tile's rows
  * are tq consecutive query tokens (first at position first_pos) x group query heads; a tile
@@ -186,24 +230,9 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
         const int64_t sub = start % bs;                                                                    \
         const T *k = key_cache + base + sub;                                                               \
         const T *v = value_cache + base + sub * head_dim;                                                  \
-        if (start + 16 < len) {                                                                            \
-            /* NOTE: blocks are scattered, so the hardware prefetcher cannot guess the next   \
-             * one: ask for the next 16 tokens while these are computed. */                               \
-            const int64_t nstart = start + 16, nsub = nstart % bs;                                         \
-            const int64_t next = (int64_t)table[nstart / bs] * block_stride + kh * bs * head_dim;          \
-            const char *nv = (const char *)(value_cache + next + nsub * head_dim);                         \
-            for (int64_t off = 0; off < 16 * head_dim * (int64_t)sizeof(T); off += 64)                     \
-                _mm_prefetch(nv + off, _MM_HINT_T0);                                                       \
-            if (bs == 16) {                                                                                \
-                const char *nk = (const char *)(key_cache + next);                                         \
-                for (int64_t off = 0; off < 16 * head_dim * (int64_t)sizeof(T); off += 64)                 \
-                    _mm_prefetch(nk + off, _MM_HINT_T0);                                                   \
-            } else if (nsub % (64 / (int64_t)sizeof(T)) == 0) {                                            \
-                /* a new cache line in every key row */                                                    \
-                for (int64_t d = 0; d < head_dim; d++)                                                     \
-                    _mm_prefetch((const char *)(key_cache + next + nsub + d * bs), _MM_HINT_T0);           \
-            }                                                                                              \
-        }                                                                                                  \
+        if (start + 16 < len)                                                                              \
+            prefetch_next16((const char *)key_cache, (const char *)value_cache, table, start + 16, bs,     \
+                            block_stride, kh, head_dim, sizeof(T));                                        \
         /* NOTE: independent partial sums (two per row, or four for a single row): one chain  \
          * of head_dim dependent FMAs would be bound by their latency, not by the FMA units. */          \
         __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS], s2[FAST_MAX_ROWS], s3[FAST_MAX_ROWS];                  \
@@ -231,21 +260,8 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
             }                                                                                              \
             for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);                          \
         }                                                                                                  \
-        for (int64_t r = 0; r < rows; r++) {                                                               \
-            const int64_t seen = last[r] - start + 1; /* keys of this chunk the row sees */               \
-            const __mmask16 valid = seen >= 16 ? (__mmask16)0xffff                                         \
-                                  : seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1u);           \
-            const __m512 masked = _mm512_mask_blend_ps(valid, _mm512_set1_ps(MIN_SCORE), s[r]);            \
-            const float block_max = fmaxf(m[r], _mm512_reduce_max_ps(masked));                             \
-            const float correction = expf(m[r] - block_max);                                               \
-            __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(masked, _mm512_set1_ps(block_max)));                   \
-            e = _mm512_maskz_mov_ps(valid, e);                                                             \
-            l[r] = l[r] * correction + _mm512_reduce_add_ps(e);                                            \
-            m[r] = block_max;                                                                              \
-            _mm512_storeu_ps(p[r], e);                                                                     \
-            const __m512 corr = _mm512_set1_ps(correction);                                                \
-            for (int64_t c = 0; c < chunks; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], corr);               \
-        }                                                                                                  \
+        for (int64_t r = 0; r < rows; r++)                                                                 \
+            _mm512_storeu_ps(p[r], softmax_step(s[r], start, last[r], &m[r], &l[r], acc[r], chunks));      \
         for (int64_t t = 0; t < n; t++) {                                                                  \
             for (int64_t c = 0; c < chunks; c++) {                                                         \
                 const __m512 vv = LOAD16(v + t * head_dim + c * 16);                                       \
@@ -254,11 +270,7 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
             }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
-    for (int64_t r = 0; r < rows; r++) {                                                                   \
-        const __m512 inv = _mm512_set1_ps(l[r] > 0 ? 1.0f / l[r] : 0.0f);                                  \
-        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + r * head_dim + c * 16,                 \
-                                                              _mm512_mul_ps(acc[r][c], inv));              \
-    }                                                                                                      \
+    store_rows(out, acc, l, rows, chunks, head_dim);                                                       \
 }
 
 #define NAME_FAST_float fast_task_f32
@@ -310,19 +322,9 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
         const int64_t sub = start % bs;
         const uint16_t *k = key_cache + base + sub;
         const uint16_t *v = value_cache + base + sub * head_dim;
-        if (start + 16 < len) {
-            const int64_t nstart = start + 16, nsub = nstart % bs;
-            const int64_t next = (int64_t)table[nstart / bs] * block_stride + kh * bs * head_dim;
-            const char *nv = (const char *)(value_cache + next + nsub * head_dim);
-            for (int64_t off = 0; off < 16 * head_dim * 2; off += 64) _mm_prefetch(nv + off, _MM_HINT_T0);
-            if (bs == 16) {
-                const char *nk = (const char *)(key_cache + next);
-                for (int64_t off = 0; off < 16 * head_dim * 2; off += 64) _mm_prefetch(nk + off, _MM_HINT_T0);
-            } else if (nsub % 32 == 0) {
-                for (int64_t d = 0; d < head_dim; d++)
-                    _mm_prefetch((const char *)(key_cache + next + nsub + d * bs), _MM_HINT_T0);
-            }
-        }
+        if (start + 16 < len)
+            prefetch_next16((const char *)key_cache, (const char *)value_cache, table, start + 16, bs, block_stride,
+                            kh, head_dim, sizeof(uint16_t));
         /* NOTE: two partial sums per row when the tile has few rows: one chain of dependent
          * dot products would be bound by their latency, not by the units. */
         __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS];
@@ -345,20 +347,9 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
             }
         }
         for (int64_t r = 0; r < rows; r++) {
-            const int64_t seen = last[r] - start + 1;
-            const __mmask16 valid = seen >= 16 ? (__mmask16)0xffff
-                                  : seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1u);
-            const __m512 masked = _mm512_mask_blend_ps(valid, _mm512_set1_ps(MIN_SCORE), _mm512_mul_ps(s[r], scale16));
-            const float block_max = fmaxf(m[r], _mm512_reduce_max_ps(masked));
-            const float correction = expf(m[r] - block_max);
-            __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(masked, _mm512_set1_ps(block_max)));
-            e = _mm512_maskz_mov_ps(valid, e);
-            l[r] = l[r] * correction + _mm512_reduce_add_ps(e);
-            m[r] = block_max;
+            const __m512 e = softmax_step(_mm512_mul_ps(s[r], scale16), start, last[r], &m[r], &l[r], acc[r], chunks);
             _mm512_storeu_ps(p[r], e);
             _mm256_storeu_si256((__m256i *)pb[r], (__m256i)_mm512_cvtneps_pbh(e));
-            const __m512 corr = _mm512_set1_ps(correction);
-            for (int64_t c = 0; c < chunks; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], corr);
         }
         int64_t t = 0;
         for (; t + 1 < n; t += 2) {
@@ -380,10 +371,7 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
             }
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        const __m512 inv = _mm512_set1_ps(l[r] > 0 ? 1.0f / l[r] : 0.0f);
-        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + r * head_dim + c * 16, _mm512_mul_ps(acc[r][c], inv));
-    }
+    store_rows(out, acc, l, rows, chunks, head_dim);
 }
 #else
 #define NAME_FAST_uint16_t fast_task_bf16
