@@ -1,4 +1,5 @@
-"""The CPU attention kernels in csrc/, built on first use with the machine's C compiler.
+"""The CPU kernels in csrc/ (paged attention, the bfloat16 linear layer), built on first use
+with the machine's C compiler into one library.
 
 The library is compiled for this CPU (``-march=native``) and cached under
 ``$PAGODA_CACHE_DIR/kernels`` (default ``~/.cache/pagoda/kernels``), keyed by the
@@ -23,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+SOURCES = (Path(__file__).parent / "csrc" / "paged_attention.c", Path(__file__).parent / "csrc" / "packed_linear.c")
 DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
 # NOTE: never -ffast-math: linking with it turns on flush-to-zero for the whole process
 # (crtfastmath), which changes every float result in it. These are the parts of it that
@@ -42,7 +43,8 @@ def _cache_dir() -> Path:
     return root / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The "flags" line of /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -62,8 +64,9 @@ def _compiler() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, _cpu_flags(), *_FLAGS]).encode())
-    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, compiler, version, cpu_flags(), *_FLAGS]).encode())
+    target = _cache_dir() / f"pagoda_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -72,14 +75,16 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        result = subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+                                text=True)
         if result.returncode != 0:
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed:\n{result.stderr.strip()}")
+            names = ", ".join(source.name for source in SOURCES)
+            raise KernelUnavailable(f"compiling {names} failed:\n{result.stderr.strip()}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("built the CPU attention kernels: %s", target)
+    logger.info("built the CPU kernels: %s", target)
     return target
 
 
@@ -103,6 +108,10 @@ def load() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64]
         fn.restype = None
+    lib.packed_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, pointer, i64]
+    lib.packed_linear_bf16.restype = None
+    lib.packed_linear_available.argtypes = []
+    lib.packed_linear_available.restype = ctypes.c_int
     return lib
 
 
@@ -111,7 +120,7 @@ def available() -> bool:
     try:
         load()
     except (KernelUnavailable, OSError) as exc:
-        logger.info("CPU attention kernels unavailable: %s", exc)
+        logger.info("CPU kernels unavailable: %s", exc)
         return False
     return True
 
@@ -176,3 +185,48 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
        block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(), num_reqs, num_heads,
        num_kv_heads, head_dim, block_size, scale)
     return out
+
+
+# -- the bfloat16 linear layer (csrc/packed_linear.c) ---------------------------------------
+
+PACKED_LINEAR_GROUP = 64
+
+
+def packed_linear_available() -> bool:
+    """Whether packed_linear runs here: the library loads and this CPU has AVX512-BF16."""
+    return available() and bool(load().packed_linear_available())
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] bfloat16 weight in packed_linear's layout: [ceil(N/64), ceil(K/2), 64, 2],
+    zero-padded (see csrc/packed_linear.c)."""
+    n, k = weight.shape
+    group = PACKED_LINEAR_GROUP
+    padded = weight.new_zeros(-(-n // group) * group, -(-k // 2) * 2)
+    padded[:n, :k] = weight
+    return padded.view(-1, group, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x @ W.T + bias for a 2-D bfloat16 x and a weight from pack_linear_weight.
+
+    Returns:
+        [x rows, out_features] bfloat16.
+    """
+    assert x.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    m, k = x.shape
+    assert weight.shape[1] == -(-k // 2) and weight.shape[0] * PACKED_LINEAR_GROUP >= out_features
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        assert bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.shape == (out_features,)
+    out = torch.empty(m, out_features, dtype=torch.bfloat16)
+    if m:
+        _packed_linear_fn()(x.data_ptr(), m, x.stride(0), weight.data_ptr(), out_features, k,
+                            None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
+    return out
+
+
+@functools.cache
+def _packed_linear_fn():
+    return load().packed_linear_bf16

@@ -20,7 +20,8 @@ from engine.distributed import head_share, init_tensor_parallel
 from engine.input_batch import InputBatch
 from engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
 from engine.model_loader import load_weights
-from engine.models.llama import LlamaForCausalLM, RotaryEmbedding, can_pack_weights
+from engine.models.linear import choose_packing
+from engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from engine.platform import resolve_device, resolve_dtype
 from engine.sampler import Sampler
 
@@ -54,8 +55,9 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.rotary = RotaryEmbedding(model_config, init.max_model_len).to(self.device)
         model.load_weights(load_weights(init.model_dir))
-        if can_pack_weights(self.device, self.dtype):
-            model.pack_weights()
+        packing = choose_packing(self.device, self.dtype)
+        if packing is not None:
+            model.pack_weights(packing)
         self.model = model.eval()
         key_shape, value_shape = backend.kv_cache_shapes(init.num_blocks, self.block_size)
         self.kv_caches = [

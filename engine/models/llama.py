@@ -13,9 +13,8 @@ reused by every layer, which fuses the element-wise work (norms, RoPE, SiLU-mul,
 residual adds) between the matrix products; attention stays outside, in Python, with
 whatever the backend needs. RoPE's cos/sin are gathered once per step, not per layer.
 
-On the CPU in bfloat16, the linear layers' weights are repacked once into oneDNN's
-blocked layout (``pack_weights``), which runs the same products faster and gives
-bit-identical results.
+On the CPU in bfloat16, the linear layers' weights (the LM head's too) are repacked once
+after loading (``pack_weights``) for a faster kernel: see engine/models/linear.py.
 
 With tensor parallelism each rank builds the model with its share of heads, of the MLP
 and of the vocabulary (engine/distributed.py); ``load_weights`` cuts each checkpoint tensor
@@ -33,55 +32,8 @@ from torch import nn
 from attention_backends.base import AttentionBackend, AttentionMetadata
 from engine.distributed import TensorParallelGroup, even_split, head_share
 from engine.models.config import ModelConfig
+from engine.models.linear import Linear, pack_weight, packed_linear
 from engine.models.rope import compute_inv_freq
-
-
-# pagoda::packed_linear: x @ weight.T + bias with a oneDNN-packed weight, an opaque op for
-# torch.compile. NOTE: defined with torch.library.Library, not @torch.library.custom_op, whose
-# calls from compiled code cost more (measured on one token: a compiled layer region 286 -> 270 µs,
-# a single stream's forward 18.0-18.7 -> 17.5-18.4 ms).
-_library = torch.library.Library("pagoda", "FRAGMENT")
-_library.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-
-
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-_library.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("pagoda::packed_linear")
-def _(x, weight, bias):
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias with a oneDNN-packed weight (see can_pack_weights)."""
-    return torch.ops.pagoda.packed_linear(x, weight, bias)
-
-
-def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN packing pays off (and is exact) for bfloat16 on CPUs with oneDNN."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose weight can be repacked for oneDNN after loading."""
-
-    packed = False
-
-    def pack(self, batch_size_hint: int = 64) -> None:
-        with torch.no_grad():
-            weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size_hint)
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.packed = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.pagoda.packed_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -232,20 +184,20 @@ class LlamaForCausalLM(nn.Module):
         self._vocab_shares = [b - a for a, b in (even_split(config.vocab_size, r, tp.world_size)
                                                  for r in range(tp.world_size))]
         self._regions = (before_first_attention, between_attentions, after_last_attention)
-        self._packed_lm_head: torch.Tensor | None = None
+        self._packed_lm_head: tuple[torch.Tensor, str] | None = None
 
     def compile_regions(self) -> None:
         """Compiles the three regions with torch.compile (inductor, dynamic shapes)."""
         self._regions = tuple(torch.compile(fn, dynamic=True) for fn in self._regions)
 
-    def pack_weights(self) -> None:
-        """Repacks every linear weight (and the LM head) for oneDNN; see can_pack_weights."""
+    def pack_weights(self, packing: str) -> None:
+        """Repacks every linear weight (and a tied LM head) for ``packing``; see
+        engine/models/linear.py."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(packing)
         if self.lm_head is None:
-            with torch.no_grad():
-                self._packed_lm_head = torch.ops.mkldnn._reorder_linear_weight(self.embed_tokens.weight.detach(), 64)
+            self._packed_lm_head = (pack_weight(self.embed_tokens.weight, packing), packing)
 
     def forward(
         self,
@@ -268,7 +220,8 @@ class LlamaForCausalLM(nn.Module):
         """[rows, vocab] logits in the model's dtype (the sampler upcasts where it must),
         gathered from every tensor-parallel rank's share of the vocabulary."""
         if self._packed_lm_head is not None:
-            logits = packed_linear(hidden, self._packed_lm_head, None)
+            weight, packing = self._packed_lm_head
+            logits = packed_linear(hidden, weight, None, packing, self.embed_tokens.num_embeddings)
         elif self.lm_head is not None:
             logits = self.lm_head(hidden)
         else:

@@ -1,0 +1,99 @@
+"""The bfloat16 linear layer's CPU kernel (attention_backends/csrc/packed_linear.c) and the
+choice of weight packing (engine/models/linear.py)."""
+
+import pytest
+import torch
+
+from attention_backends import cpu_kernels
+from engine import LLM, SamplingParams
+from engine.models.linear import PACKING_ENV, Linear, choose_packing
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.packed_linear_available(),
+                                  reason="needs the CPU kernels and a CPU with AVX512-BF16")
+
+
+def reference(x, weight, bias):
+    """float32 product of the bfloat16 inputs, and a bound on each output's rounding: half a
+    bfloat16 step of the result plus float32 sums over K."""
+    out = x.float() @ weight.float().T + (0 if bias is None else bias.float())
+    magnitude = x.float().abs() @ weight.float().abs().T
+    return out, out.abs() * 2.0**-8 + magnitude * x.shape[1] * 2.0**-23 + 1e-30
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features", [(192, 64), (100, 50), (33, 17), (16, 3), (1, 1), (960, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_float32_within_rounding(out_features, in_features, rows, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
+    out = cpu_kernels.packed_linear(x, cpu_kernels.pack_linear_weight(weight), bias, out_features)
+    expected, bound = reference(x, weight, bias)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    assert ((out.float() - expected).abs() <= bound).all()
+
+
+@needs_kernel
+def test_packed_linear_reads_strided_rows():
+    weight = torch.randn(96, 40).to(torch.bfloat16)
+    wide = torch.randn(9, 70).to(torch.bfloat16)
+    x = wide[:, 10:50]  # rows 70 apart
+    packed = cpu_kernels.pack_linear_weight(weight)
+    assert torch.equal(cpu_kernels.packed_linear(x, packed, None, 96),
+                       cpu_kernels.packed_linear(x.contiguous(), packed, None, 96))
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_its_batch():
+    # Every output is one sequential sum over K, whatever the batch size or thread split.
+    weight = torch.randn(3072, 576).to(torch.bfloat16)
+    x = torch.randn(29, 576).to(torch.bfloat16)
+    packed = cpu_kernels.pack_linear_weight(weight)
+    batched = cpu_kernels.packed_linear(x, packed, None, 3072)
+    for i in (0, 5, 6, 28):
+        assert torch.equal(cpu_kernels.packed_linear(x[i : i + 1], packed, None, 3072), batched[i : i + 1])
+
+
+@needs_kernel
+def test_linear_module_packed_for_the_kernel_matches_the_unpacked_one():
+    layer = Linear(200, 136, bias=True).to(torch.bfloat16)
+    x = torch.randn(11, 200).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = layer(x)
+        layer.pack("blocked")
+        out = layer(x)
+    assert layer.weight.shape == (3, 100, 64, 2)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_packing_choice_and_its_override(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(PACKING_ENV, raising=False)
+    assert choose_packing(cpu, torch.float32) is None
+    assert choose_packing(torch.device("cuda"), torch.bfloat16) is None
+    automatic = choose_packing(cpu, torch.bfloat16)
+    assert automatic in ("blocked", "onednn", None)
+    if cpu_kernels.packed_linear_available() and " amx_bf16" not in cpu_kernels.cpu_flags():
+        assert automatic == "blocked"
+    monkeypatch.setenv(PACKING_ENV, "none")
+    assert choose_packing(cpu, torch.bfloat16) is None
+    monkeypatch.setenv(PACKING_ENV, "fastest")
+    with pytest.raises(ValueError, match="blocked, onednn or none"):
+        choose_packing(cpu, torch.bfloat16)
+
+
+@needs_kernel
+def test_bfloat16_generation_with_the_kernel_matches_unpacked_weights(tiny_qwen2_dir, monkeypatch):
+    # NOTE: qwen2 has q/k/v biases; the tiny models' logits are peaked (see conftest), so
+    # greedy tokens are not decided by rounding differences between the two products.
+    prompts = [[3, 17, 99, 5, 42, 8], [7, 7, 300, 12]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for packing in ("blocked", "none"):
+        monkeypatch.setenv(PACKING_ENV, packing)
+        with LLM(str(tiny_qwen2_dir), dtype="bfloat16", max_model_len=64, num_kv_blocks=32,
+                 enforce_eager=True) as llm:
+            results[packing] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert results["blocked"] == results["none"]
