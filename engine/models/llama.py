@@ -188,7 +188,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compile_regions(self) -> None:
         """Compiles the three regions with torch.compile (inductor, dynamic shapes)."""
-        self._regions = tuple(torch.compile(fn, dynamic=True) for fn in self._regions)
+        # NOTE: floats specialized, so RMSNorm's eps is a constant in the code rather than a
+        # 0-dim tensor input built on every call; and no size asserts on the inputs (the
+        # guards have checked them). With both, one token's forward: 13.6-15.2 -> 13.0-13.2 ms
+        # (10th percentile), 15.2-17.8 -> 13.8-14.4 ms (median).
+        torch._dynamo.config.specialize_float = True
+        self._regions = tuple(torch.compile(fn, dynamic=True, options={"size_asserts": False})
+                              for fn in self._regions)
 
     def pack_weights(self, packing: str) -> None:
         """Repacks every linear weight (and a tied LM head) for ``packing``; see
