@@ -38,15 +38,11 @@ _library.define("blocked_linear(Tensor x, Tensor weight, Tensor? bias, int out_f
 _library.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
-def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return cpu_kernels.packed_linear(x, weight, bias, out_features)
-
-
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-_library.impl("blocked_linear", _blocked_linear, "CompositeExplicitAutograd")
+_library.impl("blocked_linear", cpu_kernels.packed_linear, "CompositeExplicitAutograd")
 _library.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
 
 
