@@ -136,4 +136,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # NOTE: no interpreter finalisation: with torch loaded it took about a second of every
+    # stop (and restart), and there is nothing left to save: the socket is closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
