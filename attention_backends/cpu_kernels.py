@@ -24,7 +24,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "paged_attention.c", Path(__file__).parent / "csrc" / "packed_linear.c")
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = (_CSRC / "paged_attention.c", _CSRC / "packed_linear.c")
+HEADERS = (_CSRC / "avx512_exp.h",)
 DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
 # NOTE: never -ffast-math: linking with it turns on flush-to-zero for the whole process
 # (crtfastmath), which changes every float result in it. These are the parts of it that
@@ -64,7 +66,7 @@ def _compiler() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, compiler, version, cpu_flags(), *_FLAGS]).encode())
     target = _cache_dir() / f"pagoda_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -110,6 +112,8 @@ def load() -> ctypes.CDLL:
         fn.restype = None
     lib.packed_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, pointer, i64]
     lib.packed_linear_bf16.restype = None
+    lib.packed_silu_mul_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64]
+    lib.packed_silu_mul_linear_bf16.restype = None
     lib.packed_linear_available.argtypes = []
     lib.packed_linear_available.restype = ctypes.c_int
     return lib
@@ -207,26 +211,60 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, group, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def pack_silu_mul_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [2I, K] bfloat16 weight (gate_proj's I rows, then up_proj's) in
+    packed_silu_mul_linear's layout: the groups of pack_linear_weight, each holding 32 gate
+    features and then the same 32 up features (zero beyond I)."""
+    n, k = weight.shape
+    half = PACKED_LINEAR_GROUP // 2
+    chunks = -(-n // 2 // half)
+    paired = weight.new_zeros(chunks, 2, half, k)
+    for i, part in enumerate(weight.chunk(2)):
+        padded = weight.new_zeros(chunks * half, k)
+        padded[: part.shape[0]] = part
+        paired[:, i] = padded.view(chunks, half, k)
+    return pack_linear_weight(paired.view(-1, k))
+
+
+def _check_linear_input(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    assert x.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    assert weight.shape[1] == -(-x.shape[1] // 2) and weight.shape[0] * PACKED_LINEAR_GROUP >= out_features
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x @ W.T + bias for a 2-D bfloat16 x and a weight from pack_linear_weight.
 
     Returns:
         [x rows, out_features] bfloat16.
     """
-    assert x.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    x = _check_linear_input(x, weight, out_features)
     m, k = x.shape
-    assert weight.shape[1] == -(-k // 2) and weight.shape[0] * PACKED_LINEAR_GROUP >= out_features
-    if x.stride(1) != 1:
-        x = x.contiguous()
     if bias is not None:
         assert bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.shape == (out_features,)
     out = torch.empty(m, out_features, dtype=torch.bfloat16)
     if m:
-        _packed_linear_fn()(x.data_ptr(), m, x.stride(0), weight.data_ptr(), out_features, k,
-                            None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
+        _kernel("packed_linear_bf16")(x.data_ptr(), m, x.stride(0), weight.data_ptr(), out_features, k,
+                                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
+    return out
+
+
+def packed_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    """SiLU(x @ G.T) * (x @ U.T) for a 2-D bfloat16 x and a weight from
+    pack_silu_mul_weight(cat(G, U)).
+
+    Returns:
+        [x rows, intermediate_size] bfloat16.
+    """
+    x = _check_linear_input(x, weight, 2 * intermediate_size)
+    m, k = x.shape
+    out = torch.empty(m, intermediate_size, dtype=torch.bfloat16)
+    if m:
+        _kernel("packed_silu_mul_linear_bf16")(x.data_ptr(), m, x.stride(0), weight.data_ptr(), intermediate_size,
+                                               k, out.data_ptr(), intermediate_size)
     return out
 
 
 @functools.cache
-def _packed_linear_fn():
-    return load().packed_linear_bf16
+def _kernel(name: str):
+    return getattr(load(), name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 def add_bench_parser(sub) -> None:
     from benchmarks.compare import add_compare_parser
     from benchmarks.kv import add_kv_bench_parsers
+    from benchmarks.linear import add_linear_bench_parser
     from benchmarks.overhead import add_overhead_parser
     from benchmarks.plugins import add_plugins_bench_parser
     from benchmarks.throughput import add_throughput_parser
@@ -17,3 +18,4 @@ def add_bench_parser(sub) -> None:
     add_kv_bench_parsers(bench_sub)
     add_plugins_bench_parser(bench_sub)
     add_overhead_parser(bench_sub)
+    add_linear_bench_parser(bench_sub)

@@ -53,3 +53,17 @@ def test_compare_workloads_draw_fresh_prompts_of_their_shape():
     assert len({tuple(p[:512]) for p in prompts}) == 1 and len({tuple(p[512:]) for p in prompts}) == len(prompts)
     _, output_lens = WORKLOADS["prefill"].draw(seed=0, vocab_size=49152)
     assert set(output_lens) == {1}
+
+
+def test_linear_bench_times_every_packing_this_machine_has(capsys):
+    from attention_backends import cpu_kernels
+
+    assert main(["bench", "linear", "--rows", "1,7", "--layers", "2", "--repeats", "1", "--hidden-size", "64",
+                 "--intermediate-size", "40", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["rows"] for r in rows] == [1, 7]
+    expected = {"blocked", "blocked+silu"} if cpu_kernels.packed_linear_available() else set()
+    for r in rows:
+        timed = {key.removesuffix("_ms") for key in r if key.endswith("_ms")}
+        assert expected <= timed and timed
+        assert all(r[f"{name}_ms"] > 0 and r[f"{name}_gflops"] > 0 for name in timed)

@@ -3,10 +3,11 @@ choice of weight packing (engine/models/linear.py)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attention_backends import cpu_kernels
 from engine import LLM, SamplingParams
-from engine.models.linear import PACKING_ENV, Linear, choose_packing
+from engine.models.linear import PACKING_ENV, GateUpLinear, Linear, choose_packing
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.packed_linear_available(),
                                   reason="needs the CPU kernels and a CPU with AVX512-BF16")
@@ -97,3 +98,48 @@ def test_bfloat16_generation_with_the_kernel_matches_unpacked_weights(tiny_qwen2
                  enforce_eager=True) as llm:
             results[packing] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert results["blocked"] == results["none"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("intermediate,in_features", [(1536, 576), (64, 64), (40, 17), (17, 50), (1, 3)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13])
+def test_fused_silu_mul_matches_the_product_then_torch_silu_mul(intermediate, in_features, rows):
+    gen = torch.Generator().manual_seed(rows * 1000 + intermediate + in_features)
+    weight = torch.randn(2 * intermediate, in_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    out = cpu_kernels.packed_silu_mul_linear(x, cpu_kernels.pack_silu_mul_weight(weight), intermediate)
+    # The same products by the plain kernel (the same sums over K, rounded the same), then
+    # torch's bfloat16 SiLU and product: only exp's last float32 bit may differ.
+    gate, up = cpu_kernels.packed_linear(x, cpu_kernels.pack_linear_weight(weight), None,
+                                         2 * intermediate).split(intermediate, dim=-1)
+    expected = (F.silu(gate) * up).float()
+    assert out.shape == (rows, intermediate) and out.dtype == torch.bfloat16
+    assert ((out.float() - expected).abs() <= expected.abs() * 2.0**-7).all()
+    if rows:
+        assert (out.float() == expected).float().mean() > 0.99
+
+
+@needs_kernel
+def test_fused_silu_mul_keeps_nan_and_saturates():
+    weight = torch.eye(64).repeat(2, 1).to(torch.bfloat16)  # gate = up = x
+    x = torch.zeros(2, 64)
+    x[0, 0] = float("nan")  # poisons every sum of its row
+    x[1, :4] = torch.tensor([200.0, -200.0, 0.0, 1.0])
+    out = cpu_kernels.packed_silu_mul_linear(x.to(torch.bfloat16), cpu_kernels.pack_silu_mul_weight(weight),
+                                             64).float()
+    assert out[0].isnan().all()
+    assert out[1, 0] == torch.tensor(200.0 * 200.0).to(torch.bfloat16).float()  # SiLU(200) = 200
+    assert out[1, 1] == 0.0 and out[1, 2] == 0.0  # exp(200) overflows to inf: SiLU(-200) = -0
+    assert out[1, 3] == F.silu(torch.tensor(1.0)).to(torch.bfloat16).float()
+
+
+@needs_kernel
+def test_gate_up_module_packed_for_the_kernel_matches_the_unpacked_one():
+    layer = GateUpLinear(200, 2 * 72, bias=False).to(torch.bfloat16)
+    x = torch.randn(11, 200).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = layer(x)
+        layer.pack("blocked")
+        out = layer(x)
+    assert out.shape == (11, 72)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2**-6, atol=2e-2)

@@ -36,6 +36,7 @@ PACKINGS = ("blocked", "onednn")
 _library = torch.library.Library("pagoda", "FRAGMENT")
 _library.define("blocked_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor")
 _library.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_library.define("blocked_silu_mul_linear(Tensor x, Tensor weight, int intermediate_size) -> Tensor")
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -44,6 +45,7 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 _library.impl("blocked_linear", cpu_kernels.packed_linear, "CompositeExplicitAutograd")
 _library.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
+_library.impl("blocked_silu_mul_linear", cpu_kernels.packed_silu_mul_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pagoda::blocked_linear")
@@ -54,6 +56,11 @@ def _(x, weight, bias, out_features):
 @torch.library.register_fake("pagoda::onednn_linear")
 def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.register_fake("pagoda::blocked_silu_mul_linear")
+def _(x, weight, intermediate_size):
+    return x.new_empty(x.shape[0], intermediate_size)
 
 
 @functools.cache
@@ -114,3 +121,26 @@ class Linear(nn.Linear):
         if self.packing is not None:
             return packed_linear(x, self.weight, self.bias, self.packing, self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+
+class GateUpLinear(Linear):
+    """gate_proj and up_proj of a gated MLP as one product (weight: gate's rows, then up's),
+    returning SiLU(gate) * up.
+
+    With the "blocked" packing the activation runs in the kernel's epilogue, so the product
+    twice as wide as the result never goes to memory (csrc/packed_linear.c).
+    """
+
+    def pack(self, packing: str) -> None:
+        if packing != "blocked":
+            return super().pack(packing)
+        with torch.no_grad():
+            self.weight = nn.Parameter(cpu_kernels.pack_silu_mul_weight(self.weight.detach()), requires_grad=False)
+        self.packing = packing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        intermediate_size = self.out_features // 2
+        if self.packing == "blocked":
+            return torch.ops.pagoda.blocked_silu_mul_linear(x, self.weight, intermediate_size)
+        gate, up = super().forward(x).split(intermediate_size, dim=-1)
+        return F.silu(gate) * up

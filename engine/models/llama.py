@@ -9,8 +9,8 @@ first attention (embedding, norm, q/k/v, RoPE), between two attentions (o_proj,
 residual, norm, MLP, residual, the next layer's norm, q/k/v and RoPE) and after the
 last one. The regions are plain functions of the layers they touch, so with
 ``compile=True`` each is compiled once by torch.compile (inductor, dynamic shapes) and
-reused by every layer, which fuses the element-wise work (norms, RoPE, SiLU-mul,
-residual adds) between the matrix products; attention stays outside, in Python, with
+reused by every layer, which fuses the element-wise work (norms, RoPE, residual adds,
+and SiLU-mul unless the linear kernel's epilogue does it) between the matrix products; attention stays outside, in Python, with
 whatever the backend needs. RoPE's cos/sin are gathered once per step, not per layer.
 
 On the CPU in bfloat16, the linear layers' weights (the LM head's too) are repacked once
@@ -32,7 +32,7 @@ from torch import nn
 from attention_backends.base import AttentionBackend, AttentionMetadata
 from engine.distributed import TensorParallelGroup, even_split, head_share
 from engine.models.config import ModelConfig
-from engine.models.linear import Linear, pack_weight, packed_linear
+from engine.models.linear import GateUpLinear, Linear, pack_weight, packed_linear
 from engine.models.rope import compute_inv_freq
 
 
@@ -96,12 +96,12 @@ class MLP(nn.Module):
         super().__init__()
         start, end = even_split(config.intermediate_size, tp.rank, tp.world_size)
         self.intermediate_size = end - start
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        # NOTE: gate_proj and up_proj are one fused product, SiLU(gate) * up included.
+        self.gate_up_proj = GateUpLinear(config.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):

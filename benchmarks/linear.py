@@ -1,0 +1,133 @@
+"""`pagoda bench linear`: the CPU's bfloat16 matrix products per batch size, by packing.
+
+Times one decoder's four products (q/k/v, o, gate/up, down) over ``--layers`` layers with
+distinct weights, so that the weights come from memory as they do in the model, for each
+packing this machine has:
+
+- ``onednn``: oneDNN's blocked layout and matrix products;
+- ``blocked``: Pagoda's kernel (attention_backends/csrc/packed_linear.c), the MLP's
+  SiLU(gate) * up as an element-wise pass after the gate/up product;
+- ``blocked+silu``: the same kernel with SiLU(gate) * up in the gate/up product's epilogue
+  (what the model runs).
+
+Each layer's products are one compiled function, as the model's regions are, so every
+variant pays the same per-call costs. The shapes default to SmolLM2-135M's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from attention_backends import cpu_kernels
+
+
+def _variants(args: argparse.Namespace) -> dict:
+    """name -> (pack a [N, K] weight, pack the [2I, K] gate/up weight, one layer's products).
+
+    Each layer is one compiled function, as in the model (engine/models/llama.py), so that
+    SiLU(gate) * up is fused into one element-wise pass where it is not in the kernel and
+    every variant pays the same per-call costs.
+    """
+    from engine.models import linear  # registers the pagoda:: ops
+
+    inter, hidden = args.intermediate_size, args.hidden_size
+    qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+
+    def layer_of(product, gate_up_silu):
+        def layer(x, w_qkv, w_o, w_gate_up, w_down):
+            # NOTE: every result is returned, or the compiler drops the products it does not need.
+            return product(x, w_qkv, qkv), product(x, w_o, hidden), product(gate_up_silu(x, w_gate_up), w_down, hidden)
+        return torch.compile(layer, dynamic=True)
+
+    def silu_mul(gate_up):
+        gate, up = gate_up.split(inter, dim=-1)
+        return F.silu(gate) * up
+
+    variants = {}
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        def onednn(x, w, n):
+            return torch.ops.pagoda.onednn_linear(x, w, None)
+
+        def onednn_pack(w):
+            return linear.pack_weight(w, "onednn")
+
+        variants["onednn"] = (onednn_pack, onednn_pack,
+                              layer_of(onednn, lambda x, w: silu_mul(onednn(x, w, 2 * inter))))
+    if cpu_kernels.packed_linear_available():
+        def blocked(x, w, n):
+            return torch.ops.pagoda.blocked_linear(x, w, None, n)
+
+        variants["blocked"] = (cpu_kernels.pack_linear_weight, cpu_kernels.pack_linear_weight,
+                               layer_of(blocked, lambda x, w: silu_mul(blocked(x, w, 2 * inter))))
+        variants["blocked+silu"] = (cpu_kernels.pack_linear_weight, cpu_kernels.pack_silu_mul_weight,
+                                    layer_of(blocked, lambda x, w: torch.ops.pagoda.blocked_silu_mul_linear(
+                                        x, w, inter)))
+    return variants
+
+
+def _forward(layer_fn, x: torch.Tensor, layers: list) -> None:
+    for weights in layers:
+        layer_fn(x, *weights)
+
+
+def run_linear_bench(args: argparse.Namespace) -> int:
+    torch.manual_seed(0)
+    hidden, inter = args.hidden_size, args.intermediate_size
+    qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+    shapes = {"qkv": (qkv, hidden), "o": (hidden, args.num_heads * args.head_dim), "gate_up": (2 * inter, hidden),
+              "down": (hidden, inter)}
+    weights = [{name: torch.randn(shape, dtype=torch.bfloat16) * 0.02 for name, shape in shapes.items()}
+               for _ in range(args.layers)]
+    flop_per_row = 2 * sum(n * k for n, k in shapes.values()) * args.layers
+    variants = _variants(args)
+    if not variants:
+        print("no bfloat16 packing is available on this machine (needs oneDNN or AVX512-BF16)")
+        return 1
+    packed = {name: [[(pack_mlp if key == "gate_up" else pack)(w) for key, w in layer.items()]
+                     for layer in weights]
+              for name, (pack, pack_mlp, _) in variants.items()}
+    print(f"{args.layers} layers x (qkv {qkv}x{hidden}, o {hidden}x{args.num_heads * args.head_dim}, "
+          f"gate/up {2 * inter}x{hidden} + SiLU-mul, down {hidden}x{inter}), bfloat16, "
+          f"{torch.get_num_threads()} threads; ms (best of {args.repeats}) and GFLOP/s")
+    with torch.inference_mode():
+        for rows in args.rows:
+            x = torch.randn(rows, hidden, dtype=torch.bfloat16)
+            forwards = {name: functools.partial(_forward, layer_fn, x, packed[name])
+                        for name, (_, _, layer_fn) in variants.items()}
+            for forward in forwards.values():
+                forward()  # warm-up (and the compile)
+            # NOTE: the variants take turns, so that a drift in the machine's speed (tens of
+            # percent here within minutes) is shared between them.
+            best = dict.fromkeys(forwards, float("inf"))
+            for _ in range(args.repeats):
+                for name, forward in forwards.items():
+                    start = time.perf_counter()
+                    forward()
+                    best[name] = min(best[name], time.perf_counter() - start)
+            result = {"rows": rows}
+            for name, seconds in best.items():
+                result[f"{name}_ms"] = round(seconds * 1e3, 2)
+                result[f"{name}_gflops"] = round(flop_per_row * rows / seconds / 1e9, 1)
+            print(json.dumps(result))
+    return 0
+
+
+def add_linear_bench_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("linear", help="bfloat16 matrix products per batch size: oneDNN against Pagoda's "
+                                            "kernel (CPU)")
+    p.add_argument("--rows", type=lambda s: [int(r) for r in s.split(",")], default=[1, 8, 64, 256, 2048],
+                   help="batch sizes (tokens), comma-separated")
+    p.add_argument("--layers", type=int, default=30, help="layers with distinct weights")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--hidden-size", type=int, default=576)
+    p.add_argument("--intermediate-size", type=int, default=1536)
+    p.add_argument("--num-heads", type=int, default=9)
+    p.add_argument("--num-kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.set_defaults(func=run_linear_bench)
