@@ -52,7 +52,9 @@ class ModelRunner:
         # that the checkpoint overwrites anyway.
         with torch.device("meta"):
             model = LlamaForCausalLM(model_config, backend, init.max_model_len, tp)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        # NOTE: not to_empty(): empty_like() of a meta tensor imports sympy (0.3-0.8 s of a start).
+        model = model._apply(lambda t: torch.empty(t.shape, device=self.device,
+                                                   dtype=self.dtype if t.is_floating_point() else t.dtype))
         model.rotary = RotaryEmbedding(model_config, init.max_model_len).to(self.device)
         model.load_weights(load_weights(init.model_dir))
         packing = choose_packing(self.device, self.dtype)

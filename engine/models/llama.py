@@ -54,9 +54,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq, attention_scaling = compute_inv_freq(config)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # NOTE: computed on the CPU even where the model is built on the meta device: there
+        # the ops would only be traced, and tracing them imports torch._dynamo (2 s).
+        with torch.device("cpu"):
+            inv_freq, attention_scaling = compute_inv_freq(config)
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
@@ -145,7 +148,10 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
         self.vocab_start, self.vocab_end = even_split(vocab_size, tp.rank, tp.world_size)
-        super().__init__(self.vocab_end - self.vocab_start, hidden_size)
+        # NOTE: an uninitialised weight (the checkpoint's replaces it): nn.Embedding's own
+        # init, normal_, on the meta device imports torch._dynamo, 2 s of every eager start.
+        rows = self.vocab_end - self.vocab_start
+        super().__init__(rows, hidden_size, _weight=torch.empty(rows, hidden_size))
         self.tp = tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
