@@ -40,9 +40,10 @@ def _variants(args: argparse.Namespace) -> dict:
     qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
 
     def layer_of(product, gate_up_silu):
-        def layer(x, w_qkv, w_o, w_gate_up, w_down):
+        def layer(x, attn, w_qkv, w_o, w_gate_up, w_down):
             # NOTE: every result is returned, or the compiler drops the products it does not need.
-            return product(x, w_qkv, qkv), product(x, w_o, hidden), product(gate_up_silu(x, w_gate_up), w_down, hidden)
+            return (product(x, w_qkv, qkv), product(attn, w_o, hidden),
+                    product(gate_up_silu(x, w_gate_up), w_down, hidden))
         return torch.compile(layer, dynamic=True)
 
     def silu_mul(gate_up):
@@ -71,9 +72,9 @@ def _variants(args: argparse.Namespace) -> dict:
     return variants
 
 
-def _forward(layer_fn, x: torch.Tensor, layers: list) -> None:
+def _forward(layer_fn, x: torch.Tensor, attn: torch.Tensor, layers: list) -> None:
     for weights in layers:
-        layer_fn(x, *weights)
+        layer_fn(x, attn, *weights)
 
 
 def run_linear_bench(args: argparse.Namespace) -> int:
@@ -98,7 +99,8 @@ def run_linear_bench(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         for rows in args.rows:
             x = torch.randn(rows, hidden, dtype=torch.bfloat16)
-            forwards = {name: functools.partial(_forward, layer_fn, x, packed[name])
+            attn = torch.randn(rows, args.num_heads * args.head_dim, dtype=torch.bfloat16)  # o_proj's input
+            forwards = {name: functools.partial(_forward, layer_fn, x, attn, packed[name])
                         for name, (_, _, layer_fn) in variants.items()}
             for forward in forwards.values():
                 forward()  # warm-up (and the compile)

@@ -108,6 +108,11 @@ class TensorParallelGroup:
         torch.distributed.broadcast_object_list(holder, src=0)
         return holder[0]
 
+    def synchronize(self) -> None:
+        """Waits until this rank's collectives are done (NCCL only queues them on the GPU)."""
+        if self.world_size > 1 and torch.distributed.get_backend() == "nccl":
+            torch.cuda.synchronize()
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's tensor into ``x`` on every rank."""
         if self.world_size > 1:

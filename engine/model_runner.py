@@ -70,8 +70,8 @@ class ModelRunner:
         self.kv_cache_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
         # The swap space: the same layout in CPU memory (pinned when the cache is on a GPU).
         # NOTE: left uninitialised: a block is only ever read back after a whole block was
-        # swapped into it, and untouched pages cost no memory (4 GiB by default; zeroing them
-        # took about a second of every start).
+        # swapped into it; and unpinned pages that are never touched cost no memory (4 GiB by
+        # default; zeroing them took about a second of every start).
         cpu_key_shape, cpu_value_shape = backend.kv_cache_shapes(init.num_cpu_blocks, self.block_size)
         pin = self.device.type == "cuda"
         self.cpu_caches = [

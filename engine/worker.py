@@ -14,6 +14,7 @@ goes back to the engine as a traceback (:class:`~engine.messages.WorkerFailed`).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import sys
@@ -81,6 +82,7 @@ def lead(runner, receive, send) -> None:
         received = time.perf_counter()
         if not isinstance(message, SchedulerOutput):
             runner.tp.broadcast_object(Shutdown())
+            runner.tp.synchronize()  # the process exits right after (os._exit)
             return
         output = run_step(runner, message)
         output.idle_seconds = 0.0 if answered is None else received - answered
@@ -138,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     # NOTE: no interpreter finalisation: with torch loaded it took about a second of every
-    # stop (and restart), and there is nothing left to save: the socket is closed.
+    # stop (and restart), and there is nothing left to save: the socket is closed. The
+    # buffered output goes first (Python's and the C library's: oneDNN's or NCCL's logs).
     sys.stdout.flush()
     sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)
     os._exit(code)

@@ -59,7 +59,7 @@ def test_linear_bench_times_every_packing_this_machine_has(capsys):
     from attention_backends import cpu_kernels
 
     assert main(["bench", "linear", "--rows", "1,7", "--layers", "2", "--repeats", "1", "--hidden-size", "64",
-                 "--intermediate-size", "40", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16"]) == 0
+                 "--intermediate-size", "40", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["rows"] for r in rows] == [1, 7]
     expected = {"blocked", "blocked+silu"} if cpu_kernels.packed_linear_available() else set()

@@ -2,8 +2,8 @@
  * exp16: sixteen float32 exp at once, inlined, for the CPU kernels (AVX-512F).
  *
  * exp(x) = 2^n exp(r), n = round(x log2 e), r = x - n ln 2 (in two parts), exp(r) by Cephes'
- * expf polynomial (about 1 ulp); below -87 (where expf is denormal or 0) it gives 0, past
- * expf's range (about 88.7) +inf, as expf does; a NaN stays NaN.
+ * expf polynomial (about 1 ulp); below -87 it gives 0 (expf is below 1.7e-38 there, and
+ * denormal from -87.3 down), past expf's range (about 88.7) +inf, as expf does; a NaN stays NaN.
  *
  * NOTE: not glibc's libmvec (_ZGVeN16v_expf): a call there makes the compiler spill every
  * vector register a kernel keeps its accumulators in (measured in the attention kernel).

@@ -22,10 +22,11 @@
  * packed_silu_mul_linear_bf16 is gate_proj and up_proj of an MLP as one product, followed by
  * SiLU(gate) * up in the tile's epilogue, so the [M, 2I] product never goes to memory: its
  * weight's group c holds gate features 32c..32c+31, then up features 32c..32c+31 (zero
- * beyond I), and y is [M, I]. The epilogue rounds as torch does in bfloat16: gate and up to
- * bfloat16, SiLU(gate) = gate / (1 + exp(-gate)) in float32 and rounded, the product rounded.
+ * beyond I), and y is [M, I]. The epilogue rounds as eager torch does in bfloat16: gate and up
+ * to bfloat16, SiLU(gate) = gate / (1 + exp(-gate)) in float32 and rounded, the product rounded.
+ * (The compiled element-wise pass it replaces kept SiLU(gate) in float32, unrounded.)
  *
- * Threads take contiguous ranges of half-groups (whole groups for the fused product), so each reads one contiguous stretch of
+ * Threads take contiguous ranges of half-groups (the fused product: of whole groups), so each reads one contiguous stretch of
  * the weight (the hardware prefetcher keeps up; software prefetch measured slower) and two
  * threads split 9 groups 4.5 : 4.5, not 5 : 4.
  */

@@ -134,6 +134,7 @@ class GateUpLinear(Linear):
     def pack(self, packing: str) -> None:
         if packing != "blocked":
             return super().pack(packing)
+        assert self.bias is None, "the fused kernel has no bias"
         with torch.no_grad():
             self.weight = nn.Parameter(cpu_kernels.pack_silu_mul_weight(self.weight.detach()), requires_grad=False)
         self.packing = packing

@@ -54,14 +54,17 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        # NOTE: computed on the CPU even where the model is built on the meta device: there
-        # the ops would only be traced, and tracing them imports torch._dynamo (2 s).
-        with torch.device("cpu"):
+        if torch.get_default_device().type == "meta":
+            # NOTE: placeholders, like every tensor of a model built on the meta device: the
+            # ops would only be traced there, and tracing them imports torch._dynamo (2 s).
+            cos = sin = torch.empty(max_positions, config.head_dim)
+        else:
             inv_freq, attention_scaling = compute_inv_freq(config)
             freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+            cos, sin = emb.cos() * attention_scaling, emb.sin() * attention_scaling
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D] cos and sin of the step's positions, gathered once for every layer."""
