@@ -26,9 +26,9 @@
  * to bfloat16, SiLU(gate) = gate / (1 + exp(-gate)) in float32 and rounded, the product rounded.
  * (The compiled element-wise pass it replaces kept SiLU(gate) in float32, unrounded.)
  *
- * Threads take contiguous ranges of half-groups (the fused product: of whole groups), so each reads one contiguous stretch of
- * the weight (the hardware prefetcher keeps up; software prefetch measured slower) and two
- * threads split 9 groups 4.5 : 4.5, not 5 : 4.
+ * Threads take contiguous ranges of half-groups (the fused product: of whole groups), so
+ * each reads one contiguous stretch of the weight (the hardware prefetcher keeps up; software
+ * prefetch measured slower) and two threads split 9 groups 4.5 : 4.5, not 5 : 4.
  */
 #include <stdint.h>
 

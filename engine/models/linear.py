@@ -14,9 +14,10 @@ Two packings, chosen per machine by :func:`choose_packing`:
 ``PAGODA_CPU_LINEAR=blocked|onednn|none`` overrides the choice (for A/B measurements).
 
 Each packing is an opaque op (``pagoda::blocked_linear``, ``pagoda::onednn_linear``, and
-``pagoda::blocked_silu_mul_linear`` for :class:`GateUpLinear`) to torch.compile. NOTE: defined with torch.library.Library, not @torch.library.custom_op,
-whose calls from compiled code cost more (measured on one token: a compiled layer region
-286 -> 270 µs, a single stream's forward 18.0-18.7 -> 17.5-18.4 ms).
+``pagoda::blocked_silu_mul_linear`` for :class:`GateUpLinear`) to torch.compile. NOTE:
+defined with torch.library.Library, not @torch.library.custom_op, whose calls from compiled
+code cost more (measured on one token: a compiled layer region 286 -> 270 µs, a single
+stream's forward 18.0-18.7 -> 17.5-18.4 ms).
 """
 
 from __future__ import annotations

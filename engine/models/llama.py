@@ -10,8 +10,9 @@ residual, norm, MLP, residual, the next layer's norm, q/k/v and RoPE) and after 
 last one. The regions are plain functions of the layers they touch, so with
 ``compile=True`` each is compiled once by torch.compile (inductor, dynamic shapes) and
 reused by every layer, which fuses the element-wise work (norms, RoPE, residual adds,
-and SiLU-mul unless the linear kernel's epilogue does it) between the matrix products; attention stays outside, in Python, with
-whatever the backend needs. RoPE's cos/sin are gathered once per step, not per layer.
+and SiLU-mul unless the linear kernel's epilogue does it) between the matrix products;
+attention stays outside, in Python, with whatever the backend needs. RoPE's cos/sin are
+gathered once per step, not per layer.
 
 On the CPU in bfloat16, the linear layers' weights (the LM head's too) are repacked once
 after loading (``pack_weights``) for a faster kernel: see engine/models/linear.py.
