@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from attention_backends import cpu_kernels
+from engine.models import linear  # the packings, and the pagoda:: ops they run
 
 
 def _variants(args: argparse.Namespace) -> dict:
@@ -34,41 +35,28 @@ def _variants(args: argparse.Namespace) -> dict:
     SiLU(gate) * up is fused into one element-wise pass where it is not in the kernel and
     every variant pays the same per-call costs.
     """
-    from engine.models import linear  # registers the pagoda:: ops
-
     inter, hidden = args.intermediate_size, args.hidden_size
     qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
 
-    def layer_of(product, gate_up_silu):
+    def layer_of(packing: str, fused_silu: bool):
         def layer(x, attn, w_qkv, w_o, w_gate_up, w_down):
+            if fused_silu:
+                act = torch.ops.pagoda.blocked_silu_mul_linear(x, w_gate_up, inter)
+            else:
+                gate, up = linear.packed_linear(x, w_gate_up, None, packing, 2 * inter).split(inter, dim=-1)
+                act = F.silu(gate) * up
             # NOTE: every result is returned, or the compiler drops the products it does not need.
-            return (product(x, w_qkv, qkv), product(attn, w_o, hidden),
-                    product(gate_up_silu(x, w_gate_up), w_down, hidden))
+            return (linear.packed_linear(x, w_qkv, None, packing, qkv),
+                    linear.packed_linear(attn, w_o, None, packing, hidden),
+                    linear.packed_linear(act, w_down, None, packing, hidden))
         return torch.compile(layer, dynamic=True)
 
-    def silu_mul(gate_up):
-        gate, up = gate_up.split(inter, dim=-1)
-        return F.silu(gate) * up
-
     variants = {}
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        def onednn(x, w, n):
-            return torch.ops.pagoda.onednn_linear(x, w, None)
-
-        def onednn_pack(w):
-            return linear.pack_weight(w, "onednn")
-
-        variants["onednn"] = (onednn_pack, onednn_pack,
-                              layer_of(onednn, lambda x, w: silu_mul(onednn(x, w, 2 * inter))))
-    if cpu_kernels.packed_linear_available():
-        def blocked(x, w, n):
-            return torch.ops.pagoda.blocked_linear(x, w, None, n)
-
-        variants["blocked"] = (cpu_kernels.pack_linear_weight, cpu_kernels.pack_linear_weight,
-                               layer_of(blocked, lambda x, w: silu_mul(blocked(x, w, 2 * inter))))
-        variants["blocked+silu"] = (cpu_kernels.pack_linear_weight, cpu_kernels.pack_silu_mul_weight,
-                                    layer_of(blocked, lambda x, w: torch.ops.pagoda.blocked_silu_mul_linear(
-                                        x, w, inter)))
+    for packing in filter(linear.packing_available, linear.PACKINGS):
+        pack = functools.partial(linear.pack_weight, packing=packing)
+        variants[packing] = (pack, pack, layer_of(packing, fused_silu=False))
+        if packing == "blocked":
+            variants["blocked+silu"] = (pack, cpu_kernels.pack_silu_mul_weight, layer_of(packing, fused_silu=True))
     return variants
 
 

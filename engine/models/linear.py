@@ -69,6 +69,13 @@ def _has_amx() -> bool:
     return " amx_bf16" in cpu_kernels.cpu_flags()
 
 
+def packing_available(packing: str) -> bool:
+    """Whether this machine can run ``packing`` (one of PACKINGS)."""
+    if packing == "blocked":
+        return cpu_kernels.packed_linear_available()
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 def choose_packing(device: torch.device, dtype: torch.dtype) -> str | None:
     """The packing for linear weights on this machine, or None to keep them as loaded.
 
@@ -77,19 +84,18 @@ def choose_packing(device: torch.device, dtype: torch.dtype) -> str | None:
     """
     if device.type != "cpu" or dtype != torch.bfloat16:
         return None
-    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     requested = os.environ.get(PACKING_ENV)
     if requested:
         if requested == "none":
             return None
         if requested not in PACKINGS:
             raise ValueError(f"{PACKING_ENV}={requested!r}: expected one of {', '.join(PACKINGS)} or none")
-        if not (onednn if requested == "onednn" else cpu_kernels.packed_linear_available()):
+        if not packing_available(requested):
             raise ValueError(f"{PACKING_ENV}={requested}: not available on this machine")
         return requested
-    if not _has_amx() and cpu_kernels.packed_linear_available():
+    if not _has_amx() and packing_available("blocked"):
         return "blocked"
-    return "onednn" if onednn else None
+    return "onednn" if packing_available("onednn") else None
 
 
 def pack_weight(weight: torch.Tensor, packing: str) -> torch.Tensor:
