@@ -153,6 +153,16 @@ def test_cpu_paged_decode_over_many_large_blocks(block_size, group, head_dim, dt
     backend_matches_naive("cpu_paged", block_size, group, head_dim, dtype, cases=long_contexts)
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_paged_softmax_over_several_partitions(block_size, dtype):
+    # The vector kernel takes its softmax in partitions of 256 keys: a chunk inside the third
+    # partition, one straddling the boundary at 512 (its first rows see nothing past it), a
+    # decode one key into the third, one just past the first, and a prefill of 300 tokens.
+    contexts = ([600, 530, 513, 257, 300], [40, 40, 1, 1, 300])
+    backend_matches_naive("cpu_paged", block_size, 3, 64, dtype, cases=contexts)
+
+
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -14,8 +14,9 @@
  *
  * A query row at position p is a decode over a context of p + 1 tokens, so one kernel serves
  * both. A task is a tile of consecutive query tokens of one request and one KV head: its rows
- * (tokens x the query heads sharing the KV head) walk the blocks once with an online softmax
- * in float32, so a prefill chunk reads each key and value once per tile, not once per token.
+ * (tokens x the query heads sharing the KV head) walk the blocks once with a softmax in
+ * float32 (online in the generic path; in partitions of two passes in the vector ones, see
+ * PARTITION), so a prefill chunk reads each key and value once per tile, not once per token.
  * Keys are stored transposed within a block so that a block's scores are computed
  * token-parallel (vector lanes over the block's tokens, no horizontal sums); values are
  * accumulated lane-parallel over head_dim.
@@ -149,41 +150,82 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 }
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
-/* Prefetches the 16 keys and values from key position nstart (elem bytes each): blocks are
- * scattered, so the hardware prefetcher cannot guess the next one. NOTE: into L2 (T1), not L1:
- * 32-64 lines asked of L1 at once wait for its few miss buffers; a 64-request decode's
+/* Prefetches into L2 the 16 keys (or values) from key position nstart, elem bytes each: blocks
+ * are scattered, so the hardware prefetcher cannot guess the next one. NOTE: into L2 (T1), not
+ * L1: 32-64 lines asked of L1 at once wait for its few miss buffers; a 64-request decode's
  * attention over 30 layers at 320 tokens took 32-52 ms with T0 and 25-28 ms with T1. */
-static inline __attribute__((always_inline)) void prefetch_next16(
-        const char *key_cache, const char *value_cache, const int32_t *table, int64_t nstart, int64_t bs,
-        int64_t block_stride, int64_t kh, int64_t head_dim, int64_t elem) {
+static inline __attribute__((always_inline)) int64_t chunk_base(
+        const int32_t *table, int64_t start, int64_t bs, int64_t block_stride, int64_t kh, int64_t head_dim) {
+    return (int64_t)table[start / bs] * block_stride + kh * bs * head_dim;
+}
+
+static inline __attribute__((always_inline)) void prefetch_keys16(
+        const char *key_cache, const int32_t *table, int64_t nstart, int64_t bs, int64_t block_stride, int64_t kh,
+        int64_t head_dim, int64_t elem) {
     const int64_t nsub = nstart % bs;
-    const int64_t next = ((int64_t)table[nstart / bs] * block_stride + kh * bs * head_dim) * elem;
-    const char *nv = value_cache + next + nsub * head_dim * elem;
-    for (int64_t off = 0; off < 16 * head_dim * elem; off += 64) _mm_prefetch(nv + off, _MM_HINT_T1);
+    const char *next = key_cache + chunk_base(table, nstart, bs, block_stride, kh, head_dim) * elem;
     if (bs == 16) {
-        for (int64_t off = 0; off < 16 * head_dim * elem; off += 64) _mm_prefetch(key_cache + next + off, _MM_HINT_T1);
+        for (int64_t off = 0; off < 16 * head_dim * elem; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
     } else if ((nsub * elem) % 64 == 0) {
         /* a new cache line in every key row */
-        for (int64_t d = 0; d < head_dim; d++) _mm_prefetch(key_cache + next + (nsub + d * bs) * elem, _MM_HINT_T1);
+        for (int64_t d = 0; d < head_dim; d++) _mm_prefetch(next + (nsub + d * bs) * elem, _MM_HINT_T1);
     }
 }
 
-/* One row's online-softmax step over 16 scores whose keys start at position start (the row
- * sees keys up to last): updates its max m and sum l, rescales its accumulators, and
- * returns the probabilities (zero past the row's last key). */
-static inline __attribute__((always_inline)) __m512 softmax_step(
-        __m512 scores, int64_t start, int64_t last, float *m, float *l, __m512 *acc, int64_t chunks) {
+static inline __attribute__((always_inline)) void prefetch_values16(
+        const char *value_cache, const int32_t *table, int64_t nstart, int64_t bs, int64_t block_stride, int64_t kh,
+        int64_t head_dim, int64_t elem) {
+    const char *next = value_cache + (chunk_base(table, nstart, bs, block_stride, kh, head_dim) + nstart % bs * head_dim) * elem;
+    for (int64_t off = 0; off < 16 * head_dim * elem; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+}
+
+/* The softmax of a tile is taken in partitions of PARTITION keys, each in two passes: the
+ * first computes the partition's scores (kept in float32 on the stack) and each row's maximum
+ * with vector max, the second turns them into probabilities against that maximum and adds up
+ * the values. So horizontal reductions and the accumulators' rescaling happen once a
+ * partition, not once every 16 keys (an online softmax's cost, a third of a decode's
+ * arithmetic), and each key and value is still read once per tile. */
+#define PARTITION 256
+
+/* Keeps 16 scores whose keys start at position start, -inf-like past the row's last key,
+ * and takes them into the row's running vector max. */
+static inline __attribute__((always_inline)) void keep_scores(
+        float *dst, __m512 scores, int64_t start, int64_t last, __m512 *vmax) {
     const int64_t seen = last - start + 1; /* keys of this chunk the row sees */
     const __mmask16 valid = seen >= 16 ? (__mmask16)0xffff : seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1u);
     const __m512 masked = _mm512_mask_blend_ps(valid, _mm512_set1_ps(MIN_SCORE), scores);
-    const float block_max = fmaxf(*m, _mm512_reduce_max_ps(masked));
-    const __m512 corr = exp16(_mm512_set1_ps(*m - block_max));
-    const float correction = _mm512_cvtss_f32(corr);
-    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(masked, _mm512_set1_ps(block_max))));
-    *l = *l * correction + _mm512_reduce_add_ps(e);
-    *m = block_max;
-    for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_mul_ps(acc[c], corr);
+    _mm512_store_ps(dst, masked);
+    *vmax = _mm512_max_ps(*vmax, masked);
+}
+
+/* Between a partition's passes: each row's maximum m takes in the partition's (vmax); the sum l
+ * and accumulators of earlier partitions are rescaled to it; the row's new sum starts at 0. */
+static inline __attribute__((always_inline)) void begin_values_pass(
+        const __m512 *vmax, float *m, float *l, __m512 acc[][FAST_MAX_CHUNKS], __m512 *mrow, __m512 *lsum,
+        int64_t rows, int64_t chunks) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float new_max = fmaxf(m[r], _mm512_reduce_max_ps(vmax[r]));
+        if (new_max > m[r] && l[r] > 0) {
+            const __m512 correction = exp16(_mm512_set1_ps(m[r] - new_max));
+            l[r] *= _mm512_cvtss_f32(correction);
+            for (int64_t c = 0; c < chunks; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], correction);
+        }
+        m[r] = new_max;
+        mrow[r] = _mm512_set1_ps(new_max);
+        lsum[r] = _mm512_setzero_ps();
+    }
+}
+
+/* 16 probabilities from kept scores (exactly 0 for the masked ones), added into the row's sum. */
+static inline __attribute__((always_inline)) __m512 probabilities16(const float *scores, __m512 mrow, __m512 *lsum) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(scores), mrow));
+    *lsum = _mm512_add_ps(*lsum, e);
     return e;
+}
+
+/* The end of a partition's values pass: its sums into the rows' totals. */
+static inline __attribute__((always_inline)) void end_values_pass(float *l, const __m512 *lsum, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++) l[r] += _mm512_reduce_add_ps(lsum[r]);
 }
 
 /* The tile's result: each row's accumulators over its softmax sum. */
@@ -208,7 +250,8 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
     const int64_t len = first_pos + ntok; /* keys the tile's last token sees */                           \
     float q[FAST_MAX_ROWS][128];                                                                           \
     __m512 acc[FAST_MAX_ROWS][FAST_MAX_CHUNKS];                                                            \
-    float m[FAST_MAX_ROWS], l[FAST_MAX_ROWS], p[FAST_MAX_ROWS][16];                                        \
+    float m[FAST_MAX_ROWS], l[FAST_MAX_ROWS];                                                              \
+    float scores[FAST_MAX_ROWS][PARTITION] __attribute__((aligned(64)));                                   \
     int64_t last[FAST_MAX_ROWS]; /* the last key position each row sees */                                 \
     for (int64_t j = 0; j < tq; j++) {                                                                     \
         const int64_t token = j < ntok ? j : ntok - 1;                                                     \
@@ -224,52 +267,66 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
             last[r] = first_pos + token;                                                                   \
         }                                                                                                  \
     }                                                                                                      \
-    for (int64_t start = 0; start < len; start += 16) {                                                    \
-        const int64_t n = len - start < 16 ? len - start : 16;                                             \
-        /* 16 tokens at a time: the block's keys are [head_dim][bs], its values [bs][head_dim]. */       \
-        const int64_t base = (int64_t)table[start / bs] * block_stride + kh * bs * head_dim;               \
-        const int64_t sub = start % bs;                                                                    \
-        const T *k = key_cache + base + sub;                                                               \
-        const T *v = value_cache + base + sub * head_dim;                                                  \
-        if (start + 16 < len)                                                                              \
-            prefetch_next16((const char *)key_cache, (const char *)value_cache, table, start + 16, bs,     \
-                            block_stride, kh, head_dim, sizeof(T));                                        \
-        /* NOTE: independent partial sums (two per row, or four for a single row): one chain  \
-         * of head_dim dependent FMAs would be bound by their latency, not by the FMA units. */          \
-        __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS], s2[FAST_MAX_ROWS], s3[FAST_MAX_ROWS];                  \
-        for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = s2[r] = s3[r] = _mm512_setzero_ps();             \
-        if (rows <= 4) {                                                                                   \
-            for (int64_t d = 0; d < head_dim; d += 4) {                                                    \
-                const __m512 k0 = LOAD16(k + d * bs), k1 = LOAD16(k + (d + 1) * bs);                       \
-                const __m512 k2 = LOAD16(k + (d + 2) * bs), k3 = LOAD16(k + (d + 3) * bs);                 \
-                for (int64_t r = 0; r < rows; r++) {                                                       \
-                    s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, s[r]);                             \
-                    s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), k1, s1[r]);                       \
-                    s2[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 2]), k2, s2[r]);                       \
-                    s3[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 3]), k3, s3[r]);                       \
+    for (int64_t pstart = 0; pstart < len; pstart += PARTITION) {                                          \
+        const int64_t pend = len - pstart < PARTITION ? len : pstart + PARTITION;                          \
+        __m512 vmax[FAST_MAX_ROWS], mrow[FAST_MAX_ROWS], lsum[FAST_MAX_ROWS];                              \
+        for (int64_t r = 0; r < rows; r++) vmax[r] = _mm512_set1_ps(MIN_SCORE);                            \
+        /* 16 keys at a time: the block's keys are [head_dim][bs], its values [bs][head_dim]. */         \
+        for (int64_t start = pstart; start < pend; start += 16) {                                          \
+            const T *k = key_cache + chunk_base(table, start, bs, block_stride, kh, head_dim) + start % bs; \
+            if (start + 16 < len)                                                                          \
+                prefetch_keys16((const char *)key_cache, table, start + 16, bs, block_stride, kh, head_dim, \
+                                sizeof(T));                                                                \
+            /* NOTE: independent partial sums (two per row, or four for a single row): one chain  \
+             * of head_dim dependent FMAs would be bound by their latency, not by the FMA units. */      \
+            __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS], s2[FAST_MAX_ROWS], s3[FAST_MAX_ROWS];              \
+            for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = s2[r] = s3[r] = _mm512_setzero_ps();         \
+            if (rows <= 4) {                                                                               \
+                for (int64_t d = 0; d < head_dim; d += 4) {                                                \
+                    const __m512 k0 = LOAD16(k + d * bs), k1 = LOAD16(k + (d + 1) * bs);                   \
+                    const __m512 k2 = LOAD16(k + (d + 2) * bs), k3 = LOAD16(k + (d + 3) * bs);             \
+                    for (int64_t r = 0; r < rows; r++) {                                                   \
+                        s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, s[r]);                         \
+                        s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), k1, s1[r]);                   \
+                        s2[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 2]), k2, s2[r]);                   \
+                        s3[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 3]), k3, s3[r]);                   \
+                    }                                                                                      \
                 }                                                                                          \
+                for (int64_t r = 0; r < rows; r++)                                                         \
+                    s[r] = _mm512_add_ps(_mm512_add_ps(s[r], s1[r]), _mm512_add_ps(s2[r], s3[r]));         \
+            } else {                                                                                       \
+                for (int64_t d = 0; d < head_dim; d += 2) {                                                \
+                    const __m512 k0 = LOAD16(k + d * bs), k1 = LOAD16(k + (d + 1) * bs);                   \
+                    for (int64_t r = 0; r < rows; r++) {                                                   \
+                        s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, s[r]);                         \
+                        s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), k1, s1[r]);                   \
+                    }                                                                                      \
+                }                                                                                          \
+                for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);                      \
             }                                                                                              \
             for (int64_t r = 0; r < rows; r++)                                                             \
-                s[r] = _mm512_add_ps(_mm512_add_ps(s[r], s1[r]), _mm512_add_ps(s2[r], s3[r]));             \
-        } else {                                                                                           \
-            for (int64_t d = 0; d < head_dim; d += 2) {                                                    \
-                const __m512 k0 = LOAD16(k + d * bs), k1 = LOAD16(k + (d + 1) * bs);                       \
-                for (int64_t r = 0; r < rows; r++) {                                                       \
-                    s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, s[r]);                             \
-                    s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), k1, s1[r]);                       \
+                keep_scores(&scores[r][start - pstart], s[r], start, last[r], &vmax[r]);                   \
+        }                                                                                                  \
+        begin_values_pass(vmax, m, l, acc, mrow, lsum, rows, chunks);                                      \
+        for (int64_t start = pstart; start < pend; start += 16) {                                          \
+            const int64_t n = len - start < 16 ? len - start : 16;                                         \
+            const T *v = value_cache + chunk_base(table, start, bs, block_stride, kh, head_dim)            \
+                         + start % bs * head_dim;                                                          \
+            if (start + 16 < len)                                                                          \
+                prefetch_values16((const char *)value_cache, table, start + 16, bs, block_stride, kh,      \
+                                  head_dim, sizeof(T));                                                    \
+            float p[FAST_MAX_ROWS][16];                                                                    \
+            for (int64_t r = 0; r < rows; r++)                                                             \
+                _mm512_storeu_ps(p[r], probabilities16(&scores[r][start - pstart], mrow[r], &lsum[r]));    \
+            for (int64_t t = 0; t < n; t++) {                                                              \
+                for (int64_t c = 0; c < chunks; c++) {                                                     \
+                    const __m512 vv = LOAD16(v + t * head_dim + c * 16);                                   \
+                    for (int64_t r = 0; r < rows; r++)                                                     \
+                        acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vv, acc[r][c]);               \
                 }                                                                                          \
             }                                                                                              \
-            for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);                          \
         }                                                                                                  \
-        for (int64_t r = 0; r < rows; r++)                                                                 \
-            _mm512_storeu_ps(p[r], softmax_step(s[r], start, last[r], &m[r], &l[r], acc[r], chunks));      \
-        for (int64_t t = 0; t < n; t++) {                                                                  \
-            for (int64_t c = 0; c < chunks; c++) {                                                         \
-                const __m512 vv = LOAD16(v + t * head_dim + c * 16);                                       \
-                for (int64_t r = 0; r < rows; r++)                                                         \
-                    acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vv, acc[r][c]);                   \
-            }                                                                                              \
-        }                                                                                                  \
+        end_values_pass(l, lsum, rows);                                                                    \
     }                                                                                                      \
     store_rows(out, acc, l, rows, chunks, head_dim);                                                       \
 }
@@ -298,8 +355,8 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
     const int64_t len = first_pos + ntok;
     uint32_t q[FAST_MAX_ROWS][64]; /* (q[2i], q[2i+1]) bf16 pairs */
     __m512 acc[FAST_MAX_ROWS][FAST_MAX_CHUNKS];
-    float m[FAST_MAX_ROWS], l[FAST_MAX_ROWS], p[FAST_MAX_ROWS][16];
-    uint16_t pb[FAST_MAX_ROWS][16];
+    float m[FAST_MAX_ROWS], l[FAST_MAX_ROWS];
+    float scores[FAST_MAX_ROWS][PARTITION] __attribute__((aligned(64)));
     int64_t last[FAST_MAX_ROWS];
     /* lane 2i takes a[i], lane 2i+1 takes b[i] (b's lanes are numbered from 32) */
     uint16_t pattern[32];
@@ -317,60 +374,74 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
         }
     }
     const __m512 scale16 = _mm512_set1_ps(scale);
-    for (int64_t start = 0; start < len; start += 16) {
-        const int64_t n = len - start < 16 ? len - start : 16;
-        const int64_t base = (int64_t)table[start / bs] * block_stride + kh * bs * head_dim;
-        const int64_t sub = start % bs;
-        const uint16_t *k = key_cache + base + sub;
-        const uint16_t *v = value_cache + base + sub * head_dim;
-        if (start + 16 < len)
-            prefetch_next16((const char *)key_cache, (const char *)value_cache, table, start + 16, bs, block_stride,
-                            kh, head_dim, sizeof(uint16_t));
-        /* NOTE: two partial sums per row when the tile has few rows: one chain of dependent
-         * dot products would be bound by their latency, not by the units. */
-        __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS];
-        for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = _mm512_setzero_ps();
-        if (rows <= 4) {
-            for (int64_t d = 0; d < head_dim; d += 4) {
-                const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
-                const __m512bh k1 = (__m512bh)pair_rows(k + (d + 2) * bs, k + (d + 3) * bs, interleave);
-                for (int64_t r = 0; r < rows; r++) {
-                    s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2]));
-                    s1[r] = _mm512_dpbf16_ps(s1[r], k1, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2 + 1]));
+    for (int64_t pstart = 0; pstart < len; pstart += PARTITION) {
+        const int64_t pend = len - pstart < PARTITION ? len : pstart + PARTITION;
+        __m512 vmax[FAST_MAX_ROWS], mrow[FAST_MAX_ROWS], lsum[FAST_MAX_ROWS];
+        for (int64_t r = 0; r < rows; r++) vmax[r] = _mm512_set1_ps(MIN_SCORE);
+        for (int64_t start = pstart; start < pend; start += 16) {
+            const uint16_t *k = key_cache + chunk_base(table, start, bs, block_stride, kh, head_dim) + start % bs;
+            if (start + 16 < len)
+                prefetch_keys16((const char *)key_cache, table, start + 16, bs, block_stride, kh, head_dim,
+                                sizeof(uint16_t));
+            /* NOTE: two partial sums per row when the tile has few rows: one chain of dependent
+             * dot products would be bound by their latency, not by the units. */
+            __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS];
+            for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = _mm512_setzero_ps();
+            if (rows <= 4) {
+                for (int64_t d = 0; d < head_dim; d += 4) {
+                    const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
+                    const __m512bh k1 = (__m512bh)pair_rows(k + (d + 2) * bs, k + (d + 3) * bs, interleave);
+                    for (int64_t r = 0; r < rows; r++) {
+                        s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2]));
+                        s1[r] = _mm512_dpbf16_ps(s1[r], k1, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2 + 1]));
+                    }
+                }
+                for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);
+            } else {
+                for (int64_t d = 0; d < head_dim; d += 2) {
+                    const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
+                    for (int64_t r = 0; r < rows; r++)
+                        s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2]));
                 }
             }
-            for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);
-        } else {
-            for (int64_t d = 0; d < head_dim; d += 2) {
-                const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
-                for (int64_t r = 0; r < rows; r++)
-                    s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2]));
+            for (int64_t r = 0; r < rows; r++)
+                keep_scores(&scores[r][start - pstart], _mm512_mul_ps(s[r], scale16), start, last[r], &vmax[r]);
+        }
+        begin_values_pass(vmax, m, l, acc, mrow, lsum, rows, chunks);
+        for (int64_t start = pstart; start < pend; start += 16) {
+            const int64_t n = len - start < 16 ? len - start : 16;
+            const uint16_t *v = value_cache + chunk_base(table, start, bs, block_stride, kh, head_dim) + start % bs * head_dim;
+            if (start + 16 < len)
+                prefetch_values16((const char *)value_cache, table, start + 16, bs, block_stride, kh, head_dim,
+                                  sizeof(uint16_t));
+            float p[FAST_MAX_ROWS][16];
+            uint16_t pb[FAST_MAX_ROWS][16];
+            for (int64_t r = 0; r < rows; r++) {
+                const __m512 e = probabilities16(&scores[r][start - pstart], mrow[r], &lsum[r]);
+                _mm512_storeu_ps(p[r], e);
+                _mm256_storeu_si256((__m256i *)pb[r], (__m256i)_mm512_cvtneps_pbh(e));
             }
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            const __m512 e = softmax_step(_mm512_mul_ps(s[r], scale16), start, last[r], &m[r], &l[r], acc[r], chunks);
-            _mm512_storeu_ps(p[r], e);
-            _mm256_storeu_si256((__m256i *)pb[r], (__m256i)_mm512_cvtneps_pbh(e));
-        }
-        int64_t t = 0;
-        for (; t + 1 < n; t += 2) {
-            for (int64_t c = 0; c < chunks; c++) {
-                const __m512bh vv = (__m512bh)pair_rows(v + t * head_dim + c * 16, v + (t + 1) * head_dim + c * 16,
-                                                        interleave);
-                for (int64_t r = 0; r < rows; r++) {
-                    uint32_t pair;
-                    memcpy(&pair, &pb[r][t], sizeof(pair));
-                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv, (__m512bh)_mm512_set1_epi32((int)pair));
+            int64_t t = 0;
+            for (; t + 1 < n; t += 2) {
+                for (int64_t c = 0; c < chunks; c++) {
+                    const __m512bh vv = (__m512bh)pair_rows(v + t * head_dim + c * 16, v + (t + 1) * head_dim + c * 16,
+                                                            interleave);
+                    for (int64_t r = 0; r < rows; r++) {
+                        uint32_t pair;
+                        memcpy(&pair, &pb[r][t], sizeof(pair));
+                        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv, (__m512bh)_mm512_set1_epi32((int)pair));
+                    }
+                }
+            }
+            if (t < n) { /* an odd last token: its row alone (the next one may not be written yet) */
+                for (int64_t c = 0; c < chunks; c++) {
+                    const __m512 vv = load16_bf16(v + t * head_dim + c * 16);
+                    for (int64_t r = 0; r < rows; r++)
+                        acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vv, acc[r][c]);
                 }
             }
         }
-        if (t < n) { /* an odd last token: its row alone (the next one may not be written yet) */
-            for (int64_t c = 0; c < chunks; c++) {
-                const __m512 vv = load16_bf16(v + t * head_dim + c * 16);
-                for (int64_t r = 0; r < rows; r++)
-                    acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vv, acc[r][c]);
-            }
-        }
+        end_values_pass(l, lsum, rows);
     }
     store_rows(out, acc, l, rows, chunks, head_dim);
 }
