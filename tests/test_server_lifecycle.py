@@ -146,7 +146,10 @@ def test_sigterm_stops_listening_and_drains_in_flight_requests(serve, tiny_llama
         server.client("wrong").models.list()
     answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert answer.choices[0].message.role == "assistant" and answer.usage.completion_tokens >= 1
-    readers = [StreamReader(client, model, 8), StreamReader(client, model, 40)]
+    # NOTE: long enough that both are still generating when SIGTERM lands: with 8 tokens the
+    # first could finish before the second stream's first chunk arrived (seen once in CI).
+    lengths = (64, 160)
+    readers = [StreamReader(client, model, n) for n in lengths]
     for reader in readers:
         reader.start()
     assert all(reader.started.wait(30) for reader in readers)
@@ -154,7 +157,7 @@ def test_sigterm_stops_listening_and_drains_in_flight_requests(serve, tiny_llama
     time.sleep(0.3)
     with pytest.raises(OSError):  # no longer listening
         http_request(server.url + "/health", timeout=5)
-    for reader, num_tokens in zip(readers, (8, 40)):
+    for reader, num_tokens in zip(readers, lengths):
         reader.join(60)
         assert reader.error is None and reader.finish_reason == "length"
         assert reader.usage.completion_tokens == num_tokens
