@@ -157,9 +157,10 @@ def test_cpu_paged_decode_over_many_large_blocks(block_size, group, head_dim, dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_paged_softmax_over_several_partitions(block_size, dtype):
     # The vector kernel takes its softmax in partitions of 256 keys: a chunk inside the third
-    # partition, one straddling the boundary at 512 (its first rows see nothing past it), a
-    # decode one key into the third, one just past the first, and a prefill of 300 tokens.
-    contexts = ([600, 530, 513, 257, 300], [40, 40, 1, 1, 300])
+    # partition, one whose tile of positions 511-512 (2 tokens x 3 heads) straddles the
+    # boundary at 512 (the row at 511 sees nothing of the third partition), a decode one key
+    # into the third, one just past the first, and a prefill of 300 tokens.
+    contexts = ([600, 531, 513, 257, 300], [40, 40, 1, 1, 300])
     backend_matches_naive("cpu_paged", block_size, 3, 64, dtype, cases=contexts)
 
 

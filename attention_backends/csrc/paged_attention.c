@@ -216,7 +216,9 @@ static inline __attribute__((always_inline)) void begin_values_pass(
     }
 }
 
-/* 16 probabilities from kept scores (exactly 0 for the masked ones), added into the row's sum. */
+/* 16 probabilities from kept scores, added into the row's sum. A masked score (MIN_SCORE) gives
+ * exactly 0: exp16 flushes inputs below -87 to 0. The row's maximum gives 1, so a row's sum
+ * is at least 1 after its first partition (every row sees key 0). */
 static inline __attribute__((always_inline)) __m512 probabilities16(const float *scores, __m512 mrow, __m512 *lsum) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(scores), mrow));
     *lsum = _mm512_add_ps(*lsum, e);
