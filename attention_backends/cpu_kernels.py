@@ -136,6 +136,12 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _SUFFIX
 
 
+@functools.cache
+def _kernel(name: str):
+    """A function of the library, looked up once (the attention and linear wrappers run per layer)."""
+    return getattr(load(), name)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor) -> None:
     """Writes each token's key and value into its cache slot (a negative slot is skipped).
@@ -146,7 +152,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
         key_cache: [num_blocks, num_kv_heads, head_dim, block_size] (keys transposed per block).
         value_cache: [num_blocks, num_kv_heads, block_size, head_dim].
     """
-    fn = getattr(load(), "paged_write_kv_" + _SUFFIX[key_cache.dtype])
+    fn = _kernel("paged_write_kv_" + _SUFFIX[key_cache.dtype])
     num_tokens, num_kv_heads, head_dim = key.shape
     assert key.is_contiguous() and value.is_contiguous() and slot_mapping.is_contiguous()
     assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype and slot_mapping.dtype == torch.int64
@@ -176,7 +182,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     Returns:
         [num_tokens, num_heads, head_dim] in the query's dtype.
     """
-    fn = getattr(load(), "paged_attention_" + _SUFFIX[query.dtype])
+    fn = _kernel("paged_attention_" + _SUFFIX[query.dtype])
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, _, block_size = key_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -263,8 +269,3 @@ def packed_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, intermediate_s
         _kernel("packed_silu_mul_linear_bf16")(x.data_ptr(), m, x.stride(0), weight.data_ptr(), intermediate_size,
                                                k, out.data_ptr(), intermediate_size)
     return out
-
-
-@functools.cache
-def _kernel(name: str):
-    return getattr(load(), name)
