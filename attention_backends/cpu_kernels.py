@@ -1,7 +1,8 @@
 """The CPU kernels in csrc/ (paged attention, the bfloat16 linear layer), built on first use
 with the machine's C compiler into one library.
 
-The library is compiled for this CPU (``-march=native``) and cached under
+The library is compiled for this CPU (``-march=native``; ``PAGODA_CPU_MARCH=x86-64-v3``
+builds the AVX2 paths instead, to test them on an AVX-512 machine) and cached under
 ``$PAGODA_CACHE_DIR/kernels`` (default ``~/.cache/pagoda/kernels``), keyed by the
 source, the compiler and the CPU's feature flags; later starts load it in milliseconds.
 Without a C compiler (or with ``PAGODA_DISABLE_CPU_KERNELS=1``) nothing is built and
@@ -18,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -31,8 +33,14 @@ DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
 # NOTE: never -ffast-math: linking with it turns on flush-to-zero for the whole process
 # (crtfastmath), which changes every float result in it. These are the parts of it that
 # let the compiler vectorize the generic path's sums, without that side effect.
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
+_FLAGS = ["-O3", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
           "-fassociative-math", "-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
+MARCH_ENV = "PAGODA_CPU_MARCH"
+
+
+def _flags() -> list[str]:
+    """The compiler flags: the tuning above, for this CPU or the one MARCH_ENV names."""
+    return [f"-march={os.environ.get(MARCH_ENV) or 'native'}", *_FLAGS]
 
 
 class KernelUnavailable(RuntimeError):
@@ -67,7 +75,8 @@ def _compiler() -> str:
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, compiler, version, cpu_flags(), *_FLAGS]).encode())
+    flags = _flags()
+    key = hashlib.sha256("\0".join([*texts, compiler, version, cpu_flags(), *flags]).encode())
     target = _cache_dir() / f"pagoda_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -76,8 +85,10 @@ def _build(compiler: str) -> Path:
     # workers starting at once) never load a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    logger.info("building the CPU kernels with %s (once per machine and source version)", compiler)
+    start = time.perf_counter()
     try:
-        result = subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+        result = subprocess.run([compiler, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
                                 text=True)
         if result.returncode != 0:
             names = ", ".join(source.name for source in SOURCES)
@@ -86,7 +97,7 @@ def _build(compiler: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("built the CPU kernels: %s", target)
+    logger.info("built the CPU kernels in %.1f s: %s", time.perf_counter() - start, target)
     return target
 
 

@@ -122,7 +122,7 @@ def run_preemption(args: argparse.Namespace) -> int:
             elapsed = time.perf_counter() - start
             results.append({"mode": mode, "seconds": elapsed, "preemptions": stats.num_preemptions,
                             "swapped": stats.num_swapped_out, "recomputed": stats.num_recomputed,
-                            "prompt_tokens_computed": stats.num_prompt_tokens})
+                            "prompt_tokens_computed": stats.num_prefill_tokens_computed})
         print(json.dumps(results[-1]), flush=True)
     base = results[0]["seconds"]
     print(f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output), "

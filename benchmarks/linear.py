@@ -90,8 +90,12 @@ def run_linear_bench(args: argparse.Namespace) -> int:
             attn = torch.randn(rows, args.num_heads * args.head_dim, dtype=torch.bfloat16)  # o_proj's input
             forwards = {name: functools.partial(_forward, layer_fn, x, attn, packed[name])
                         for name, (_, _, layer_fn) in variants.items()}
+            # NOTE: two warm-up runs: the first compiles, the second takes what is created
+            # lazily at the first real call (oneDNN's primitives for the shape), so that even
+            # one repeat times the product alone.
             for forward in forwards.values():
-                forward()  # warm-up (and the compile)
+                forward()
+                forward()
             # NOTE: the variants take turns, so that a drift in the machine's speed (tens of
             # percent here within minutes) is shared between them.
             best = dict.fromkeys(forwards, float("inf"))
@@ -102,8 +106,10 @@ def run_linear_bench(args: argparse.Namespace) -> int:
                     best[name] = min(best[name], time.perf_counter() - start)
             result = {"rows": rows}
             for name, seconds in best.items():
-                result[f"{name}_ms"] = round(seconds * 1e3, 2)
-                result[f"{name}_gflops"] = round(flop_per_row * rows / seconds / 1e9, 1)
+                result[f"{name}_ms"] = float(f"{seconds * 1e3:.3g}")
+                # NOTE: three significant digits, not a fixed decimal: a tiny shape's rate
+                # is well below 0.1 GFLOP/s and must not print as 0.
+                result[f"{name}_gflops"] = float(f"{flop_per_row * rows / seconds / 1e9:.3g}")
             print(json.dumps(result))
     return 0
 

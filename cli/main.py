@@ -10,13 +10,14 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from engine.args import add_engine_args, engine_config_from_args
+from engine.args import add_engine_args, configure_logging, engine_config_from_args
 
 
 def _generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
+    configure_logging(args.log_level)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.sample_seed)
     with LLM(**asdict(engine_config_from_args(args))) as llm:

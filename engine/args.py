@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import fields
 
 from engine.config import EngineConfig
@@ -27,6 +28,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache size in GiB (alternative to --kv-cache-bytes)")
     parser.add_argument("--swap-space", type=float, default=None,
                         help="CPU swap space in GiB (alternative to --swap-space-bytes)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="what the start-up stages and the engine log to stderr (default info)")
+
+
+def configure_logging(level: str) -> None:
+    """Logs to stderr with times, at ``level`` ("info", ...), for the command line."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

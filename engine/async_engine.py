@@ -30,7 +30,7 @@ from engine.models.config import ModelConfig
 from engine.output_processor import OutputKind, OutputProcessor, RequestStream, StepError
 from engine.outputs import RequestOutput
 from engine.platform import resolve_device, resolve_dtype
-from engine.plugin_manager import check_policy_names, create_plugin_manager
+from engine.plugin_manager import check_policy_names, create_plugin_manager, plugin_names
 from engine.policy import Policy
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -115,11 +115,16 @@ class AsyncEngine:
         self.policy = Policy(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
         get_attention_backend(config.attention_backend, resolve_device(config.device))  # fail early on a bad name
         model_dir = await asyncio.to_thread(resolve_model, config.model)
+        logger.info("model: %s", model_dir)
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         self.output_processor = OutputProcessor(self.tokenizer)
         num_blocks, self.max_model_len = self._size_kv_cache(model_config)
-        num_cpu_blocks = config.swap_space_bytes // self._bytes_per_block(model_config)
+        bytes_per_block = self._bytes_per_block(model_config)
+        num_cpu_blocks = config.swap_space_bytes // bytes_per_block
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB), max_model_len %d; "
+                    "swap space %d blocks", num_blocks, config.block_size, num_blocks * config.block_size,
+                    num_blocks * bytes_per_block / 1024**3, self.max_model_len, num_cpu_blocks)
         self.scheduler = Scheduler(
             KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                            num_cpu_blocks=num_cpu_blocks, evictor=self.policy.make_evictor()),
@@ -133,6 +138,7 @@ class AsyncEngine:
         self._worker_init = WorkerInit(config, model_dir, model_config, num_blocks, self.max_model_len,
                                        num_cpu_blocks)
         self.worker = self._make_worker()
+        logger.info("starting the worker process")
         ready = await self.worker.start()
         logger.info("worker ready: %s, %s, attention backend %s, %.2f GiB of KV cache%s; async scheduling %s",
                     ready.device, ready.dtype, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
@@ -157,6 +163,17 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.shutdown()
+
+    def describe(self) -> str:
+        """One line on what runs, once started: the model's architecture, device, dtype and
+        attention backend, KV capacity, policies and plugins (for the start-up log)."""
+        ready, model = self.worker.ready, self.model_config
+        num_tokens = self.scheduler.kv_cache_manager.num_blocks * self.config.block_size
+        plugins = plugin_names(self.plugin_manager)
+        return (f"{model.architecture} ({model.num_hidden_layers} layers) on {ready.device} in {ready.dtype}, "
+                f"attention backend {ready.attention_backend}, KV cache {num_tokens} tokens, "
+                f"max_model_len {self.max_model_len}, scheduling policy {self.config.scheduling_policy}, "
+                f"eviction policy {self.config.eviction_policy}, plugins: {', '.join(plugins) or 'none'}")
 
     def uses_async_scheduling(self) -> bool:
         """The config's choice, or auto (see EngineConfig.async_scheduling)."""

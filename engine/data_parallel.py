@@ -141,6 +141,10 @@ class DataParallelEngine:
 
     # -- lifecycle ----------------------------------------------------------------------
 
+    def describe(self) -> str:
+        """The first replica's description, and how many there are."""
+        return f"{self.engines[0].describe()}; {len(self.engines)} data-parallel replicas"
+
     async def start(self) -> None:
         try:
             await asyncio.gather(*(r.start() for r in self.replicas))

@@ -14,6 +14,7 @@ before), and results come back in the order the steps were sent.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
 import signal
@@ -25,11 +26,20 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine.messages import RunnerOutput, SchedulerOutput, Shutdown, WorkerFailed, WorkerInit, WorkerReady
+from engine.messages import (
+    RunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    WorkerFailed,
+    WorkerInit,
+    WorkerProgress,
+    WorkerReady,
+)
 
 # The directory that holds the `engine` package, so the worker imports the same code.
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
 _STOP_WRITING = object()
+logger = logging.getLogger(__name__)
 
 
 class WorkerDiedError(RuntimeError):
@@ -106,6 +116,9 @@ class WorkerProcess:
         self._writer.start()
         self._send(self._init)
         message = await self.recv()
+        while isinstance(message, WorkerProgress):
+            logger.info("worker: %s", message.message)
+            message = await self.recv()
         if isinstance(message, WorkerFailed):
             await self.shutdown()
             raise WorkerDiedError(f"the worker failed to start:\n{message.error}")

@@ -149,6 +149,14 @@ class WorkerReady:
 
 
 @dataclass(slots=True)
+class WorkerProgress:
+    """A start-up stage the worker has begun ("loading weights", "compiling"), sent before
+    WorkerReady so that a long start says what it is doing."""
+
+    message: str
+
+
+@dataclass(slots=True)
 class WorkerFailed:
     """Sent when the worker cannot start (bad model, out of memory)."""
 

@@ -19,12 +19,14 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -168,8 +170,10 @@ def convert_gguf(gguf_path: Path, *, cache_dir: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared.
     try:
-        logger.info("converting %s to %s", gguf_path, final)
+        logger.info("converting %s to a safetensors directory (first start only; cached in %s)", gguf_path, final)
+        start = time.perf_counter()
         _convert_into(gguf_path, tmp)
+        logger.info("converted in %.1f s", time.perf_counter() - start)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -199,7 +203,8 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
     permute = config["model_type"] == "llama"
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    # NOTE: a bar on a terminal only (disable=None); logs get the stage lines around it.
+    for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=None, leave=False):
         name = _hf_tensor_name(tensor.name, gguf_path)
         data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         weight = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shapes[tensor.name]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -33,9 +34,11 @@ class ModelRunner:
 
     Args:
         init: What to load and how many KV blocks (and swap blocks) to allocate.
+        progress: Called with a line as each long start-up stage begins (None: silent).
     """
 
-    def __init__(self, init: WorkerInit) -> None:
+    def __init__(self, init: WorkerInit, progress: Callable[[str], None] | None = None) -> None:
+        progress = progress or (lambda message: None)
         config, model_config = init.config, init.model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -56,10 +59,14 @@ class ModelRunner:
         model = model._apply(lambda t: torch.empty(t.shape, device=self.device,
                                                    dtype=self.dtype if t.is_floating_point() else t.dtype))
         model.rotary = RotaryEmbedding(model_config, init.max_model_len).to(self.device)
+        start = time.perf_counter()
+        progress(f"loading weights from {init.model_dir} ({self.device}, {str(self.dtype).removeprefix('torch.')})")
         model.load_weights(load_weights(init.model_dir))
         packing = choose_packing(self.device, self.dtype)
         if packing is not None:
             model.pack_weights(packing)
+        progress(f"weights loaded in {time.perf_counter() - start:.1f} s"
+                 + (f", packed for the {packing} matrix kernel" if packing else ""))
         self.model = model.eval()
         key_shape, value_shape = backend.kv_cache_shapes(init.num_blocks, self.block_size)
         self.kv_caches = [
@@ -88,6 +95,8 @@ class ModelRunner:
         # a GPU yet, so CUDA runs eagerly; and not across tensor-parallel ranks, whose
         # all-reduces sit inside the compiled regions.
         if not config.enforce_eager and self.device.type == "cpu" and not tp.is_parallel:
+            progress("compiling the model with torch.compile (tens of seconds at the first start; later "
+                     "starts reuse torch's compile cache; --enforce-eager skips it)")
             start = time.perf_counter()
             self.model.compile_regions()
             self._warm_up()

@@ -15,9 +15,10 @@ logger = logging.getLogger(__name__)
 
 #: Set to a non-empty value to skip plugins installed under the `pagoda` entry-point group.
 DISABLE_AUTOLOAD_ENV = "PAGODA_DISABLE_PLUGIN_AUTOLOAD"
+BUILTIN_NAME = "pagoda-builtin"
 
 
-def load_object(spec: str) -> object:
+def _import_object(spec: str) -> object:
     """Imports ``module:object`` (or a bare module) for --plugin.
 
     Raises:
@@ -36,8 +37,7 @@ def load_object(spec: str) -> object:
             obj = getattr(obj, part)
     except AttributeError as exc:
         raise ValueError(f"plugin {spec!r}: {module_name!r} has no attribute {attr!r}") from exc
-    # A class is instantiated, so a plugin may keep state per engine.
-    return obj() if isinstance(obj, type) else obj
+    return obj
 
 
 def create_plugin_manager(plugins: list[str] | tuple[str, ...] = (), load_entry_points: bool = True,
@@ -55,18 +55,41 @@ def create_plugin_manager(plugins: list[str] | tuple[str, ...] = (), load_entry_
     """
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
-    pm.register(BuiltinPolicies(), name="pagoda-builtin")
+    pm.register(BuiltinPolicies(), name=BUILTIN_NAME)
     if load_entry_points and not os.environ.get(DISABLE_AUTOLOAD_ENV):
         pm.load_setuptools_entrypoints(PROJECT_NAME)
     for spec in plugins:
-        pm.register(load_object(spec), name=spec)
+        obj = _import_object(spec)
+        registered = _registered_as(pm, obj)
+        if registered is not None:
+            # NOTE: an installed plugin named again with --plugin (or a spec given twice)
+            # is the same plugin; registering it twice would run each hook twice.
+            logger.info("plugin %s is already loaded (as %r); --plugin %s adds nothing", spec, registered, spec)
+            continue
+        # A class is instantiated, so a plugin may keep state per engine.
+        pm.register(obj() if isinstance(obj, type) else obj, name=spec)
     for obj in extra:
-        pm.register(obj)
+        if _registered_as(pm, obj) is None:
+            pm.register(obj)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         raise ValueError(f"a plugin implements a hook Pagoda does not have: {exc}") from exc
     return pm
+
+
+def _registered_as(pm: pluggy.PluginManager, obj: object) -> str | None:
+    """The name under which ``obj`` (a module, an object, or a class one of whose instances
+    is registered) is already registered, or None."""
+    for name, plugin in pm.list_name_plugin():
+        if plugin is obj or (isinstance(obj, type) and type(plugin) is obj):
+            return name
+    return None
+
+
+def plugin_names(pm: pluggy.PluginManager) -> list[str]:
+    """The names of the loaded plugins other than the built-ins, in registration order."""
+    return [name for name, _ in pm.list_name_plugin() if name != BUILTIN_NAME]
 
 
 def known_policies(pm: pluggy.PluginManager) -> tuple[list[str], list[str]]:

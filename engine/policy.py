@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import pluggy
 
+from plugins.admission import RetryLater
 from plugins.builtin import FCFS, LRU, BuiltinPolicies
 from plugins.eviction import Evictor
 from plugins.views import KVCacheView, RequestView, StepView
@@ -23,7 +24,21 @@ logger = logging.getLogger(__name__)
 
 
 class RequestRejected(ValueError):
-    """An admission plugin turned the request away; the message says why."""
+    """An admission plugin turned the request away; the message says why.
+
+    Attributes:
+        retry_after: Seconds after which the same request may be accepted (a plugin's
+            ``RetryLater``), or None for a permanent refusal.
+    """
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class AdmissionPluginFailed(RuntimeError):
+    """An admission plugin raised; the request was refused, since letting it through could
+    break a quota."""
 
 
 class Policy:
@@ -102,15 +117,19 @@ class Policy:
         return self._builtin.pagoda_make_evictor(LRU)
 
     def admit(self, request: RequestView, num_waiting: int, num_running: int) -> None:
-        """Raises RequestRejected when a plugin turns the request away (or fails)."""
+        """Raises RequestRejected when a plugin turns the request away, AdmissionPluginFailed
+        when it raises."""
         try:
-            reason = self.hook.pagoda_admit_request(request=request, num_waiting=num_waiting,
+            answer = self.hook.pagoda_admit_request(request=request, num_waiting=num_waiting,
                                                     num_running=num_running)
         except Exception as exc:
             logger.exception("admission plugin failed; rejecting the request")
-            raise RequestRejected(f"request rejected: the admission plugin failed ({exc!r})") from exc
-        if reason is not None:
-            raise RequestRejected(f"request rejected: {reason}")
+            raise AdmissionPluginFailed(f"request rejected: the admission plugin failed ({exc!r})") from exc
+        if answer is None:
+            return
+        if isinstance(answer, RetryLater):
+            raise RequestRejected(f"request rejected: {answer.reason}", retry_after=answer.retry_after)
+        raise RequestRejected(f"request rejected: {answer}")
 
     def request_finished(self, request: RequestView, finish_reason: str) -> None:
         try:

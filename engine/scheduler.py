@@ -27,7 +27,13 @@ class RequestUpdate:
 class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
+    #: Every prompt token of every admitted request, counted once at its first admission
+    #: (vLLM's ``prompt_tokens``), whether computed or served from the prefix cache.
     num_prompt_tokens: int = 0
+    #: Of those, the tokens served from the prefix cache at first admission.
+    num_prompt_tokens_cached: int = 0
+    #: Prompt tokens the model ran, recomputation after preemption included.
+    num_prefill_tokens_computed: int = 0
     num_generation_tokens: int = 0
     num_swapped_out: int = 0
     num_recomputed: int = 0
@@ -216,7 +222,7 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             num_prompt = len(request.prompt_token_ids)
             if num_computed < num_prompt:
-                stats.num_prompt_tokens += min(num_tokens, num_prompt - num_computed)
+                stats.num_prefill_tokens_computed += min(num_tokens, num_prompt - num_computed)
             num_computed = request.num_computed_tokens = num_computed + num_tokens
             if num_computed == len(request.all_token_ids) + request.num_pending_tokens:
                 request.num_pending_tokens += 1
@@ -258,6 +264,8 @@ class Scheduler:
             self.stats.prefix_cache_hits += num_hit
         if request.metrics.first_scheduled_time is None:
             request.metrics.num_cached_tokens = num_hit
+            self.stats.num_prompt_tokens += len(request.prompt_token_ids)
+            self.stats.num_prompt_tokens_cached += num_hit
         request.num_computed_tokens += num_hit
         self.waiting.pop()
         self.running.append(request)

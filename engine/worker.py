@@ -29,8 +29,13 @@ def serve(conn: Connection) -> None:
         init = conn.recv()
     except (EOFError, OSError):
         return
+    def progress(message: str) -> None:
+        from engine.messages import WorkerProgress
+
+        conn.send(WorkerProgress(message))
+
     try:
-        runner = build_runner(init)
+        runner = build_runner(init, progress if init.rank == 0 else None)
     except BaseException:  # noqa: BLE001 - the engine reports it; SystemExit from a library too
         _send_failure(conn, traceback.format_exc())
         return
@@ -41,8 +46,13 @@ def serve(conn: Connection) -> None:
         follow(runner)
 
 
-def build_runner(init):
-    """The model runner of one rank (joins the tensor-parallel group when there are several)."""
+def build_runner(init, progress=None):
+    """The model runner of one rank (joins the tensor-parallel group when there are several).
+
+    Args:
+        init: What to load.
+        progress: Called with a line for each start-up stage (None: silent).
+    """
     import torch
 
     from engine.model_runner import ModelRunner
@@ -54,7 +64,7 @@ def build_runner(init):
     if threads is not None:
         torch.set_num_threads(threads)
     torch.manual_seed(init.config.seed)
-    return ModelRunner(init)
+    return ModelRunner(init, progress)
 
 
 def ready_message(runner):

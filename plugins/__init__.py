@@ -5,8 +5,9 @@ Write a plugin with ``hookimpl``; see docs/plugins.md.
 
 import pluggy
 
+from plugins.admission import RetryLater
 from plugins.hookspecs import PROJECT_NAME
 
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
-__all__ = ["PROJECT_NAME", "hookimpl"]
+__all__ = ["PROJECT_NAME", "RetryLater", "hookimpl"]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from plugins.admission import RetryLater
     from plugins.eviction import Evictor
     from plugins.views import KVCacheView, RequestView, StepView
 
@@ -95,12 +96,21 @@ def pagoda_make_evictor(policy: str) -> Evictor | None:
 
 
 @hookspec(firstresult=True)
-def pagoda_admit_request(request: RequestView, num_waiting: int, num_running: int) -> str | None:
+def pagoda_admit_request(request: RequestView, num_waiting: int, num_running: int) -> str | RetryLater | None:
     """Accepts or rejects a new request before it is queued (quotas, rate limits).
 
+    Args:
+        request: The new request (each of its ``n`` samples is admitted with it).
+        num_waiting: Requests waiting in the engine now.
+        num_running: Requests running in the engine now.
+
     Returns:
-        None to accept; a reason string to reject (the caller sees it, HTTP 429).
-        Stops at first non-None result.
+        None to accept; a reason string to refuse for good (the caller sees it; HTTP
+        403, code ``request_rejected``, which clients do not retry); or
+        ``plugins.RetryLater(reason, retry_after)`` for a temporary refusal such as a
+        rate limit (HTTP 429 with ``Retry-After``, code ``rate_limited``).
+        Stops at first non-None result. If a plugin raises, the request is refused with
+        HTTP 500 (code ``admission_plugin_failed``): letting it through could break a quota.
     """
 
 

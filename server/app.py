@@ -10,9 +10,11 @@ aborts them in the engine) and stops the worker.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
+import socket
 from collections.abc import AsyncIterator
 from importlib import metadata
 from typing import TYPE_CHECKING
@@ -238,7 +240,6 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
             chat_template=chat_template,
         )
         app[STATE_KEY] = state
-        logger.info("serving %s (max_model_len %d)", ", ".join(model_names), engine.max_model_len)
         try:
             yield
         finally:
@@ -277,8 +278,38 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     return app
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads, so a port in use fails at once.
+
+    Raises:
+        ValueError: The address cannot be had (in use, not this machine's, no permission).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot listen on {host!r}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        # NOTE: as aiohttp's own sites do: a restart may bind while old connections linger.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"cannot listen on {host}:{port}: the port is already in use (is another server "
+                             "running?); stop it or choose another port with --port") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
-    """Serves until SIGTERM or SIGINT, on uvloop when it is installed; blocks."""
+    """Serves until SIGTERM or SIGINT, on uvloop when it is installed; blocks.
+
+    Raises:
+        ValueError: The address cannot be listened on (checked before the model loads).
+    """
+    sock = bind_socket(config.host, config.port)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
@@ -288,8 +319,16 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     else:
         loop = uvloop.new_event_loop()
     app = create_app(engine_config, config)
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    base_url = f"http://{host}:{sock.getsockname()[1]}/v1"
+
+    def ready(_message: str) -> None:
+        # NOTE: aiohttp calls this once its sites listen (after the engine has started).
+        state = app[STATE_KEY]
+        logger.info("ready on %s: model %s, %s. Press CTRL+C to stop.", base_url, ", ".join(state.model_names),
+                    state.engine.describe())
+
     web.run_app(
-        app, host=config.host, port=config.port, loop=loop, handler_cancellation=True,
-        shutdown_timeout=config.shutdown_timeout, access_log=logging.getLogger("aiohttp.access") if config.access_log
-        else None, print=lambda message: logger.info("%s", " ".join(message.replace("=", "").split())),
+        app, sock=sock, loop=loop, handler_cancellation=True, shutdown_timeout=config.shutdown_timeout,
+        access_log=logging.getLogger("aiohttp.access") if config.access_log else None, print=ready,
     )

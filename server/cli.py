@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from engine.args import add_engine_args, engine_config_from_args
+from engine.args import add_engine_args, configure_logging, engine_config_from_args
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
 from server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 
@@ -70,7 +70,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
          help="export OpenTelemetry traces to this OTLP endpoint (needs opentelemetry-exporter-otlp)")
     _add(parser, "--access-log", action=argparse.BooleanOptionalAction, default=True,
          help="log one line per HTTP request")
-    _add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=serve)
     return parser
 
@@ -93,7 +92,7 @@ def serve(args: argparse.Namespace) -> int:
     """Runs ``pagoda serve``; returns the exit status."""
     from server.app import run_server
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")

@@ -24,6 +24,7 @@ _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",

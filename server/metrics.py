@@ -49,10 +49,10 @@ class _EngineCollector:
             return
         families = {}
 
-        def sample(cls, name: str, doc: str, labels: list[str], value: float) -> None:
+        def sample(cls, name: str, doc: str, labels: list[str], value: float, extra_labels: tuple = ()) -> None:
             family = families.get(name)
             if family is None:
-                family = families[name] = cls(PREFIX + name, doc, labels=LABELS)
+                family = families[name] = cls(PREFIX + name, doc, labels=LABELS + extra_labels)
             family.add_metric(labels, value)
 
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
@@ -73,6 +73,14 @@ class _EngineCollector:
             sample(counter, "num_preemptions", "Cumulative number of preemptions from the engine.", labels,
                    stats.num_preemptions)
             sample(counter, "prompt_tokens", "Number of prefill tokens processed.", labels, stats.num_prompt_tokens)
+            sample(counter, "prompt_tokens_cached", "Number of cached prompt tokens (local prefix cache hits).",
+                   labels, stats.num_prompt_tokens_cached)
+            computed = stats.num_prompt_tokens - stats.num_prompt_tokens_cached
+            for source, value in (("local_compute", computed), ("local_cache_hit", stats.num_prompt_tokens_cached)):
+                sample(counter, "prompt_tokens_by_source", "Number of prompt tokens by source.", [*labels, source],
+                       value, ("source",))
+            sample(counter, "prefill_tokens_computed", "Prompt tokens the model ran, recomputation after "
+                   "preemption included (Pagoda's own).", labels, stats.num_prefill_tokens_computed)
             sample(counter, "generation_tokens", "Number of generation tokens processed.", labels,
                    stats.num_generation_tokens)
             sample(counter, "worker_restarts", "Times the worker process died and was restarted.", labels,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import time
 import uuid
 from contextlib import aclosing
@@ -25,7 +26,7 @@ from aiohttp import web
 from engine.async_engine import EngineDeadError, StepError
 from engine.output_processor import OutputKind
 from engine.outputs import RequestOutput
-from engine.policy import RequestRejected
+from engine.policy import AdmissionPluginFailed, RequestRejected
 from server.errors import APIError, bad_request, from_value_error
 from server.metrics import RequestTracker
 from server.protocol import GenerateRequest, parse_chat, parse_completion
@@ -123,13 +124,15 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, span: 
                                             prompt_token_ids=job.prompt_token_ids, priority=gen.priority,
                                             cache_salt=gen.cache_salt, kv_retention=gen.kv_retention,
                                             output_kind=OutputKind.DELTA if gen.stream else OutputKind.FINAL)
-    except (ValueError, EngineDeadError) as exc:
+    except (ValueError, EngineDeadError, AdmissionPluginFailed) as exc:
         for job in jobs:
             engine.abort(job.request_id)
         if isinstance(exc, EngineDeadError):
             raise APIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
+        if isinstance(exc, AdmissionPluginFailed):
+            raise APIError(500, str(exc), code="admission_plugin_failed") from None
         if isinstance(exc, RequestRejected):
-            raise APIError(429, str(exc), code="request_rejected") from None
+            raise rejection_error(exc) from None
         raise from_value_error(exc, "messages" if chat else "prompt") from None
     builder = ChoiceBuilder(chat, gen.logprobs, state.token_str)
     created = int(time.time())
@@ -141,6 +144,17 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, span: 
     except BaseException as exc:
         _abandon(state, jobs, gen.params.n, "abort" if isinstance(exc, asyncio.CancelledError) else "error")
         raise
+
+
+def rejection_error(exc: RequestRejected) -> APIError:
+    """A plugin's refusal: 429 with Retry-After when it is temporary, else 403.
+
+    NOTE: OpenAI clients retry a 429 (and 5xx) by themselves; a permanent refusal must
+    not be one, or every rejected request is sent three times.
+    """
+    if exc.retry_after is None:
+        return APIError(403, str(exc), code="request_rejected")
+    return APIError(429, str(exc), code="rate_limited", headers={"Retry-After": str(math.ceil(exc.retry_after))})
 
 
 def _abandon(state: ServerState, jobs: list[_Job], n: int, reason: str) -> None:

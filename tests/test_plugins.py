@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,9 +13,9 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.plugin_manager import create_plugin_manager
+from engine.plugin_manager import create_plugin_manager, plugin_names
 from engine.policy import Policy, RequestRejected
-from plugins import hookimpl
+from plugins import RetryLater, hookimpl
 
 EXAMPLE = Path(__file__).parent / "plugin_example"
 
@@ -136,9 +137,12 @@ def test_policy_without_plugins_uses_builtins():
 
 
 @pytest.fixture(scope="module")
-def installed_example_plugin():
+def installed_example_plugin(tmp_path_factory):
+    # NOTE: installed from a copy, so that the build leaves no build/ or *.egg-info in the tree.
+    source = tmp_path_factory.mktemp("plugin") / "pagoda-example-plugin"
+    shutil.copytree(EXAMPLE, source)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", str(EXAMPLE)], check=True,
+    subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", str(source)], check=True,
                    timeout=300)
     yield
     subprocess.run(pip + ["uninstall", "-y", "pagoda-example-plugin"], check=True, timeout=120)
@@ -182,3 +186,62 @@ def test_plugin_named_on_the_command_line(tiny_llama_dir):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PAGODA_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert result.returncode == 0, result.stderr
+
+
+def test_installed_plugin_named_again_with_plugin_flag_is_loaded_once(installed_example_plugin, tiny_llama_dir):
+    pm = create_plugin_manager(plugins=["pagoda_example_plugin", "pagoda_example_plugin"])
+    example = sys.modules["pagoda_example_plugin"]
+    assert [name for name, plugin in pm.list_name_plugin() if plugin is example] == ["example"]
+    assert plugin_names(pm) == ["example"]
+    # The whole start-up, as a user runs it: the entry point and --plugin both name it.
+    result = subprocess.run(
+        [sys.executable, "-m", "cli", "generate", "--raw", "hi", "--model", str(tiny_llama_dir), "--max-model-len",
+         "64", "--enforce-eager", "--num-kv-blocks", "32", "--max-tokens", "2", "--plugin", "pagoda_example_plugin",
+         "--scheduling-policy", "longest-prompt-first"],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr
+    assert "already registered" not in result.stderr
+
+
+class CountingQuota:
+    """Refuses 3-token prompts for good, and 4-token prompts for a while."""
+
+    def __init__(self):
+        self.calls = 0
+
+    @hookimpl
+    def pagoda_admit_request(self, request, num_waiting, num_running):
+        self.calls += 1
+        if request.num_prompt_tokens == 3:
+            return "this prompt is not allowed"
+        if request.num_prompt_tokens == 4:
+            return RetryLater("the quota refills in a moment", retry_after=2.5)
+        return None
+
+
+def test_plugin_rejection_is_a_403_clients_do_not_retry_and_retry_later_a_429(tiny_llama_dir):
+    import openai
+
+    from server.testing import ServerThread, http_request
+
+    config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=64,
+                          num_kv_blocks=32, plugins=("test_plugins:CountingQuota",))
+    with ServerThread(config) as server:
+        quota = server.engine.plugin_manager.get_plugin("test_plugins:CountingQuota")
+        # NOTE: the client's default retries (2), as an application has them.
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        model = client.models.list().data[0].id
+        with pytest.raises(openai.PermissionDeniedError) as refused:
+            client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=2)
+        assert refused.value.status_code == 403 and refused.value.code == "request_rejected"
+        assert "this prompt is not allowed" in refused.value.message
+        assert quota.calls == 1  # sent once: a permanent refusal is not retried
+
+        busy = http_request(server.url + "/v1/completions", "POST",
+                            json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 2})
+        assert busy.status == 429 and busy.headers["Retry-After"] == "3"
+        assert busy.json()["error"]["code"] == "rate_limited"
+        out = client.completions.create(model=model, prompt=[1, 2, 3, 4, 5], max_tokens=2)
+        assert out.choices[0].finish_reason in ("stop", "length")
+        kv = server.call(lambda: server.engine.scheduler.kv_cache_manager)
+        assert server.call(kv.get_num_free_blocks) == kv.num_blocks

@@ -177,7 +177,7 @@ def test_n_samples_prefill_the_prompt_once_and_fork():
     while scheduler.has_unfinished_requests():
         step(scheduler)
     assert all(r.num_output_tokens == 3 for r in [parent, *children])
-    assert scheduler.stats.num_prompt_tokens == 9 + 3
+    assert scheduler.stats.num_prefill_tokens_computed == 9 + 3
     assert kv.get_num_free_blocks() == kv.num_blocks
 
 

@@ -275,6 +275,27 @@ def test_client_disconnect_aborts_request_and_frees_blocks(server, client, model
 # -- metrics and tracing --------------------------------------------------------------------
 
 
+def test_prompt_tokens_count_every_prompt_token_and_split_cached_from_computed(server, client, model):
+    # NOTE: vLLM's meaning: prompt_tokens counts the whole prompt, prefix-cache hits too;
+    # prompt_tokens_by_source splits it (a dashboard built for vLLM reads both right).
+    prompt = "A prompt long enough to fill a few blocks of the prefix cache, " * 3
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    before = scrape(server)
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    after = scrape(server)
+
+    def delta(name, **labels):
+        return metric(after, "pagoda:" + name, **labels) - metric(before, "pagoda:" + name, **labels)
+
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert delta("prompt_tokens_total") == again.usage.prompt_tokens
+    assert delta("prompt_tokens_cached_total") == cached
+    assert delta("prompt_tokens_by_source_total", source="local_cache_hit") == cached
+    assert delta("prompt_tokens_by_source_total", source="local_compute") == again.usage.prompt_tokens - cached
+    assert delta("prefill_tokens_computed_total") == again.usage.prompt_tokens - cached
+
+
 def test_metrics_parse_and_move_with_traffic(server, client, model):
     before = scrape(server)
     names = {name for name, _ in before}

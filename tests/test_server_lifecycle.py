@@ -205,3 +205,26 @@ def test_readme_default_model_answers_a_chat(serve):
         max_tokens=32, temperature=0)
     assert "Paris" in answer.choices[0].message.content
     assert answer.choices[0].finish_reason in ("stop", "length")
+    # Start-up says what it does, stage by stage, and ends with what runs where.
+    log = server.log()
+    stages = ["model: ", "KV cache: ", "starting the worker process", "worker: loading weights",
+              "worker: compiling the model", "worker ready: ", "ready on http://127.0.0.1:"]
+    positions = [log.find(stage) for stage in stages]
+    assert -1 not in positions and positions == sorted(positions), log
+    ready_line = log[positions[-1]:].splitlines()[0]
+    for fact in ("model SmolLM2-135M-Instruct", "bfloat16", "attention backend ", "KV cache ", " tokens",
+                 "scheduling policy fcfs", "eviction policy lru", "plugins: "):
+        assert fact in ready_line, ready_line
+
+
+def test_port_in_use_fails_before_the_model_loads(tiny_llama_dir, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "cli", "serve", "--model", str(tiny_llama_dir), *TINY_FLAGS,
+                                 "--port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert f"error: cannot listen on 127.0.0.1:{port}: the port is already in use" in result.stderr
+    assert "--port" in result.stderr
+    assert "starting the worker" not in result.stderr and "model: " not in result.stderr  # nothing was loaded

@@ -73,7 +73,10 @@ def packing_available(packing: str) -> bool:
     """Whether this machine can run ``packing`` (one of PACKINGS)."""
     if packing == "blocked":
         return cpu_kernels.packed_linear_available()
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    # NOTE: oneDNN's bfloat16 products need AVX512-BW/VL/DQ or AVX-NE-CONVERT, as oneDNN
+    # itself reports them (ONEDNN_MAX_CPU_ISA lowers it); without them the reorder raises.
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def choose_packing(device: torch.device, dtype: torch.dtype) -> str | None:
