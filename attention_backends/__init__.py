@@ -10,35 +10,35 @@ from collections.abc import Callable
 
 import torch
 
-from attention_backends.base import AttentionBackend, AttentionMetadata
+from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata
 
 
 def _naive() -> type[AttentionBackend]:
-    from attention_backends.naive import NaiveAttentionBackend
+    from pagoda.attention_backends.naive import NaiveAttentionBackend
 
     return NaiveAttentionBackend
 
 
 def _torch_sdpa() -> type[AttentionBackend]:
-    from attention_backends.torch_sdpa import TorchSdpaAttentionBackend
+    from pagoda.attention_backends.torch_sdpa import TorchSdpaAttentionBackend
 
     return TorchSdpaAttentionBackend
 
 
 def _cpu_paged() -> type[AttentionBackend]:
-    from attention_backends.cpu_paged import CpuPagedAttentionBackend
+    from pagoda.attention_backends.cpu_paged import CpuPagedAttentionBackend
 
     return CpuPagedAttentionBackend
 
 
 def _triton() -> type[AttentionBackend]:
-    from attention_backends.triton_attention import TritonAttentionBackend
+    from pagoda.attention_backends.triton_attention import TritonAttentionBackend
 
     return TritonAttentionBackend
 
 
 def _flashinfer() -> type[AttentionBackend]:
-    from attention_backends.flashinfer_attention import FlashInferAttentionBackend
+    from pagoda.attention_backends.flashinfer_attention import FlashInferAttentionBackend
 
     return FlashInferAttentionBackend
 

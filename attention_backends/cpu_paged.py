@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from attention_backends import cpu_kernels
-from attention_backends.base import AttentionMetadata
-from attention_backends.torch_sdpa import TorchSdpaAttentionBackend
+from pagoda.attention_backends import cpu_kernels
+from pagoda.attention_backends.base import AttentionMetadata
+from pagoda.attention_backends.torch_sdpa import TorchSdpaAttentionBackend
 
 
 class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention_backends.base import AttentionBackend, AttentionMetadata
+from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 

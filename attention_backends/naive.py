@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attention_backends.base import AttentionBackend, AttentionMetadata, context_slots
+from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata, context_slots
 
 
 class NaiveAttentionBackend(AttentionBackend):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attention_backends.base import AttentionBackend, AttentionMetadata, context_slots
+from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata, context_slots
 
 
 @dataclass(slots=True)

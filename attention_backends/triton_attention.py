@@ -28,7 +28,7 @@ import os
 import numpy as np
 import torch
 
-from attention_backends.base import AttentionBackend, AttentionMetadata
+from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata
 
 BLOCK_M = 16  # query tokens per program
 BLOCK_N = 32  # context tokens per loop iteration

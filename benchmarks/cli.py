@@ -4,12 +4,12 @@ from __future__ import annotations
 
 
 def add_bench_parser(sub) -> None:
-    from benchmarks.compare import add_compare_parser
-    from benchmarks.kv import add_kv_bench_parsers
-    from benchmarks.linear import add_linear_bench_parser
-    from benchmarks.overhead import add_overhead_parser
-    from benchmarks.plugins import add_plugins_bench_parser
-    from benchmarks.throughput import add_throughput_parser
+    from pagoda.benchmarks.compare import add_compare_parser
+    from pagoda.benchmarks.kv import add_kv_bench_parsers
+    from pagoda.benchmarks.linear import add_linear_bench_parser
+    from pagoda.benchmarks.overhead import add_overhead_parser
+    from pagoda.benchmarks.plugins import add_plugins_bench_parser
+    from pagoda.benchmarks.throughput import add_throughput_parser
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

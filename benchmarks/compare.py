@@ -20,8 +20,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.workloads import WORKLOADS, Workload
-from engine.args import add_engine_args, engine_config_from_args
+from pagoda.benchmarks.workloads import WORKLOADS, Workload
+from pagoda.engine.args import add_engine_args, engine_config_from_args
 
 PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
 
@@ -36,8 +36,8 @@ def draw_runs(workload: Workload, runs: int, seed: int, vocab_size: int) -> list
 
 
 def run_pagoda(args: argparse.Namespace, plan: list[dict]) -> list[dict]:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pagoda.engine.frontend.llm import LLM
+    from pagoda.engine.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
     results = []
@@ -107,8 +107,8 @@ def _median(results: list[dict], engine: str, workload: str) -> tuple[float, int
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from engine.model_loader import resolve_model
-    from engine.models.config import ModelConfig
+    from pagoda.engine.model_loader import resolve_model
+    from pagoda.engine.model_config import ModelConfig
 
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in WORKLOADS]

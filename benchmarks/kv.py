@@ -7,7 +7,7 @@ import json
 import random
 import time
 
-from engine.args import add_engine_args, engine_config_from_args
+from pagoda.engine.args import add_engine_args, engine_config_from_args
 
 
 def _mixed_workload(num_requests: int, max_len: int, seed: int) -> list[tuple[int, int]]:
@@ -22,7 +22,7 @@ def simulate_step(scheduler) -> object:
     Returns:
         The step's SchedulerOutput.
     """
-    from engine.messages import RunnerOutput
+    from pagoda.engine.messages import RunnerOutput
 
     out = scheduler.schedule()
     requests = scheduler.requests
@@ -35,10 +35,10 @@ def simulate_step(scheduler) -> object:
 
 def simulate_paged(workload, num_slots: int, block_size: int, max_model_len: int) -> dict:
     """Runs the real scheduler and KV cache manager with a simulated worker."""
-    from engine.kv_cache_manager import KVCacheManager
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler
+    from pagoda.engine.core.kv_cache_manager import KVCacheManager
+    from pagoda.engine.core.request import Request
+    from pagoda.engine.sampling_params import SamplingParams
+    from pagoda.engine.core.scheduler import Scheduler
 
     kv = KVCacheManager(num_slots // block_size, block_size, enable_prefix_caching=False)
     scheduler = Scheduler(kv, max_num_seqs=1024, max_num_batched_tokens=4096, max_model_len=max_model_len)
@@ -103,9 +103,9 @@ def run_preemption(args: argparse.Namespace) -> int:
     """Long decodes under memory pressure, once per preemption mode, same prompts."""
     from dataclasses import asdict
 
-    from benchmarks.throughput import random_prompts
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pagoda.benchmarks.throughput import random_prompts
+    from pagoda.engine.frontend.llm import LLM
+    from pagoda.engine.sampling_params import SamplingParams
 
     results = []
     for mode in args.modes.split(","):

@@ -24,8 +24,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from attention_backends import cpu_kernels
-from engine.models import linear  # the packings, and the pagoda:: ops they run
+from pagoda.attention_backends import cpu_kernels
+from pagoda.engine.models import linear  # the packings, and the pagoda:: ops they run
 
 
 def _variants(args: argparse.Namespace) -> dict:

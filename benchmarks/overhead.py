@@ -26,15 +26,15 @@ import random
 import time
 from dataclasses import asdict
 
-from engine.args import add_engine_args, engine_config_from_args
+from pagoda.engine.args import add_engine_args, engine_config_from_args
 
 
 async def _run(config, args: argparse.Namespace) -> tuple[dict, dict, float]:
     """Starts an engine, warms it up, runs the workload; returns the step stats before and
     after it and its wall time."""
-    from engine.async_engine import AsyncEngine
-    from engine.output_processor import OutputKind
-    from engine.sampling_params import SamplingParams
+    from pagoda.engine.frontend.async_engine import AsyncEngine
+    from pagoda.engine.frontend.output_processor import OutputKind
+    from pagoda.engine.sampling_params import SamplingParams
 
     async def consume(engine, prompt, params, kind) -> None:
         async for _ in engine.stream_outputs(engine.add_request(prompt, params, output_kind=kind)):
@@ -56,7 +56,7 @@ async def _run(config, args: argparse.Namespace) -> tuple[dict, dict, float]:
 
 
 def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
-    from engine.llm import new_event_loop
+    from pagoda.engine.frontend.llm import new_event_loop
 
     config = engine_config_from_args(args)
     config.async_scheduling = async_scheduling

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from engine.kv_cache_manager import KVCacheManager
-from benchmarks.kv import simulate_step
-from engine.plugin_manager import create_plugin_manager
-from engine.policy import Policy
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from pagoda.engine.core.kv_cache_manager import KVCacheManager
+from pagoda.benchmarks.kv import simulate_step
+from pagoda.engine.core.plugin_manager import create_plugin_manager
+from pagoda.engine.core.policy import Policy
+from pagoda.engine.core.request import Request
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.core.scheduler import Scheduler
 
 _TIMED = ("sort_key", "select_victim", "preemption_mode", "request_finished", "step_finished")
 

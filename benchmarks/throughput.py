@@ -12,7 +12,7 @@ import json
 import random
 import time
 
-from engine.args import add_engine_args, engine_config_from_args
+from pagoda.engine.args import add_engine_args, engine_config_from_args
 
 
 def random_prompts(num_requests: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -24,8 +24,8 @@ def random_prompts(num_requests: int, input_len: int, vocab_size: int, seed: int
 def bench_pagoda(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> dict:
     from dataclasses import asdict
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pagoda.engine.frontend.llm import LLM
+    from pagoda.engine.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
     config.dtype = dtype
@@ -47,7 +47,7 @@ def bench_transformers(args: argparse.Namespace, dtype: str, prompts: list[list[
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.model_loader import resolve_model
+    from pagoda.engine.model_loader import resolve_model
 
     model_dir = resolve_model(args.model)
     torch_dtype = getattr(torch, dtype)
@@ -70,8 +70,8 @@ def bench_transformers(args: argparse.Namespace, dtype: str, prompts: list[list[
 
 
 def run_throughput(args: argparse.Namespace) -> int:
-    from engine.model_loader import resolve_model
-    from engine.models.config import ModelConfig
+    from pagoda.engine.model_loader import resolve_model
+    from pagoda.engine.model_config import ModelConfig
 
     vocab_size = ModelConfig.from_dir(resolve_model(args.model)).vocab_size
     prompts = random_prompts(args.num_requests, args.input_len, vocab_size, args.bench_seed)

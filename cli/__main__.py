@@ -1,5 +1,5 @@
 import sys
 
-from cli.main import main
+from pagoda.cli.main import main
 
 sys.exit(main())

@@ -10,12 +10,12 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from engine.args import add_engine_args, configure_logging, engine_config_from_args
+from pagoda.engine.args import add_engine_args, configure_logging, engine_config_from_args
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pagoda.engine.frontend.llm import LLM
+    from pagoda.engine.sampling_params import SamplingParams
 
     configure_logging(args.log_level)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
-    from benchmarks.cli import add_bench_parser
-    from server.cli import add_serve_parser
+    from pagoda.benchmarks.cli import add_bench_parser
+    from pagoda.server.cli import add_serve_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)

@@ -1,22 +1,14 @@
-"""Pagoda's engine: paged KV cache, scheduler, worker and the offline LLM API."""
+"""Pagoda's engine. A module's folder says which process runs it:
 
-from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+- ``core/``: the engine process's scheduling core, no torch (requests, the queue, the
+  block pool, the KV cache manager, the scheduler, the policy, the step loop);
+- ``frontend/``: the engine process's asyncio client (AsyncEngine, LLM, output processing,
+  detokenizing, the data-parallel router);
+- ``executor/``: the engine process's handles on the worker processes (multiprocessing, Ray);
+- ``worker/`` and ``models/``: the worker process (model runner, input batch, sampler, the
+  model);
+- the modules here: what both processes read (configuration, sampling parameters, the
+  messages between them, outputs, errors, the model's config and loading).
 
-
-def __getattr__(name: str):
-    # NOTE: lazy, so that importing engine.config in the worker does not pull in
-    # the whole engine.
-    if name == "LLM":
-        from engine.llm import LLM
-
-        return LLM
-    if name == "AsyncEngine":
-        from engine.async_engine import AsyncEngine
-
-        return AsyncEngine
-    raise AttributeError(name)
-
-
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+``from pagoda import LLM, SamplingParams`` is the public entry point.
+"""

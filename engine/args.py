@@ -6,7 +6,7 @@ import argparse
 import logging
 from dataclasses import fields
 
-from engine.config import EngineConfig
+from pagoda.engine.config import EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from pagoda.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.models.config import ModelConfig
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.model_config import ModelConfig
 
 
 @dataclass(slots=True)

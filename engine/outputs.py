@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.messages import TokenLogprobs
+from pagoda.engine.messages import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -31,7 +31,6 @@ class SamplingParams:
         ignore_eos: Keep generating past EOS.
         logprobs: Number of top logprobs returned per token (None: none; 0: only the
             sampled token's).
-        prompt_logprobs: Not supported yet; must be None.
         skip_special_tokens: Leave special tokens out of the detokenized text.
         include_stop_str_in_output: Keep a matched stop string in the text.
     """

@@ -5,8 +5,8 @@ Write a plugin with ``hookimpl``; see docs/plugins.md.
 
 import pluggy
 
-from plugins.admission import RetryLater
-from plugins.hookspecs import PROJECT_NAME
+from pagoda.plugins.admission import RetryLater
+from pagoda.plugins.hookspecs import PROJECT_NAME
 
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from plugins import hookimpl
-from plugins.eviction import Evictor, LRUEvictor, RetentionPriorityEvictor
-from plugins.preemption import choose_preemption_mode
-from plugins.views import KVCacheView, RequestView
+from pagoda.plugins import hookimpl
+from pagoda.plugins.eviction import Evictor, LRUEvictor, RetentionPriorityEvictor
+from pagoda.plugins.preemption import choose_preemption_mode
+from pagoda.plugins.views import KVCacheView, RequestView
 
 FCFS = "fcfs"
 PRIORITY = "priority"
@@ -43,9 +43,8 @@ class BuiltinPolicies:
         return None
 
     @hookimpl(trylast=True)
-    def pagoda_select_victim(self, policy: str, running: Sequence[RequestView],
-                             needing: RequestView) -> RequestView | None:
-        needing_is_running = any(r is needing for r in running)
+    def pagoda_select_victim(self, policy: str, running: Sequence[RequestView], needing: RequestView,
+                             needing_is_running: bool) -> RequestView | None:
         if policy in (FCFS, SHORTEST_PROMPT_FIRST):
             # The most recently admitted; a waiting request never preempts.
             return running[-1] if needing_is_running else None

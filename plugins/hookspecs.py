@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from plugins.admission import RetryLater
-    from plugins.eviction import Evictor
-    from plugins.views import KVCacheView, RequestView, StepView
+    from pagoda.plugins.admission import RetryLater
+    from pagoda.plugins.eviction import Evictor
+    from pagoda.plugins.views import KVCacheView, RequestView, StepView
 
 PROJECT_NAME = "pagoda"
 
@@ -30,12 +30,26 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
 @hookspec
 def pagoda_scheduling_policies() -> list[str]:
-    """Names of the scheduling policies this plugin implements (for --scheduling-policy)."""
+    """Names of the scheduling policies this plugin implements.
+
+    Called once at start-up; ``--scheduling-policy`` must name one that some plugin (or the
+    built-ins: fcfs, priority, shortest-prompt-first) lists, or the engine refuses to start.
+
+    Returns:
+        The names (the lists of every plugin are merged).
+    """
 
 
 @hookspec
 def pagoda_eviction_policies() -> list[str]:
-    """Names of the eviction policies this plugin implements (for --eviction-policy)."""
+    """Names of the eviction policies this plugin implements.
+
+    Called once at start-up; ``--eviction-policy`` must name one that some plugin (or the
+    built-ins: lru, retention-priority) lists.
+
+    Returns:
+        The names (the lists of every plugin are merged).
+    """
 
 
 @hookspec(firstresult=True)
@@ -52,26 +66,34 @@ def pagoda_request_sort_key(policy: str, request: RequestView) -> tuple | None:
 
     Returns:
         A sortable tuple, or None if ``policy`` is not this plugin's.
-        Stops at first non-None result.
+        Stops at first non-None result. When no plugin answers, the request gets fcfs's
+        key (its arrival time); when one raises, the error is logged once and counted, and
+        the same fallback applies.
     """
 
 
 @hookspec(firstresult=True)
-def pagoda_select_victim(policy: str, running: Sequence[RequestView], needing: RequestView) -> RequestView | None:
+def pagoda_select_victim(policy: str, running: Sequence[RequestView], needing: RequestView,
+                         needing_is_running: bool) -> RequestView | None:
     """Picks the running request to preempt so that ``needing`` can proceed.
 
-    Called when a running request cannot get a KV block (``needing`` is then running,
-    and may be its own victim), and when the first waiting request cannot be admitted
-    (``needing`` is then waiting: returning None means it waits).
+    Called when a running request cannot get a KV block (``needing_is_running`` is True,
+    and ``needing`` may be its own victim), and when the first waiting request cannot be
+    admitted for lack of memory or of a running slot (``needing_is_running`` is False:
+    returning None means it waits).
 
     Args:
         policy: The active scheduling policy's name.
-        running: Running requests in admission order.
+        running: Running requests in admission order (the last admitted last).
         needing: The request that needs memory or a running slot.
+        needing_is_running: Whether ``needing`` is one of ``running``.
 
     Returns:
-        One of ``running`` or, for a waiting ``needing``, None to preempt nothing.
-        Stops at first non-None result.
+        One of ``running``; or None: "not my policy", or, for a waiting ``needing``, "preempt
+        nothing". Stops at first non-None result. When no plugin answers for a running
+        ``needing``, the built-in choice applies (fcfs: the most recently admitted), silently:
+        a policy may implement only a sort key. A plugin that raises or returns a request
+        that is not running gets the same fallback, logged once and counted.
     """
 
 
@@ -80,7 +102,16 @@ def pagoda_preemption_mode(victim: RequestView, kv_cache: KVCacheView) -> str | 
     """Chooses how a victim is preempted: "swap" (to the CPU swap space) or "recompute".
 
     Only asked when the engine runs with ``--preemption-mode auto``.
-    Stops at first non-None result.
+
+    Args:
+        victim: The request being preempted.
+        kv_cache: The cache's free blocks and the victim's share of it.
+
+    Returns:
+        "swap", "recompute", or None to leave it to others. Stops at first non-None result.
+        The built-in chooser answers last (swap when the swap space has room and the victim
+        has computed enough tokens that recomputing costs more than copying); anything else
+        than the two names falls back to it, logged once and counted.
     """
 
 
@@ -91,7 +122,13 @@ def pagoda_make_evictor(policy: str) -> Evictor | None:
     Called once when the KV cache is built, with the ``--eviction-policy`` name. The
     evictor is then told about every cached block that becomes free and asked which to
     evict (see ``plugins.eviction.Evictor``).
-    Stops at first non-None result.
+
+    Args:
+        policy: The active eviction policy's name.
+
+    Returns:
+        An Evictor, or None if ``policy`` is not this plugin's. Stops at first non-None
+        result. When none answers, or one raises, the engine uses lru (logged once).
     """
 
 
@@ -116,9 +153,24 @@ def pagoda_admit_request(request: RequestView, num_waiting: int, num_running: in
 
 @hookspec
 def pagoda_request_finished(request: RequestView, finish_reason: str) -> None:
-    """Observes a request that finished ("stop", "length", "abort" or "error")."""
+    """Observes a request (one sample of it when ``n`` > 1) that finished.
+
+    Args:
+        request: The request, as it finished.
+        finish_reason: "stop", "length", "abort" (the client left or cancelled) or "error".
+
+    Every plugin that implements it is called; one that raises is logged once, counted and
+    skipped.
+    """
 
 
 @hookspec
 def pagoda_step_finished(step: StepView) -> None:
-    """Observes a finished engine step."""
+    """Observes a finished engine step (once its results are applied).
+
+    Args:
+        step: What the step did and the engine's state after it.
+
+    Every plugin that implements it is called, once per step: keep it cheap. One that raises
+    is logged once, counted and skipped.
+    """

@@ -27,6 +27,7 @@ class RequestView:
 
     @property
     def request_id(self) -> str:
+        """The engine's id of the request (one sample of it when ``n`` > 1)."""
         return self._request.request_id
 
     @property
@@ -41,30 +42,37 @@ class RequestView:
 
     @property
     def arrival_time(self) -> float:
+        """When it arrived, in ``time.time()`` seconds (fcfs orders by it)."""
         return self._request.metrics.arrival_time
 
     @property
     def num_prompt_tokens(self) -> int:
+        """Tokens of its prompt."""
         return len(self._request.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
+        """Tokens it has generated so far."""
         return len(self._request.output_token_ids)
 
     @property
     def num_computed_tokens(self) -> int:
+        """Tokens whose keys and values are in the KV cache (what a recompute would redo)."""
         return self._request.num_computed_tokens
 
     @property
     def max_tokens(self) -> int:
+        """Most tokens it may generate (its max_tokens, clamped to the context left)."""
         return self._request.max_tokens
 
     @property
     def num_preemptions(self) -> int:
+        """Times it was preempted so far."""
         return self._request.metrics.num_preemptions
 
     @property
     def status(self) -> str:
+        """``WAITING``, ``RUNNING``, ``PREEMPTED`` or a ``FINISHED_*`` name."""
         return self._request.status.name
 
     def __repr__(self) -> str:
@@ -73,7 +81,14 @@ class RequestView:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheView:
-    """The KV cache as a preemption-mode chooser sees it."""
+    """The KV cache as a preemption-mode chooser sees it.
+
+    Attributes:
+        block_size: Tokens per block.
+        num_free_blocks: Free blocks of the (device) cache now.
+        num_free_cpu_blocks: Free blocks of the CPU swap space now.
+        victim_num_blocks: Blocks the victim holds (what a swap would copy out).
+    """
 
     block_size: int
     num_free_blocks: int
@@ -83,7 +98,16 @@ class KVCacheView:
 
 @dataclass(frozen=True, slots=True)
 class StepView:
-    """A finished step, for observers."""
+    """A finished step, for observers.
+
+    Attributes:
+        step_id: The step's number (increasing).
+        num_scheduled_tokens: Tokens the step computed, over every request.
+        num_running: Requests running after it.
+        num_waiting: Requests waiting after it.
+        num_preemptions: Preemptions so far, over the engine's life.
+        kv_cache_usage: Fraction of KV blocks in use after it (1 = all).
+    """
 
     step_id: int
     num_scheduled_tokens: int

@@ -23,16 +23,16 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.data_parallel import create_engine
-from engine.config import EngineConfig
-from server.config import ServerConfig
-from server.errors import APIError, bad_request, error_middleware
-from server.metrics import ServerMetrics
-from server.protocol import Body, parse_messages
-from server.responses import TokenStrings
-from server.serving import chat_completions, completions, read_json
-from server.state import STATE_KEY, ServerState, load_chat_template, served_model_names
-from server.tracing import Tracing, build_tracer_provider
+from pagoda.engine.frontend.data_parallel import create_engine
+from pagoda.engine.config import EngineConfig
+from pagoda.server.config import ServerConfig
+from pagoda.server.errors import APIError, bad_request, error_middleware
+from pagoda.server.metrics import ServerMetrics
+from pagoda.server.protocol import Body, parse_messages
+from pagoda.server.responses import TokenStrings
+from pagoda.server.serving import chat_completions, completions, read_json
+from pagoda.server.state import STATE_KEY, ServerState, load_chat_template, served_model_names
+from pagoda.server.tracing import Tracing, build_tracer_provider
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

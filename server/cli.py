@@ -11,9 +11,9 @@ import logging
 import os
 import sys
 
-from engine.args import add_engine_args, configure_logging, engine_config_from_args
-from engine.sampling_params import MAX_LOGPROBS, MAX_N
-from server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
+from pagoda.engine.args import add_engine_args, configure_logging, engine_config_from_args
+from pagoda.engine.sampling_params import MAX_LOGPROBS, MAX_N
+from pagoda.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 
 API_KEY_ENV = "PAGODA_API_KEY"
 
@@ -90,7 +90,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def serve(args: argparse.Namespace) -> int:
     """Runs ``pagoda serve``; returns the exit status."""
-    from server.app import run_server
+    from pagoda.server.app import run_server
 
     configure_logging(args.log_level)
     if args.model_tag is not None:

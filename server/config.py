@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_N
+from pagoda.engine.sampling_params import MAX_LOGPROBS, MAX_N
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024**2
 

@@ -14,7 +14,7 @@ from dataclasses import fields
 import orjson
 from aiohttp import web
 
-from engine.sampling_params import SamplingParams
+from pagoda.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

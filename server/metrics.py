@@ -20,8 +20,8 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
-    from engine.outputs import RequestOutput
+    from pagoda.engine.frontend.async_engine import AsyncEngine
+    from pagoda.engine.outputs import RequestOutput
 
 PREFIX = "pagoda:"
 LABELS = ("model_name", "engine")

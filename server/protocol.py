@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import SamplingParams
-from server.config import ServerConfig
-from server.errors import bad_request, from_value_error
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.server.config import ServerConfig
+from pagoda.server.errors import bad_request, from_value_error
 
 MAX_STOP_LENGTH = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.messages import TokenLogprobs
-from engine.outputs import CompletionOutput
+from pagoda.engine.messages import TokenLogprobs
+from pagoda.engine.outputs import CompletionOutput
 
 
 class TokenStrings:

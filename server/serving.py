@@ -23,17 +23,16 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from engine.async_engine import EngineDeadError, StepError
-from engine.output_processor import OutputKind
-from engine.outputs import RequestOutput
-from engine.policy import AdmissionPluginFailed, RequestRejected
-from server.errors import APIError, bad_request, from_value_error
-from server.metrics import RequestTracker
-from server.protocol import GenerateRequest, parse_chat, parse_completion
-from server.responses import ChoiceBuilder, ChoiceState, usage
-from server.state import STATE_KEY, ServerState
-from server.streaming import merge, open_sse, send_done, send_event
-from server.tracing import RequestSpan
+from pagoda.engine.frontend.output_processor import OutputKind
+from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.exceptions import AdmissionPluginFailed, EngineDeadError, RequestRejected, StepError
+from pagoda.server.errors import APIError, bad_request, from_value_error
+from pagoda.server.metrics import RequestTracker
+from pagoda.server.protocol import GenerateRequest, parse_chat, parse_completion
+from pagoda.server.responses import ChoiceBuilder, ChoiceState, usage
+from pagoda.server.state import STATE_KEY, ServerState
+from pagoda.server.streaming import merge, open_sse, send_done, send_event
+from pagoda.server.tracing import RequestSpan
 
 
 @dataclass(slots=True)

@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from engine.model_loader import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
-from server.errors import APIError, bad_request
+from pagoda.engine.model_loader import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
+from pagoda.server.errors import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
-    from server.config import ServerConfig
-    from server.metrics import ServerMetrics
-    from server.responses import TokenStrings
-    from server.tracing import Tracing
+    from pagoda.engine.frontend.async_engine import AsyncEngine
+    from pagoda.server.config import ServerConfig
+    from pagoda.server.metrics import ServerMetrics
+    from pagoda.server.responses import TokenStrings
+    from pagoda.server.tracing import Tracing
 
 
 def _tokens(count: int) -> str:

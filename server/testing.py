@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
-from server.app import create_app
-from server.config import ServerConfig
-from server.state import STATE_KEY, ServerState
+from pagoda.server.app import create_app
+from pagoda.server.config import ServerConfig
+from pagoda.server.state import STATE_KEY, ServerState
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
+    from pagoda.engine.frontend.async_engine import AsyncEngine
+    from pagoda.engine.config import EngineConfig
 
 T = TypeVar("T")
 

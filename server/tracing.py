@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from aiohttp import web
     from opentelemetry.sdk.trace import TracerProvider
 
-    from engine.outputs import RequestOutput
-    from server.protocol import GenerateRequest
+    from pagoda.engine.outputs import RequestOutput
+    from pagoda.server.protocol import GenerateRequest
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from model_factory import make_tiny_model_dir  # noqa: E402
+from helpers import make_tiny_model_dir  # noqa: E402
 
 # NOTE: a wider init than transformers' 0.02 gives peaked logits, so greedy parity is
 # not decided by float noise between near-tied tokens.

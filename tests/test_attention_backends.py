@@ -5,75 +5,8 @@ import os
 import pytest
 import torch
 
-from attention_backends import AttentionMetadata, get_attention_backend
-
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
-
-
-def dense_attention(q, k, v):
-    """Causal attention over one contiguous sequence; q is the last rows of k's positions."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("lhd,shd->hls", q, k) * q.shape[-1] ** -0.5
-    seq_len, query_len = k.shape[0], q.shape[0]
-    mask = torch.arange(seq_len)[None, :] > torch.arange(seq_len - query_len, seq_len)[:, None]
-    return torch.einsum("hls,shd->lhd", scores.masked_fill(mask, float("-inf")).softmax(-1), v)
-
-
-def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32, device="cpu",
-             num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
-    """Fills caches for the context, runs one mixed step, returns (output, reference) on the CPU."""
-    gen = torch.Generator().manual_seed(seed)
-    backend = get_attention_backend(backend_name, torch.device(device))(num_heads, num_kv_heads, head_dim,
-                                                                        head_dim**-0.5)
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    key_shape, value_shape = backend.kv_cache_shapes(num_blocks, block_size)
-    kv_cache = (torch.zeros(key_shape, dtype=dtype, device=device),
-                torch.zeros(value_shape, dtype=dtype, device=device))
-    # Scatter each request's blocks over the pool in a shuffled order.
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, full_k, full_v = [], [], []
-    for s in seq_lens:
-        n = -(-s // block_size)
-        tables.append(perm[:n])
-        perm = perm[n:]
-        full_k.append(torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype))
-        full_v.append(torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype))
-    # Context tokens (all but the step's queries) are already in the cache.
-    for table, k, v, s, q in zip(tables, full_k, full_v, seq_lens, query_lens):
-        if s > q:
-            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(s - q)],
-                                 dtype=torch.int64, device=device)
-            backend.write_kv(k[: s - q].to(device), v[: s - q].to(device), kv_cache, slots)
-    queries = [torch.randn(q, num_heads, head_dim, generator=gen, dtype=dtype) for q in query_lens]
-    max_blocks = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-    slots = [table[p // block_size] * block_size + p % block_size
-             for table, s, q in zip(tables, seq_lens, query_lens) for p in range(s - q, s)]
-    query_start = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
-    metadata = AttentionMetadata(
-        num_tokens=sum(query_lens), query_lens=list(query_lens), seq_lens=list(seq_lens),
-        query_start_loc=query_start.to(device),
-        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_size=block_size, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
-    backend.prepare(metadata)
-    new_k = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens)])
-    new_v = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens)])
-    out = backend.forward(torch.cat(queries).to(device), new_k.to(device), new_v.to(device), kv_cache,
-                          metadata).cpu()
-    reference = torch.cat([dense_attention(q.float(), k.float(), v.float())
-                           for q, k, v in zip(queries, full_k, full_v)])
-    return out, reference
-
-
-MIXED = [
-    ([5], [5]),  # one prefill from scratch
-    ([9, 17, 3], [1, 1, 1]),  # decodes
-    ([12, 30, 7, 40], [12, 1, 3, 1]),  # prefill, decode, chunk over context, decode
-]
-
+from pagoda.attention_backends import AttentionMetadata, get_attention_backend
+from helpers import HEAD_DIM, MIXED, NUM_HEADS, NUM_KV_HEADS, WIDE, dense_attention, run_step
 
 @pytest.mark.parametrize("backend", ["naive", "torch_sdpa", "cpu_paged"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -99,7 +32,7 @@ def test_unknown_backend_lists_the_known_ones():
 
 
 def test_loading_the_cpu_kernels_keeps_subnormal_floats():
-    from attention_backends import cpu_kernels
+    from pagoda.attention_backends import cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip("no C compiler for the CPU kernels")
@@ -108,7 +41,7 @@ def test_loading_the_cpu_kernels_keeps_subnormal_floats():
 
 
 def test_auto_picks_the_cpu_kernel_backend_on_the_cpu():
-    from attention_backends import cpu_kernels
+    from pagoda.attention_backends import cpu_kernels
 
     expected = "cpu_paged" if cpu_kernels.available() else "torch_sdpa"
     assert get_attention_backend("auto", torch.device("cpu")).name == expected
@@ -123,7 +56,6 @@ def triton_interpreter():
 
 # Prefill from scratch, a decode, a chunk over a cached prefix, a short prefill, a long decode;
 # no length is a multiple of the block sizes.
-WIDE = ([37, 20, 33, 5, 50], [37, 1, 9, 5, 1])
 
 
 def backend_matches_naive(backend, block_size, group, head_dim, dtype=torch.float32, cases=WIDE):
@@ -176,7 +108,7 @@ def test_triton_kernels_match_naive_in_bfloat16_under_the_interpreter(triton_int
 
 
 def test_flashinfer_plan_describes_every_requests_pages_in_order():
-    from attention_backends.flashinfer_attention import plan_paged_kv
+    from pagoda.attention_backends.flashinfer_attention import plan_paged_kv
 
     block_size = 16
     seq_lens, query_lens = WIDE

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from cli.main import main
+from pagoda.cli.main import main
 
 
 def test_kv_utilization_bench_reports_paged_above_contiguous(capsys):
@@ -40,7 +40,7 @@ def test_overhead_bench_streams_deltas_and_accounts_for_the_step(capsys, tiny_ll
 
 
 def test_compare_workloads_draw_fresh_prompts_of_their_shape():
-    from benchmarks.workloads import WORKLOADS
+    from pagoda.benchmarks.workloads import WORKLOADS
 
     for workload in WORKLOADS.values():
         prompts, output_lens = workload.draw(seed=1, vocab_size=49152)
@@ -56,8 +56,8 @@ def test_compare_workloads_draw_fresh_prompts_of_their_shape():
 
 
 def test_linear_bench_times_every_packing_this_machine_has(capsys):
-    from attention_backends import cpu_kernels
-    from engine.models import linear
+    from pagoda.attention_backends import cpu_kernels
+    from pagoda.engine.models import linear
 
     status = main(["bench", "linear", "--rows", "1,7", "--layers", "2", "--repeats", "1", "--hidden-size", "64",
                    "--intermediate-size", "40", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8"])

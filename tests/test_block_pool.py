@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.block_pool import BlockPool
-from plugins.eviction import LRUEvictor, RetentionPriorityEvictor
+from pagoda.engine.core.block_pool import BlockPool
+from pagoda.plugins.eviction import LRUEvictor, RetentionPriorityEvictor
 
 
 def test_pool_returns_none_when_full_and_refuses_double_free():

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_backends import cpu_kernels
-from engine import LLM, SamplingParams
-from engine.models.linear import PACKING_ENV, GateUpLinear, Linear, choose_packing
+from pagoda.attention_backends import cpu_kernels
+from pagoda import LLM, SamplingParams
+from pagoda.engine.models.linear import PACKING_ENV, GateUpLinear, Linear, choose_packing
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.packed_linear_available(),
                                   reason="needs the CPU kernels and a CPU with AVX512-BF16")

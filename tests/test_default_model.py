@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.model_loader import DEFAULT_GGUF_FILE, default_gguf_path
+from pagoda import LLM, SamplingParams
+from pagoda.engine.model_loader import DEFAULT_GGUF_FILE, default_gguf_path
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def test_cli_generate_answers_paris():
     # apart in log-probability, one bfloat16 step of the logits): any change in the order of a
     # float sum (another attention kernel) decides it either way.
     result = subprocess.run(
-        [sys.executable, "-m", "cli", "generate", "What is the capital of France? Answer in one sentence.",
+        [sys.executable, "-m", "pagoda", "generate", "What is the capital of France? Answer in one sentence.",
          "--max-model-len", "512"],
         capture_output=True, text=True, timeout=300,
     )

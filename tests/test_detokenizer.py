@@ -1,4 +1,4 @@
-"""Tests for engine/detokenizer.py with the default model's real tokenizer."""
+"""Tests for engine/frontend/detokenizer.py with the default model's real tokenizer."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from pagoda.engine.frontend.detokenizer import IncrementalDetokenizer
+from pagoda.engine.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello, world! This is a test.",
@@ -22,7 +22,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.model_loader import load_tokenizer, resolve_model
+    from pagoda.engine.model_loader import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model())
 
@@ -208,9 +208,9 @@ def test_streams_without_stop_strings_are_detokenized_when_read(tokenizer, stop)
     # Between steps (process) only a request with stop strings is detokenized; the others
     # make their text when the stream is read, and the deltas still add up to the full
     # text with EOS left out.
-    from engine.output_processor import OutputKind, OutputProcessor, RequestStream
-    from engine.request import Request, RequestStatus
-    from engine.scheduler import RequestUpdate
+    from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
+    from pagoda.engine.core.request import Request, RequestStatus
+    from pagoda.engine.core.scheduler import RequestUpdate
 
     ids = encode(tokenizer, TEXTS[1])
     eos = tokenizer.eos_token_id

@@ -8,14 +8,13 @@ import signal
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.distributed import even_split, head_share
-from engine.plugin_manager import create_plugin_manager
-from model_factory import make_hf_model
-from plugins import hookimpl
-from server.testing import ServerThread, http_request
-from test_llm_parity import GREEDY, NUM_NEW, hf_greedy
+from pagoda import LLM, SamplingParams
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.tensor_parallel import even_split, head_share
+from pagoda.engine.core.plugin_manager import create_plugin_manager
+from helpers import GREEDY, NUM_NEW, hf_greedy, make_hf_model
+from pagoda.plugins import hookimpl
+from pagoda.server.testing import ServerThread, http_request
 
 PROMPTS = [[1000 + 7 * i + j for j in range(5 + 9 * i)] for i in range(4)]
 TP2 = dict(enforce_eager=True, dtype="float32", tensor_parallel_size=2)

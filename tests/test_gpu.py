@@ -10,11 +10,9 @@ import os
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pagoda import LLM, SamplingParams
 from conftest import TINY_INIT
-from model_factory import make_hf_model, make_tiny_model_dir
-from test_attention_backends import MIXED, WIDE, run_step
-from test_llm_parity import hf_greedy
+from helpers import MIXED, WIDE, hf_greedy, make_hf_model, make_tiny_model_dir, run_step
 
 pytestmark = [
     pytest.mark.gpu,

@@ -2,9 +2,8 @@
 
 import pytest
 
-from engine import LLM, SamplingParams
-from test_llm_parity import hf_greedy
-from model_factory import make_hf_model
+from pagoda import LLM, SamplingParams
+from helpers import hf_greedy, make_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

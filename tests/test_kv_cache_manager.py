@@ -8,9 +8,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagoda.engine.core.kv_cache_manager import KVCacheManager
+from pagoda.engine.core.request import Request
+from pagoda.engine.sampling_params import SamplingParams
 
 
 def make_request(request_id, tokens, cache_salt=None):

@@ -5,8 +5,8 @@ import signal
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.async_engine import EngineDeadError
+from pagoda import LLM, SamplingParams
+from pagoda.engine.exceptions import EngineDeadError
 
 
 @pytest.fixture(scope="module")

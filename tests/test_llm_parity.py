@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from model_factory import make_hf_model
+from pagoda import LLM, SamplingParams
+from helpers import GREEDY, NUM_NEW, hf_greedy, make_hf_model
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog",
@@ -12,24 +12,13 @@ PROMPTS = [
     "Hi",
     "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30",
 ]
-NUM_NEW = 12
-
-
-def hf_greedy(model, prompt_ids, num_new):
-    """Greedy decoding by full recomputation: the simplest possible oracle."""
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        for _ in range(num_new):
-            next_id = model(ids).logits[0, -1].argmax()
-            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return ids[0, len(prompt_ids):].tolist()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model_and_expected(request, tiny_llama_dir, tiny_qwen2_dir):
     model_dir = tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
     hf = make_hf_model(model_dir)
-    from engine.model_loader import load_tokenizer
+    from pagoda.engine.model_loader import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
@@ -37,7 +26,6 @@ def model_and_expected(request, tiny_llama_dir, tiny_qwen2_dir):
     return model_dir, prompt_ids, expected
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
 
 # NOTE: block16 runs the compiled model (the default); the rest run eagerly, so that both
 # paths are held to the oracle without compiling in every case.
@@ -81,7 +69,7 @@ def test_greedy_matches_transformers_with_the_triton_kernels(tiny_llama_dir):
     # worker inherits: their logic is checked end to end on every machine (on one model: the
     # interpreter is slow, and the kernels do not care which model calls them).
     pytest.importorskip("triton", reason="the triton package is not installed (pip install 'pagoda[triton]')")
-    from engine.model_loader import load_tokenizer
+    from pagoda.engine.model_loader import load_tokenizer
 
     hf = make_hf_model(tiny_llama_dir)
     tokenizer = load_tokenizer(tiny_llama_dir)

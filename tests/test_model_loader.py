@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import model_loader
-from engine.model_loader import (
+from pagoda.engine import model_loader
+from pagoda.engine.model_loader import (
     DEFAULT_GGUF_FILE,
     convert_gguf,
     default_gguf_path,
@@ -19,8 +19,8 @@ from engine.model_loader import (
     load_weights,
     resolve_model,
 )
-from engine.models.config import ModelConfig
-from model_factory import make_hf_model, make_tiny_model_dir
+from pagoda.engine.model_config import ModelConfig
+from helpers import make_hf_model, make_tiny_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.plugin_manager import create_plugin_manager, plugin_names
-from engine.policy import Policy, RequestRejected
-from plugins import RetryLater, hookimpl
+from pagoda import LLM, SamplingParams
+from pagoda.engine.frontend.async_engine import AsyncEngine
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.core.plugin_manager import create_plugin_manager, plugin_names
+from pagoda.engine.core.policy import Policy
+from pagoda.engine.exceptions import RequestRejected
+from pagoda.plugins import RetryLater, hookimpl
 
 EXAMPLE = Path(__file__).parent / "plugin_example"
 
@@ -150,8 +151,8 @@ def installed_example_plugin(tmp_path_factory):
 
 def test_pip_installed_plugin_runs_when_named(installed_example_plugin, tiny_llama_dir):
     script = textwrap.dedent(f"""
-        from engine import LLM, SamplingParams
-        from engine.policy import RequestRejected
+        from pagoda import LLM, SamplingParams
+        from pagoda.engine.exceptions import RequestRejected
 
         if __name__ == "__main__":
             prompts = ["short", "a somewhat longer prompt here", "the longest prompt of them all, by several words"]
@@ -173,18 +174,13 @@ def test_pip_installed_plugin_runs_when_named(installed_example_plugin, tiny_lla
 
 
 def test_plugin_named_on_the_command_line(tiny_llama_dir):
-    env_path = str(EXAMPLE)
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {env_path!r})
-        from cli.main import main
-        if __name__ == "__main__":
-            sys.exit(main(["generate", "--raw", "hi", "--model", {str(tiny_llama_dir)!r}, "--max-model-len", "64", "--enforce-eager",
-                           "--num-kv-blocks", "32", "--max-tokens", "2", "--plugin", "pagoda_example_plugin",
-                           "--scheduling-policy", "longest-prompt-first"]))
-    """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PAGODA_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    # NOTE: the example module is found through PYTHONPATH, as a user's own module is.
+    env = {**os.environ, "PAGODA_DISABLE_PLUGIN_AUTOLOAD": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(EXAMPLE), os.environ.get("PYTHONPATH")) if p)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pagoda", "generate", "--raw", "hi", "--model", str(tiny_llama_dir), "--max-model-len",
+         "64", "--enforce-eager", "--num-kv-blocks", "32", "--max-tokens", "2", "--plugin", "pagoda_example_plugin",
+         "--scheduling-policy", "longest-prompt-first"], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
 
 
@@ -195,7 +191,7 @@ def test_installed_plugin_named_again_with_plugin_flag_is_loaded_once(installed_
     assert plugin_names(pm) == ["example"]
     # The whole start-up, as a user runs it: the entry point and --plugin both name it.
     result = subprocess.run(
-        [sys.executable, "-m", "cli", "generate", "--raw", "hi", "--model", str(tiny_llama_dir), "--max-model-len",
+        [sys.executable, "-m", "pagoda", "generate", "--raw", "hi", "--model", str(tiny_llama_dir), "--max-model-len",
          "64", "--enforce-eager", "--num-kv-blocks", "32", "--max-tokens", "2", "--plugin", "pagoda_example_plugin",
          "--scheduling-policy", "longest-prompt-first"],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
@@ -222,7 +218,7 @@ class CountingQuota:
 def test_plugin_rejection_is_a_403_clients_do_not_retry_and_retry_later_a_429(tiny_llama_dir):
     import openai
 
-    from server.testing import ServerThread, http_request
+    from pagoda.server.testing import ServerThread, http_request
 
     config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=64,
                           num_kv_blocks=32, plugins=("test_plugins:CountingQuota",))
@@ -245,3 +241,27 @@ def test_plugin_rejection_is_a_403_clients_do_not_retry_and_retry_later_a_429(ti
         assert out.choices[0].finish_reason in ("stop", "length")
         kv = server.call(lambda: server.engine.scheduler.kv_cache_manager)
         assert server.call(kv.get_num_free_blocks) == kv.num_blocks
+
+
+class SortKeyOnly:
+    """A policy that only orders the queue: victims are left to the built-in choice."""
+
+    @hookimpl
+    def pagoda_scheduling_policies(self):
+        return ["newest-first"]
+
+    @hookimpl
+    def pagoda_request_sort_key(self, policy, request):
+        return (-request.arrival_time,) if policy == "newest-first" else None
+
+
+def test_policy_with_only_a_sort_key_preempts_without_plugin_errors(tiny_llama_dir, caplog):
+    pm = create_plugin_manager(load_entry_points=False, extra=[SortKeyOnly()])
+    prompts = [f"Request {i} with a few words to fill the cache" for i in range(12)]
+    with LLM(str(tiny_llama_dir), plugin_manager=pm, enforce_eager=True, dtype="float32", block_size=4,
+             num_kv_blocks=40, max_model_len=64, preemption_mode="recompute", scheduling_policy="newest-first") as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 20 for o in outputs)
+        assert llm.engine.scheduler.stats.num_preemptions > 0
+        assert llm.engine.policy.num_plugin_errors == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text

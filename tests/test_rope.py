@@ -10,8 +10,8 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from engine.models.config import ModelConfig
-from engine.models.rope import compute_inv_freq
+from pagoda.engine.model_config import ModelConfig
+from pagoda.engine.models.rope import compute_inv_freq
 
 CASES: dict[str, dict[str, Any]] = {
     "default-small": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},

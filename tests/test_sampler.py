@@ -1,4 +1,4 @@
-"""Tests for engine/sampler.py (CPU, no model)."""
+"""Tests for engine/worker/sampler.py (CPU, no model)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import Sampler, SamplingMetadata, _apply_penalties
-from engine.sampling_params import SamplingParams
+from helpers import sampling_metadata
+from pagoda.engine.worker.sampler import Sampler, _apply_penalties
+from pagoda.engine.sampling_params import SamplingParams
 
 EOS = 2
 
@@ -18,7 +19,7 @@ EOS = 2
 def sample(logits, params, outputs=None, prompts=None, sampler=None, eos=(EOS,)):
     """Builds metadata for ``params`` and samples once."""
     n = len(params)
-    md = SamplingMetadata.build(
+    md = sampling_metadata(
         params,
         prompts if prompts is not None else [[]] * n,
         outputs if outputs is not None else [[]] * n,
@@ -31,7 +32,7 @@ def sample(logits, params, outputs=None, prompts=None, sampler=None, eos=(EOS,))
 def test_greedy_is_argmax_and_fast_path_builds_nothing():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0)] * 6
-    md = SamplingMetadata.build(params, [[1]] * 6, [[2]] * 6, [EOS], 50)
+    md = sampling_metadata(params, [[1]] * 6, [[2]] * 6, [EOS], 50)
     assert md.all_greedy and not md.all_random
     assert md.temperature is None and md.repetition_penalties is None and md.min_tokens_rows is None
     out = Sampler()(logits, md)
@@ -46,7 +47,7 @@ def test_mixed_greedy_and_random_rows():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(8, 30, generator=gen)
     params = [SamplingParams(temperature=0 if i % 2 == 0 else 1.0, top_k=3 if i % 2 else 0) for i in range(8)]
-    md = SamplingMetadata.build(params, [[]] * 8, [[]] * 8, [EOS], 30)
+    md = sampling_metadata(params, [[]] * 8, [[]] * 8, [EOS], 30)
     assert not md.all_greedy and not md.all_random and md.greedy_mask is not None
     before = logits.clone()
     for seed in range(20):
@@ -148,7 +149,7 @@ def test_distribution_seeded_rows():
 def test_penalties_match_hand_computation():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
     params = [SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)]
-    md = SamplingMetadata.build(params, [[0, 0]], [[1, 3, 3]], [EOS], 6)
+    md = sampling_metadata(params, [[0, 0]], [[1, 3, 3]], [EOS], 6)
     got = logits.clone()
     _apply_penalties(got, md)
     # token 0: prompt only, positive -> /2; token 1: output once, negative -> *2, -0.25 -0.5;
@@ -159,7 +160,7 @@ def test_penalties_match_hand_computation():
 
 def test_presence_frequency_without_repetition_skip_prompt():
     params = [SamplingParams(presence_penalty=-1.0, frequency_penalty=1.0), SamplingParams()]
-    md = SamplingMetadata.build(params, [[0], [0]], [[2, 2, 2], [2]], [EOS], 4)
+    md = sampling_metadata(params, [[0], [0]], [[2, 2, 2], [2]], [EOS], 4)
     assert md.prompt_mask is None and md.output_counts is not None
     logits = torch.zeros(2, 4)
     _apply_penalties(logits, md)

@@ -1,10 +1,10 @@
 """Scheduler tests without a model: the worker's answer is simulated from the step."""
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.messages import RunnerOutput
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from pagoda.engine.core.kv_cache_manager import KVCacheManager
+from pagoda.engine.messages import RunnerOutput
+from pagoda.engine.core.request import Request, RequestStatus
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.core.scheduler import Scheduler
 
 EOS = 0
 
@@ -201,7 +201,7 @@ def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in():
 
 
 def make_priority_scheduler(**kwargs):
-    from engine.policy import Policy
+    from pagoda.engine.core.policy import Policy
 
     scheduler = make_scheduler(**kwargs)
     scheduler.policy = Policy(scheduling_policy="priority")
@@ -241,7 +241,7 @@ def test_aborting_an_n_request_before_it_forks():
 
 
 def test_a_step_that_only_swaps_in_still_goes_to_the_worker():
-    from engine.messages import SchedulerOutput
+    from pagoda.engine.messages import SchedulerOutput
 
     assert SchedulerOutput(step_id=1, swap_in=[(0, 1)]).has_work
     assert SchedulerOutput(step_id=1, copy_blocks=[(0, 1)]).has_work

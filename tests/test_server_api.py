@@ -17,11 +17,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from server.config import ServerConfig
-from server.tracing import RequestSpan, build_tracer_provider
-from server.testing import HTTPResult, ServerThread, http_request
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagoda.server.config import ServerConfig
+from pagoda.server.tracing import RequestSpan, build_tracer_provider
+from pagoda.server.testing import HTTPResult, ServerThread, http_request
 
 API_KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

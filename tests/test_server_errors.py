@@ -15,9 +15,9 @@ import time
 import openai
 import pytest
 
-from engine.config import EngineConfig
-from server.config import ServerConfig
-from server.testing import ServerThread, http_request
+from pagoda.engine.config import EngineConfig
+from pagoda.server.config import ServerConfig
+from pagoda.server.testing import ServerThread, http_request
 
 API_KEY = "sk-errors"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

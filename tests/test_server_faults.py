@@ -17,10 +17,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine.config import EngineConfig
-from server.config import ServerConfig
-from server.testing import ServerThread, http_request
-from test_server_lifecycle import REPO, TINY_FLAGS, free_port
+from pagoda.engine.config import EngineConfig
+from pagoda.server.config import ServerConfig
+from pagoda.server.testing import ServerThread, http_request
+from helpers import REPO, TINY_FLAGS, free_port
 
 PROMPTS = [f"Fault test number {i} says" for i in range(16)]
 
@@ -106,7 +106,7 @@ def children(pid: int) -> list[int]:
 def test_a_crash_loop_past_the_budget_turns_health_503_and_sigterm_still_exits_cleanly(tiny_llama_dir, tmp_path):
     port = free_port()
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--model", str(tiny_llama_dir), *TINY_FLAGS,
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda", "serve", "--model", str(tiny_llama_dir), *TINY_FLAGS,
                              "--max-worker-restarts", "2", "--port", str(port)], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

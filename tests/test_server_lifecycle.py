@@ -14,19 +14,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine.config import EngineConfig
-from server.config import ServerConfig
-from server.testing import ServerThread, http_request
+from pagoda.engine.config import EngineConfig
+from pagoda.server.config import ServerConfig
+from pagoda.server.testing import ServerThread, http_request
+from helpers import REPO, TINY_FLAGS, free_port
 
 API_KEY = "sk-lifecycle"
-TINY_FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256", "--block-size", "8"]
-REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def live_processes_in_group(pgid: int) -> list[int]:
@@ -51,7 +44,7 @@ class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         pagoda = Path(sys.executable).with_name("pagoda")
-        command = [str(pagoda)] if pagoda.exists() else [sys.executable, "-m", "cli"]
+        command = [str(pagoda)] if pagoda.exists() else [sys.executable, "-m", "pagoda"]
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([*command, "serve", *args, "--port", str(self.port)], cwd=REPO,
@@ -222,7 +215,7 @@ def test_port_in_use_fails_before_the_model_loads(tiny_llama_dir, tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "cli", "serve", "--model", str(tiny_llama_dir), *TINY_FLAGS,
+        result = subprocess.run([sys.executable, "-m", "pagoda", "serve", "--model", str(tiny_llama_dir), *TINY_FLAGS,
                                  "--port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert f"error: cannot listen on 127.0.0.1:{port}: the port is already in use" in result.stderr

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM
-from engine.executor import WorkerDiedError
+from pagoda import LLM
+from pagoda.engine.exceptions import WorkerDiedError
 
 SCRIPT = """\
-from engine import LLM, SamplingParams
+from pagoda import LLM, SamplingParams
 
 llm = LLM({model!r}, enforce_eager=True, dtype="float32", max_model_len=64, num_kv_blocks=32)
 out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention_backends import cpu_kernels
+from pagoda.attention_backends import cpu_kernels
 
 PACKING_ENV = "PAGODA_CPU_LINEAR"
 PACKINGS = ("blocked", "onednn")

@@ -18,7 +18,7 @@ On the CPU in bfloat16, the linear layers' weights (the LM head's too) are repac
 after loading (``pack_weights``) for a faster kernel: see engine/models/linear.py.
 
 With tensor parallelism each rank builds the model with its share of heads, of the MLP
-and of the vocabulary (engine/distributed.py); ``load_weights`` cuts each checkpoint tensor
+and of the vocabulary (engine/worker/distributed.py); ``load_weights`` cuts each checkpoint tensor
 down to the rank's share, and the row-parallel outputs and the embedding are all-reduced.
 """
 
@@ -30,11 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention_backends.base import AttentionBackend, AttentionMetadata
-from engine.distributed import TensorParallelGroup, even_split, head_share
-from engine.models.config import ModelConfig
-from engine.models.linear import GateUpLinear, Linear, pack_weight, packed_linear
-from engine.models.rope import compute_inv_freq
+from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata
+from pagoda.engine.tensor_parallel import even_split, head_share
+from pagoda.engine.worker.distributed import TensorParallelGroup
+from pagoda.engine.model_config import ModelConfig
+from pagoda.engine.models.linear import GateUpLinear, Linear, pack_weight, packed_linear
+from pagoda.engine.models.rope import compute_inv_freq
 
 
 class RMSNorm(nn.Module):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.models.config import ModelConfig
+    from pagoda.engine.model_config import ModelConfig
 
 
 def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from plugins import hookimpl
+from pagoda.plugins import hookimpl
 
 POLICY = "longest-prompt-first"
 
@@ -28,10 +28,10 @@ def pagoda_request_sort_key(policy, request):
 
 
 @hookimpl
-def pagoda_select_victim(policy, running, needing):
+def pagoda_select_victim(policy, running, needing, needing_is_running):
     if policy != POLICY:
         return None
-    if not any(r is needing for r in running):
+    if not needing_is_running:
         return None  # waiting requests never preempt
     # Preempt the request with the shortest prompt: it is the cheapest to redo.
     return min(running, key=lambda r: (r.num_prompt_tokens, -r.arrival_time))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from plugins.eviction import Evictor, LRUEvictor
+from pagoda.plugins.eviction import Evictor, LRUEvictor
 
 
 BlockKey = tuple  # (parent block hash, token ids, extra keys): what a block hash covers

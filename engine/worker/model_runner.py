@@ -1,6 +1,6 @@
 """ModelRunner: the worker's per-step work — inputs, forward, logits, sampling.
 
-Requests live in a persistent :class:`~engine.input_batch.InputBatch` between steps, so
+Requests live in a persistent :class:`~pagoda.engine.worker.input_batch.InputBatch` between steps, so
 the engine sends only what changed and a step's inputs are gathered with array
 indexing. Decode requests (one new token) are placed first in the flattened batch,
 which lets the attention backends treat them as one contiguous slice.
@@ -16,15 +16,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from attention_backends import AttentionMetadata, get_attention_backend
-from engine.distributed import head_share, init_tensor_parallel
-from engine.input_batch import InputBatch
-from engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
-from engine.model_loader import load_weights
-from engine.models.linear import choose_packing
-from engine.models.llama import LlamaForCausalLM, RotaryEmbedding
-from engine.platform import resolve_device, resolve_dtype
-from engine.sampler import Sampler
+from pagoda.attention_backends import AttentionMetadata, get_attention_backend
+from pagoda.engine.tensor_parallel import head_share
+from pagoda.engine.worker.distributed import init_tensor_parallel
+from pagoda.engine.worker.input_batch import InputBatch
+from pagoda.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
+from pagoda.engine.model_loader import load_weights
+from pagoda.engine.models.linear import choose_packing
+from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
+from pagoda.engine.platform import resolve_device, resolve_dtype
+from pagoda.engine.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class ModelRunner:
              torch.empty(cpu_value_shape, dtype=self.dtype, pin_memory=pin))
             for _ in range(model_config.num_hidden_layers)
         ] if init.num_cpu_blocks else []
-        self.sampler = Sampler()
+        # NOTE: the engine's seed drives unseeded sampling, so a run is reproducible as a whole.
+        self.sampler = Sampler(config.seed)
         self.batch = InputBatch(config.max_num_seqs, init.max_model_len, self.block_size, model_config.vocab_size,
                                 list(model_config.eos_token_ids), self.device)
         self._failed: set[str] = set()

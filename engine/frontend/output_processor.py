@@ -25,10 +25,10 @@ import enum
 import logging
 from dataclasses import replace
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import Request, RequestStatus
-from engine.scheduler import RequestUpdate
+from pagoda.engine.frontend.detokenizer import IncrementalDetokenizer
+from pagoda.engine.outputs import CompletionOutput, RequestOutput
+from pagoda.engine.core.request import Request, RequestStatus
+from pagoda.engine.core.scheduler import RequestUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,6 @@ class OutputKind(enum.Enum):
     CUMULATIVE = "cumulative"
     DELTA = "delta"
     FINAL = "final"
-
-
-class StepError(RuntimeError):
-    """A step failed in the worker; the requests in it were failed."""
 
 
 class Sample:

@@ -6,7 +6,7 @@ import heapq
 import itertools
 from collections.abc import Iterator
 
-from engine.request import Request
+from pagoda.engine.core.request import Request
 
 
 class WaitingQueue:

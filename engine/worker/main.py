@@ -1,14 +1,14 @@
-"""The worker process: ``python -m engine.worker --fd N``.
+"""The worker process: ``python -m pagoda.engine.worker.main --fd N``.
 
 The engine starts the worker as an interpreter of its own (not a multiprocessing
 spawn), so it never imports the user's ``__main__``: scripts without an
 ``if __name__ == "__main__":`` guard, scripts on stdin, ``python -c`` and notebooks all
 work. The engine hands it one end of a socket pair (file descriptor ``N``); the first
-message on it is a :class:`~engine.messages.WorkerInit`, after which the worker answers
+message on it is a :class:`~pagoda.engine.messages.WorkerInit`, after which the worker answers
 one message per step until it is told to stop or the engine's end closes.
 
 Anything that goes wrong while starting, the import of torch and the model included,
-goes back to the engine as a traceback (:class:`~engine.messages.WorkerFailed`).
+goes back to the engine as a traceback (:class:`~pagoda.engine.messages.WorkerFailed`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def serve(conn: Connection) -> None:
     except (EOFError, OSError):
         return
     def progress(message: str) -> None:
-        from engine.messages import WorkerProgress
+        from pagoda.engine.messages import WorkerProgress
 
         conn.send(WorkerProgress(message))
 
@@ -55,7 +55,7 @@ def build_runner(init, progress=None):
     """
     import torch
 
-    from engine.model_runner import ModelRunner
+    from pagoda.engine.worker.model_runner import ModelRunner
 
     threads = init.config.num_threads
     if threads is None and init.world_size > 1 and init.config.device != "cuda":
@@ -68,7 +68,7 @@ def build_runner(init, progress=None):
 
 
 def ready_message(runner):
-    from engine.messages import WorkerReady
+    from pagoda.engine.messages import WorkerReady
 
     return WorkerReady(device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
                        attention_backend=runner.attention_backend.name, kv_cache_bytes=runner.kv_cache_bytes,
@@ -81,7 +81,7 @@ def lead(runner, receive, send) -> None:
     Returns when told to stop or when the engine goes away; the other ranks are told to
     stop either way.
     """
-    from engine.messages import SchedulerOutput, Shutdown
+    from pagoda.engine.messages import SchedulerOutput, Shutdown
 
     answered = None  # when the previous answer went out
     while True:
@@ -111,7 +111,7 @@ def run_step(runner, message):
 
 def follow(runner) -> None:
     """Ranks above 0: run every step rank 0 hands out, until it says stop."""
-    from engine.messages import Shutdown
+    from pagoda.engine.messages import Shutdown
 
     while True:
         message = runner.tp.broadcast_object()
@@ -121,7 +121,7 @@ def follow(runner) -> None:
 
 
 def _send_failure(conn: Connection, error: str) -> None:
-    from engine.messages import WorkerFailed
+    from pagoda.engine.messages import WorkerFailed
 
     try:
         conn.send(WorkerFailed(error))
@@ -130,7 +130,7 @@ def _send_failure(conn: Connection, error: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.worker", description="Pagoda's model worker")
+    parser = argparse.ArgumentParser(prog="python -m pagoda.engine.worker.main", description="Pagoda's model worker")
     parser.add_argument("--fd", type=int, required=True, help="file descriptor of the engine's socket")
     args = parser.parse_args(argv)
     # NOTE: Ctrl-C reaches the whole process group; the engine process decides when the

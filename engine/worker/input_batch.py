@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.messages import NewRequestData
-from engine.sampler import SamplingMetadata, greedy_temperature, mix_seed
-from engine.sampling_params import SamplingParams
+from pagoda.engine.messages import NewRequestData
+from pagoda.engine.worker.sampling_metadata import SamplingMetadata, greedy_temperature, mix_seed
+from pagoda.engine.sampling_params import SamplingParams
 
 
 class InputBatch:

@@ -1,7 +1,8 @@
 """Turns one step's logits into sampled token ids, batched over requests.
 
-The model worker calls :meth:`SamplingMetadata.build` once per step for the rows that
-sample, then :class:`Sampler` on the ``[B, V]`` logits. Everything is vectorized over the
+The model worker gathers a :class:`~pagoda.engine.worker.sampling_metadata.SamplingMetadata`
+from its input batch once per step for the rows that sample, then calls :class:`Sampler` on
+the ``[B, V]`` logits. Everything is vectorized over the
 batch; the only per-row Python loop draws the noise of seeded rows, so that a seeded
 request is reproducible whatever it is batched with.
 
@@ -16,106 +17,11 @@ Order of operations (as in vLLM V1):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.sampling_params import SamplingParams
-
-# NOTE: like vLLM, temperatures this small are treated as greedy: dividing by them
-# overflows or makes sampling numerically meaningless.
-greedy_temperature = 1e-5
-_MASK64 = (1 << 64) - 1
-
-
-@dataclass(slots=True)
-class SamplingMetadata:
-    """Per-step, per-row sampling tensors; optional parts are None when unused.
-
-    Attributes:
-        num_reqs: Number of rows ``B``.
-        vocab_size: Width ``V`` of the logits.
-        all_greedy: Every row is greedy: no temperature, filtering or noise.
-        all_random: No row is greedy: no argmax pass.
-        temperature: ``[B]`` float32, 1.0 on greedy rows; None when all greedy.
-        greedy_mask: ``[B]`` bool, True on greedy rows; None unless the batch is mixed.
-        top_k: ``[B]`` int64, ``V`` where disabled; None when no random row uses it.
-        top_p: ``[B]`` float32, 1.0 where disabled; None when no random row uses it.
-        min_p: ``[B]`` float32, 0.0 where disabled; None when no random row uses it.
-        seeded_rows: ``(row, step_seed)`` for random rows with a seed; ``step_seed``
-            mixes the request seed with its number of output tokens.
-        max_num_logprobs: Largest ``logprobs`` requested in the batch; None if none.
-        min_tokens_rows: ``[N]`` int64 row index of each (row, token) to suppress.
-        min_tokens_token_ids: ``[N]`` int64 token id of each (row, token) to suppress.
-        repetition_penalties: ``[B]`` float32; None when no row uses any penalty.
-        presence_penalties: ``[B]`` float32; None when no row uses any penalty.
-        frequency_penalties: ``[B]`` float32; None when no row uses any penalty.
-        output_counts: ``[B, V]`` float32 count of each token in each row's output; None
-            when no penalty.
-        prompt_mask: ``[B, V]`` bool, True for tokens in the row's prompt; None unless
-            some row has a repetition penalty.
-    """
-
-    num_reqs: int
-    vocab_size: int
-    all_greedy: bool
-    all_random: bool
-    temperature: torch.Tensor | None = None
-    greedy_mask: torch.Tensor | None = None
-    top_k: torch.Tensor | None = None
-    top_p: torch.Tensor | None = None
-    min_p: torch.Tensor | None = None
-    seeded_rows: list[tuple[int, int]] | None = None
-    max_num_logprobs: int | None = None
-    min_tokens_rows: torch.Tensor | None = None
-    min_tokens_token_ids: torch.Tensor | None = None
-    repetition_penalties: torch.Tensor | None = None
-    presence_penalties: torch.Tensor | None = None
-    frequency_penalties: torch.Tensor | None = None
-    output_counts: torch.Tensor | None = None
-    prompt_mask: torch.Tensor | None = None
-
-    @classmethod
-    def build(
-        cls,
-        params: Sequence[SamplingParams],
-        prompt_token_ids: Sequence[Sequence[int]],
-        output_token_ids: Sequence[Sequence[int]],
-        eos_token_ids: Sequence[int],
-        vocab_size: int,
-        device: torch.device | str = "cpu",
-    ) -> SamplingMetadata:
-        """Builds the metadata for one batch from lists; row ``i`` is request ``i``.
-
-        The worker keeps these rows in its persistent :class:`~engine.input_batch.InputBatch`
-        and gathers the metadata from there; this puts the given rows in a fresh one.
-
-        Args:
-            params: Sampling parameters of each row.
-            prompt_token_ids: Prompt of each row (read only for repetition penalty).
-            output_token_ids: Tokens generated so far by each row.
-            eos_token_ids: Token ids that end generation unless ``ignore_eos``.
-            vocab_size: Width of the logits the sampler will get.
-            device: Device of those logits.
-
-        Returns:
-            The metadata; parts no row needs are left None.
-        """
-        import numpy as np
-
-        from engine.input_batch import InputBatch
-        from engine.messages import NewRequestData
-
-        assert len(prompt_token_ids) == len(params) and len(output_token_ids) == len(params)
-        max_len = max((len(p) + len(o) for p, o in zip(prompt_token_ids, output_token_ids)), default=1)
-        batch = InputBatch(max(len(params), 1), max_len, 16, vocab_size, list(eos_token_ids), torch.device(device))
-        rows = [batch.add(NewRequestData(str(i), list(prompt), list(output), p, [], 0))
-                for i, (p, prompt, output) in enumerate(zip(params, prompt_token_ids, output_token_ids))]
-        return batch.sampling_metadata(np.array(rows, dtype=np.int64))
-
+from pagoda.engine.worker.sampling_metadata import MASK64, SamplingMetadata
 
 @dataclass(slots=True)
 class SamplerOutput:
@@ -212,7 +118,7 @@ class Sampler:
             if seed is None:
                 gen.seed()
             else:
-                gen.manual_seed(seed & _MASK64)
+                gen.manual_seed(seed & MASK64)
         return gen
 
 
@@ -255,11 +161,3 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     drop[:, -1] = False  # always keep the most likely token
     sorted_logits.masked_fill_(drop, float("-inf"))
     return logits.scatter_(1, order, sorted_logits)
-
-
-def mix_seed(seed: int, step: int) -> int:
-    """Mixes a request seed and its output length into a 64-bit generator seed (splitmix64)."""
-    z = (seed * 0x9E3779B97F4A7C15 + step + 0x632BE59BD9B4E019) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.block_pool import BlockKey, BlockPool, KVBlock
-from plugins.eviction import Evictor
+from pagoda.engine.core.block_pool import BlockKey, BlockPool, KVBlock
+from pagoda.plugins.eviction import Evictor
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from pagoda.engine.core.request import Request
 
 
 @dataclass(slots=True)

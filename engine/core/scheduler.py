@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import UNCHANGED, KVCacheManager, SlotAllocation
-from engine.policy import Policy
-from engine.request_queue import WaitingQueue
-from engine.messages import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
-from engine.request import Request, RequestStatus
-from plugins.views import KVCacheView, StepView
+from pagoda.engine.core.kv_cache_manager import UNCHANGED, KVCacheManager, SlotAllocation
+from pagoda.engine.core.policy import Policy
+from pagoda.engine.core.request_queue import WaitingQueue
+from pagoda.engine.messages import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
+from pagoda.engine.core.request import Request, RequestStatus
+from pagoda.plugins.views import KVCacheView, StepView
 
 
 @dataclass(slots=True)
@@ -434,13 +434,13 @@ class Scheduler:
             allocation = self.kv_cache_manager.allocate_slots(request, num_new)
             if allocation is not None:
                 return allocation
-            victim = self._select_victim(request)
+            victim = self._select_victim(request, needing_is_running=True)
             self._preempt(victim)
             if victim is request:
                 return None
 
-    def _select_victim(self, needing: Request) -> Request | None:
-        view = self.policy.select_victim([r.view for r in self.running], needing.view)
+    def _select_victim(self, needing: Request, needing_is_running: bool) -> Request | None:
+        view = self.policy.select_victim([r.view for r in self.running], needing.view, needing_is_running)
         return None if view is None else self.requests[view.request_id]
 
     def _preempt_for_waiting(self, request: Request) -> None:
@@ -450,7 +450,7 @@ class Scheduler:
         preempts admits nothing).
         """
         if self.running:
-            victim = self._select_victim(request)
+            victim = self._select_victim(request, needing_is_running=False)
             if victim is not None:
                 self._preempt(victim)
 

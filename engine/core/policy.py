@@ -15,30 +15,13 @@ from collections.abc import Sequence
 
 import pluggy
 
-from plugins.admission import RetryLater
-from plugins.builtin import FCFS, LRU, BuiltinPolicies
-from plugins.eviction import Evictor
-from plugins.views import KVCacheView, RequestView, StepView
+from pagoda.engine.exceptions import AdmissionPluginFailed, RequestRejected
+from pagoda.plugins.admission import RetryLater
+from pagoda.plugins.builtin import FCFS, LRU, BuiltinPolicies
+from pagoda.plugins.eviction import Evictor
+from pagoda.plugins.views import KVCacheView, RequestView, StepView
 
 logger = logging.getLogger(__name__)
-
-
-class RequestRejected(ValueError):
-    """An admission plugin turned the request away; the message says why.
-
-    Attributes:
-        retry_after: Seconds after which the same request may be accepted (a plugin's
-            ``RetryLater``), or None for a permanent refusal.
-    """
-
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class AdmissionPluginFailed(RuntimeError):
-    """An admission plugin raised; the request was refused, since letting it through could
-    break a quota."""
 
 
 class Policy:
@@ -53,7 +36,7 @@ class Policy:
     def __init__(self, pm: pluggy.PluginManager | None = None, scheduling_policy: str = FCFS,
                  eviction_policy: str = LRU) -> None:
         if pm is None:
-            from engine.plugin_manager import create_plugin_manager
+            from pagoda.engine.core.plugin_manager import create_plugin_manager
 
             pm = create_plugin_manager(load_entry_points=False)
         self.pm = pm
@@ -73,28 +56,34 @@ class Policy:
                          f" ({detail})" if detail else "", exc_info=exc)
 
     def sort_key(self, request: RequestView) -> tuple:
+        """The waiting queue's key for ``request``; fcfs's when no plugin answers."""
         try:
             key = self.hook.pagoda_request_sort_key(policy=self.scheduling_policy, request=request)
             if key is not None:
                 return tuple(key)
-            self._failed("pagoda_request_sort_key", None, "no plugin answered")
         except Exception as exc:
             self._failed("pagoda_request_sort_key", exc)
         return self._builtin.pagoda_request_sort_key(self._fallback_policy, request)
 
-    def select_victim(self, running: Sequence[RequestView], needing: RequestView) -> RequestView | None:
-        """A running request to preempt for ``needing``; never None when ``needing`` runs."""
-        needing_is_running = any(r is needing for r in running)
+    def select_victim(self, running: Sequence[RequestView], needing: RequestView,
+                      needing_is_running: bool) -> RequestView | None:
+        """A running request to preempt for ``needing``; never None when ``needing`` runs.
+
+        NOTE: no answer is no error: a policy that only orders the queue leaves victims to
+        the built-in choice (fcfs: the most recently admitted, and waiting requests wait).
+        """
         try:
-            victim = self.hook.pagoda_select_victim(policy=self.scheduling_policy, running=running, needing=needing)
+            victim = self.hook.pagoda_select_victim(policy=self.scheduling_policy, running=running, needing=needing,
+                                                    needing_is_running=needing_is_running)
             if victim is None and not needing_is_running:
                 return None
-            if any(r is victim for r in running):
+            if victim is not None and any(r is victim for r in running):
                 return victim
-            self._failed("pagoda_select_victim", None, f"returned {victim!r}, not a running request")
+            if victim is not None:
+                self._failed("pagoda_select_victim", None, f"returned {victim!r}, not a running request")
         except Exception as exc:
             self._failed("pagoda_select_victim", exc)
-        return self._builtin.pagoda_select_victim(self._fallback_policy, running, needing)
+        return self._builtin.pagoda_select_victim(self._fallback_policy, running, needing, needing_is_running)
 
     def preemption_mode(self, victim: RequestView, kv_cache: KVCacheView) -> str:
         try:

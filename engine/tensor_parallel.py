@@ -1,4 +1,4 @@
-"""Tensor parallelism on torch.distributed: the process group, and how a model is split.
+"""Tensor parallelism: how a model is split over ranks (pure arithmetic, read by both processes).
 
 Each rank is a worker process with its own share of the model and of every KV block:
 
@@ -20,8 +20,6 @@ keeps the same token ids. The backend is gloo on the CPU and NCCL on CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 
 def even_split(size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -66,64 +64,3 @@ def head_share(num_heads: int, num_kv_heads: int, rank: int, world_size: int) ->
     q_start = rank * per_rank
     kv = q_start // group
     return HeadShare(q_start, q_start + per_rank, kv, kv + 1)
-
-
-class TensorParallelGroup:
-    """This rank's view of the tensor-parallel group (a no-op when world_size is 1).
-
-    Args:
-        rank: This rank.
-        world_size: Number of ranks.
-    """
-
-    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
-        self.rank = rank
-        self.world_size = world_size
-
-    @property
-    def is_parallel(self) -> bool:
-        return self.world_size > 1
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums ``x`` over ranks, in place."""
-        if self.world_size > 1:
-            torch.distributed.all_reduce(x)
-        return x
-
-    def all_gather_last_dim(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Concatenates every rank's ``x`` (``sizes[r]`` wide on rank r) along the last dim."""
-        if self.world_size == 1:
-            return x
-        width = max(sizes)
-        padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
-        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, padded)
-        return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
-
-    def broadcast_object(self, obj=None):
-        """Rank 0's ``obj`` on every rank."""
-        if self.world_size == 1:
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src=0)
-        return holder[0]
-
-    def synchronize(self) -> None:
-        """Waits until this rank's collectives are done (NCCL only queues them on the GPU)."""
-        if self.world_size > 1 and torch.distributed.get_backend() == "nccl":
-            torch.cuda.synchronize()
-
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's tensor into ``x`` on every rank."""
-        if self.world_size > 1:
-            torch.distributed.broadcast(x, src=0)
-        return x
-
-
-def init_tensor_parallel(rank: int, world_size: int, init_method: str | None,
-                         device: torch.device) -> TensorParallelGroup:
-    """Joins the process group (gloo on the CPU, NCCL on CUDA) when there is more than one rank."""
-    if world_size > 1:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    return TensorParallelGroup(rank, world_size)

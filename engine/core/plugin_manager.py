@@ -8,8 +8,8 @@ import os
 
 import pluggy
 
-from plugins import PROJECT_NAME, hookspecs
-from plugins.builtin import BuiltinPolicies
+from pagoda.plugins import PROJECT_NAME, hookspecs
+from pagoda.plugins.builtin import BuiltinPolicies
 
 logger = logging.getLogger(__name__)
 

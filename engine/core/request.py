@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 import time
 
-from engine.outputs import RequestMetrics
-from engine.sampling_params import SamplingParams
-from plugins.views import RequestView
+from pagoda.engine.outputs import RequestMetrics
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.plugins.views import RequestView
 
 
 class RequestStatus(enum.IntEnum):

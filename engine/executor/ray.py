@@ -18,8 +18,8 @@ import logging
 from collections import deque
 from dataclasses import replace
 
-from engine.executor import WorkerDiedError
-from engine.messages import RunnerOutput, SchedulerOutput, WorkerInit, WorkerReady
+from pagoda.engine.exceptions import WorkerDiedError
+from pagoda.engine.messages import RunnerOutput, SchedulerOutput, WorkerInit, WorkerReady
 
 logger = logging.getLogger(__name__)
 
@@ -31,28 +31,28 @@ class RankActor:
         """``tcp://ip:port`` on this actor's node, for torch.distributed (asked of rank 0)."""
         import ray
 
-        from engine.executor import free_port
+        from pagoda.engine.executor.multiproc import free_port
 
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
 
     def start(self, init: WorkerInit) -> WorkerReady:
-        from engine.worker import build_runner, ready_message
+        from pagoda.engine.worker.main import build_runner, ready_message
 
         self.runner = build_runner(init)
         return ready_message(self.runner)
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
-        from engine.worker import run_step
+        from pagoda.engine.worker.main import run_step
 
         return run_step(self.runner, step)
 
     def follow(self) -> None:
-        from engine.worker import follow
+        from pagoda.engine.worker.main import follow
 
         follow(self.runner)
 
     def stop(self) -> None:
-        from engine.messages import Shutdown
+        from pagoda.engine.messages import Shutdown
 
         self.runner.tp.broadcast_object(Shutdown())
 
@@ -78,6 +78,10 @@ class RayWorkerGroup:
     @property
     def pid(self) -> int | None:
         return self.ready.pid if self.ready else None
+
+    @property
+    def death(self) -> WorkerDiedError | None:
+        return self._death
 
     def is_alive(self) -> bool:
         return bool(self._actors) and self._death is None

@@ -17,11 +17,12 @@ from dataclasses import dataclass, replace
 
 import pluggy
 
-from engine.async_engine import AsyncEngine, StepStats
-from engine.config import EngineConfig
-from engine.output_processor import RequestStream
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pagoda.engine.core.engine_core import StepStats
+from pagoda.engine.frontend.async_engine import AsyncEngine
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.frontend.output_processor import RequestStream
+from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from engine.data_parallel import create_engine
-from engine.config import EngineConfig
-from engine.output_processor import OutputKind
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pagoda.engine.frontend.data_parallel import create_engine
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.frontend.output_processor import OutputKind
+from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -34,7 +34,7 @@ class LLM:
     Args:
         model: Model directory or GGUF file; None for the default model.
         plugin_manager: A pluggy PluginManager to use instead of building one from
-            the config (see engine.plugin_manager.create_plugin_manager).
+            the config (see pagoda.engine.core.plugin_manager.create_plugin_manager).
         **kwargs: Any EngineConfig field (dtype, block_size, num_kv_blocks,
             max_model_len, max_num_seqs, max_num_batched_tokens,
             enable_chunked_prefill, ...).

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from engine.sampling_params import SamplingParams
+    from pagoda.engine.sampling_params import SamplingParams
 
 # NOTE: the last few prompt tokens give the first output tokens their decoding context
 # (e.g. SentencePiece's leading-space handling); 5 is vLLM's choice.

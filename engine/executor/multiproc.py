@@ -1,6 +1,6 @@
 """The engine's handle on a worker process: start, send steps, receive results, stop.
 
-The worker is an interpreter of its own (``python -m engine.worker``) connected by a
+The worker is an interpreter of its own (``python -m pagoda.engine.worker.main``) connected by a
 socket pair, so starting it never re-imports the user's ``__main__``. A reader thread
 receives the worker's messages in order and hands them to the event loop; when the
 worker dies its end of the socket closes, which the reader sees at once, so a pending
@@ -24,9 +24,9 @@ import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from pathlib import Path
 
-from engine.messages import (
+from pagoda.engine.exceptions import WorkerDiedError
+from pagoda.engine.messages import (
     RunnerOutput,
     SchedulerOutput,
     Shutdown,
@@ -36,14 +36,8 @@ from engine.messages import (
     WorkerReady,
 )
 
-# The directory that holds the `engine` package, so the worker imports the same code.
-_SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
 _STOP_WRITING = object()
 logger = logging.getLogger(__name__)
-
-
-class WorkerDiedError(RuntimeError):
-    """The worker process exited or could not start."""
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -87,6 +81,10 @@ class WorkerProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def death(self) -> WorkerDiedError | None:
+        return self._death
+
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None and self._death is None
 
@@ -98,10 +96,9 @@ class WorkerProcess:
         """
         ours, theirs = socket.socketpair()
         env = {**os.environ, **self._env}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, env.get("PYTHONPATH")) if p)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.worker", "--fd", str(theirs.fileno())],
+                [sys.executable, "-m", "pagoda.engine.worker.main", "--fd", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         finally:
             # NOTE: closing our copy of the worker's end is what makes its death show up
@@ -277,7 +274,7 @@ class WorkerGroup:
         self.ready: WorkerReady | None = None
 
     def _rank_died(self) -> None:
-        dead = next((w._death for w in self.workers if w._death is not None), None)
+        dead = next((w.death for w in self.workers if w.death is not None), None)
         if dead is not None:
             self.workers[0].fail(dead)
         if self._on_death is not None:
@@ -286,6 +283,10 @@ class WorkerGroup:
     @property
     def pid(self) -> int | None:
         return self.workers[0].pid
+
+    @property
+    def death(self) -> WorkerDiedError | None:
+        return next((w.death for w in self.workers if w.death is not None), None)
 
     @property
     def pids(self) -> list[int | None]:

@@ -1,0 +1,312 @@
+"""AsyncEngine: the asyncio client of the engine, which the offline LLM class and the server
+share.
+
+It starts the engine (resolves the model, loads the tokenizer, sizes the KV cache, builds the
+scheduler and the :class:`~pagoda.engine.core.engine_core.EngineCore` that runs the step
+loop and supervises the worker), validates requests, fans ``n`` out into samples, and hands
+out a stream per request. While the worker computes, the event loop is free to serve HTTP,
+tokenize and stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from functools import partial
+
+import pluggy
+
+from pagoda.attention_backends import get_attention_backend
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.core.engine_core import EngineCore, StepStats
+from pagoda.engine.core.kv_cache_manager import KVCacheManager
+from pagoda.engine.core.kv_sizing import KVCacheSize, size_kv_cache
+from pagoda.engine.core.plugin_manager import check_policy_names, create_plugin_manager, plugin_names
+from pagoda.engine.core.policy import Policy
+from pagoda.engine.core.request import Request
+from pagoda.engine.core.scheduler import Scheduler
+from pagoda.engine.exceptions import EngineDeadError
+from pagoda.engine.executor.base import Executor, create_executor
+from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
+from pagoda.engine.messages import WorkerInit
+from pagoda.engine.model_config import ModelConfig
+from pagoda.engine.model_loader import load_tokenizer, resolve_model
+from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.platform import resolve_device, resolve_dtype
+from pagoda.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncEngine"]
+
+
+class AsyncEngine:
+    """The engine: scheduler and KV cache manager here, the model in a worker process.
+
+    Use ``await engine.start()`` (or ``async with engine``), then ``generate()``.
+
+    Args:
+        config: The engine configuration.
+        plugin_manager: Plugins to use; by default one is built from the config
+            (built-ins, installed entry points, then ``config.plugins``).
+    """
+
+    def __init__(self, config: EngineConfig, plugin_manager: pluggy.PluginManager | None = None) -> None:
+        self.config = config
+        self.plugin_manager = plugin_manager
+        self.policy: Policy | None = None
+        self.tokenizer = None
+        self.model_config: ModelConfig | None = None
+        self.kv_cache_size: KVCacheSize | None = None
+        self.core: EngineCore | None = None
+        self.output_processor: OutputProcessor | None = None
+        self._ids = itertools.count()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Resolves the model, sizes the KV cache, spawns the worker and starts the loop."""
+        config = self.config
+        if self.plugin_manager is None:
+            self.plugin_manager = create_plugin_manager(config.plugins)
+        check_policy_names(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
+        self.policy = Policy(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
+        device = resolve_device(config.device)
+        get_attention_backend(config.attention_backend, device)  # fail early on a bad name
+        model_dir = await asyncio.to_thread(resolve_model, config.model)
+        logger.info("model: %s", model_dir)
+        self.model_config = model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.kv_cache_size = kv = size_kv_cache(config, model_config, resolve_dtype(config.dtype, device).itemsize)
+        if kv.limited_by_window:
+            logger.warning("limiting max_model_len to the sliding window (%d tokens)", kv.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB), max_model_len %d; "
+                    "swap space %d blocks", kv.num_blocks, kv.block_size, kv.num_tokens, kv.num_bytes / 1024**3,
+                    kv.max_model_len, kv.num_cpu_blocks)
+        scheduler = Scheduler(
+            KVCacheManager(kv.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                           num_cpu_blocks=kv.num_cpu_blocks, evictor=self.policy.make_evictor()),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=kv.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode,
+            policy=self.policy,
+        )
+        init = WorkerInit(config, model_dir, model_config, kv.num_blocks, kv.max_model_len, kv.num_cpu_blocks)
+        self.core = EngineCore(config, scheduler, partial(create_executor, init, config), self.output_processor,
+                               async_scheduling=self.uses_async_scheduling())
+        logger.info("starting the worker process")
+        ready = await self.core.start()
+        logger.info("worker ready: %s, %s, attention backend %s, %.2f GiB of KV cache%s; async scheduling %s",
+                    ready.device, ready.dtype, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
+                    f", model compiled in {ready.compile_seconds:.1f} s" if ready.compile_seconds else "",
+                    "on" if self.core.async_scheduling else "off")
+
+    async def shutdown(self) -> None:
+        """Stops the loop, fails whatever is still running, and stops the worker."""
+        if self.core is not None:
+            await self.core.shutdown()
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.shutdown()
+
+    def describe(self) -> str:
+        """One line on what runs, once started: the model's architecture, device, dtype and
+        attention backend, KV capacity, policies and plugins (for the start-up log)."""
+        ready, model = self.worker.ready, self.model_config
+        plugins = plugin_names(self.plugin_manager)
+        return (f"{model.architecture} ({model.num_hidden_layers} layers) on {ready.device} in {ready.dtype}, "
+                f"attention backend {ready.attention_backend}, KV cache {self.kv_cache_size.num_tokens} tokens, "
+                f"max_model_len {self.max_model_len}, scheduling policy {self.config.scheduling_policy}, "
+                f"eviction policy {self.config.eviction_policy}, plugins: {', '.join(plugins) or 'none'}")
+
+    def uses_async_scheduling(self) -> bool:
+        """The config's choice, or auto (see EngineConfig.async_scheduling)."""
+        config = self.config
+        if config.async_scheduling is not None:
+            return config.async_scheduling
+        if resolve_device(config.device).type == "cuda":
+            return True
+        import torch
+
+        # NOTE: torch uses every core by default; only explicitly fewer leaves one spare.
+        threads = config.num_threads or torch.get_num_threads()
+        return (os.cpu_count() or 1) > threads * config.tensor_parallel_size
+
+    # -- what callers read of the engine ------------------------------------------------
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self.core.scheduler if self.core is not None else None
+
+    @property
+    def worker(self) -> Executor | None:
+        return self.core.worker if self.core is not None else None
+
+    @property
+    def step_stats(self) -> StepStats:
+        return self.core.step_stats
+
+    @property
+    def num_worker_restarts(self) -> int:
+        return self.core.num_worker_restarts if self.core is not None else 0
+
+    @property
+    def last_restart(self) -> tuple[float, float] | None:
+        """(when the last worker death was noticed, when its replacement was ready)."""
+        return self.core.last_restart if self.core is not None else None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.kv_cache_size.max_model_len if self.kv_cache_size is not None else 0
+
+    @property
+    def is_running(self) -> bool:
+        return self.core is not None and self.core.is_running
+
+    @property
+    def engines(self) -> list[AsyncEngine]:
+        """The engines behind this API: just this one (see DataParallelEngine)."""
+        return [self]
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def dead_reason(self) -> str:
+        """Why the engine stopped serving ("" while it runs)."""
+        return self.core.dead_reason if self.core is not None else "it has not been started"
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Tokenizes a text prompt, or validates a token-id prompt."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        vocab_size = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        return token_ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt_token_ids: list[int] | None = None, *, cache_salt: str | None = None,
+                    priority: int = 0, kv_retention: int = 0,
+                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> RequestStream:
+        """Validates and queues a request; returns its stream.
+
+        Args:
+            prompt: Text, or token ids.
+            params: Sampling parameters; n > 1 samples share the prompt's blocks.
+            request_id: Unique id (generated when None).
+            prompt_token_ids: The prompt already tokenized, if it is text.
+            cache_salt: Keeps this request's prefix-cache entries apart from other salts.
+            priority: Scheduling priority, lower first, for policies that use it.
+            kv_retention: Eviction priority of the request's cached blocks, higher kept
+                longer, for eviction policies that use it.
+            output_kind: What each output read from the stream holds: everything so
+                far, only what is new, or only the final result.
+
+        Raises:
+            ValueError: Bad prompt or parameters (the message names the field).
+            RequestRejected: An admission plugin turned the request away.
+            EngineDeadError: The worker has died.
+        """
+        if self.core is None:
+            raise EngineDeadError("the engine has not been started")
+        self.core.check_running()
+        if prompt_token_ids is None:
+            prompt_token_ids = self.encode_prompt(prompt)
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"prompt is {num_prompt} tokens long, but max_model_len is {self.max_model_len} "
+                             "(prompt plus at least one generated token must fit)")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        outputs = self.output_processor
+        if request_id in outputs.streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) is larger than max_num_seqs ({self.config.max_num_seqs}): "
+                             "the samples of one request must be able to run together")
+        room = self.max_model_len - num_prompt
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        stream = RequestStream(request_id, prompt if isinstance(prompt, str) else None, list(prompt_token_ids),
+                               output_kind)
+        eos = frozenset(self.model_config.eos_token_ids)
+        requests = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = replace(params, n=1, seed=seed)
+            child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+            request = Request(child_id, prompt_token_ids, child_params, max_tokens, eos, cache_salt=cache_salt,
+                              priority=priority, kv_retention=kv_retention)
+            outputs.new_sample(stream, request, index)
+            requests.append(request)
+        self.policy.admit(requests[0].view, self.scheduler.num_waiting, self.scheduler.num_running)
+        self.core.add_request(requests[0], forks=requests[1:])
+        outputs.add(stream)
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
+        """Runs one request, yielding outputs as tokens arrive; the last one is finished.
+
+        Takes add_request's keyword arguments (``output_kind`` among them). Leaving the
+        iteration early (or being cancelled) aborts the request.
+        """
+        params = params or SamplingParams()
+        prompt_token_ids = None
+        if isinstance(prompt, str) and prompt:
+            prompt_token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+        stream = self.add_request(prompt, params, request_id, prompt_token_ids, **kwargs)
+        async for output in self.stream_outputs(stream):
+            yield output
+
+    async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yields the outputs of a request added with add_request() until it finishes.
+
+        Leaving the iteration early (or being cancelled) aborts the request.
+        """
+        try:
+            while True:
+                await stream.event.wait()
+                stream.event.clear()
+                if stream.error is not None:
+                    raise stream.error
+                output = stream.take()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+            self.output_processor.forget(stream)
+
+    def reset_prefix_cache(self) -> bool:
+        """Evicts every cached block no request holds; True when nothing was left cached."""
+        kv = self.scheduler.kv_cache_manager
+        kv.reset_prefix_cache()
+        return kv.usage().num_cached_free_blocks == 0 and not self.scheduler.requests
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (all its samples); it frees its blocks before the next step."""
+        stream = self.output_processor.streams.get(request_id)
+        if stream is None:
+            return
+        self.core.abort(sample.request.request_id for sample in stream.samples if not sample.output.finished)

@@ -1,0 +1,69 @@
+"""Tensor parallelism in the worker: the torch.distributed group of the ranks.
+
+How a model is split over ranks (heads, MLP, vocabulary) is in ``engine/tensor_parallel.py``,
+which the engine process reads too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+class TensorParallelGroup:
+    """This rank's view of the tensor-parallel group (a no-op when world_size is 1).
+
+    Args:
+        rank: This rank.
+        world_size: Number of ranks.
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums ``x`` over ranks, in place."""
+        if self.world_size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenates every rank's ``x`` (``sizes[r]`` wide on rank r) along the last dim."""
+        if self.world_size == 1:
+            return x
+        width = max(sizes)
+        padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, padded)
+        return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def synchronize(self) -> None:
+        """Waits until this rank's collectives are done (NCCL only queues them on the GPU)."""
+        if self.world_size > 1 and torch.distributed.get_backend() == "nccl":
+            torch.cuda.synchronize()
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor into ``x`` on every rank."""
+        if self.world_size > 1:
+            torch.distributed.broadcast(x, src=0)
+        return x
+
+
+def init_tensor_parallel(rank: int, world_size: int, init_method: str | None,
+                         device: torch.device) -> TensorParallelGroup:
+    """Joins the process group (gloo on the CPU, NCCL on CUDA) when there is more than one rank."""
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return TensorParallelGroup(rank, world_size)

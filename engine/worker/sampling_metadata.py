@@ -1,0 +1,72 @@
+"""What the sampler reads of one step: per-row sampling tensors, gathered by the input batch.
+
+A leaf module: the input batch builds :class:`SamplingMetadata`, the sampler consumes it, and
+neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# NOTE: like vLLM, temperatures this small are treated as greedy: dividing by them
+# overflows or makes sampling numerically meaningless.
+greedy_temperature = 1e-5
+MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-step, per-row sampling tensors; optional parts are None when unused.
+
+    Attributes:
+        num_reqs: Number of rows ``B``.
+        vocab_size: Width ``V`` of the logits.
+        all_greedy: Every row is greedy: no temperature, filtering or noise.
+        all_random: No row is greedy: no argmax pass.
+        temperature: ``[B]`` float32, 1.0 on greedy rows; None when all greedy.
+        greedy_mask: ``[B]`` bool, True on greedy rows; None unless the batch is mixed.
+        top_k: ``[B]`` int64, ``V`` where disabled; None when no random row uses it.
+        top_p: ``[B]`` float32, 1.0 where disabled; None when no random row uses it.
+        min_p: ``[B]`` float32, 0.0 where disabled; None when no random row uses it.
+        seeded_rows: ``(row, step_seed)`` for random rows with a seed; ``step_seed``
+            mixes the request seed with its number of output tokens.
+        max_num_logprobs: Largest ``logprobs`` requested in the batch; None if none.
+        min_tokens_rows: ``[N]`` int64 row index of each (row, token) to suppress.
+        min_tokens_token_ids: ``[N]`` int64 token id of each (row, token) to suppress.
+        repetition_penalties: ``[B]`` float32; None when no row uses any penalty.
+        presence_penalties: ``[B]`` float32; None when no row uses any penalty.
+        frequency_penalties: ``[B]`` float32; None when no row uses any penalty.
+        output_counts: ``[B, V]`` float32 count of each token in each row's output; None
+            when no penalty.
+        prompt_mask: ``[B, V]`` bool, True for tokens in the row's prompt; None unless
+            some row has a repetition penalty.
+    """
+
+    num_reqs: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    temperature: torch.Tensor | None = None
+    greedy_mask: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    seeded_rows: list[tuple[int, int]] | None = None
+    max_num_logprobs: int | None = None
+    min_tokens_rows: torch.Tensor | None = None
+    min_tokens_token_ids: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """Mixes a request seed and its output length into a 64-bit generator seed (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + step + 0x632BE59BD9B4E019) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)

@@ -1,0 +1,256 @@
+"""What several test files share (a helper module, not a test file; pytest puts tests/ on
+the import path, see pyproject.toml).
+
+- Tiny random-weight models: `make_tiny_model_dir` writes a Hugging Face style directory
+  that the engine can load like a real checkpoint (a 2-layer model with random weights plus
+  the real SmolLM2 tokenizer and chat template, copied from the converted default model);
+  `make_hf_model` loads one with transformers, the oracle, and `hf_greedy` decodes with it.
+- Attention: `run_step` runs one paged step of a backend against `dense_attention`.
+- Sampling: `sampling_metadata` builds a sampler batch from plain lists.
+- Servers: `free_port`, `REPO`, `TINY_FLAGS`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagoda.attention_backends import AttentionMetadata, get_attention_backend
+from pagoda.engine.model_loader import resolve_model
+from pagoda.engine.sampling_params import SamplingParams
+
+#: The SmolLM2 tokenizer's vocabulary size and special ids.
+TINY_VOCAB_SIZE = 49152
+TINY_BOS_TOKEN_ID = 1
+TINY_EOS_TOKEN_ID = 2
+
+_TINY_DEFAULTS: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": TINY_BOS_TOKEN_ID,
+    "eos_token_id": TINY_EOS_TOKEN_ID,
+    "pad_token_id": TINY_EOS_TOKEN_ID,
+}
+
+# Per architecture: transformers config class name and extra defaults.
+_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
+}
+
+# Files of a model directory that are not tokenizer files (besides weights).
+_NOT_TOKENIZER = ("config.json", "generation_config.json")
+
+
+def make_tiny_model_dir(
+    path: Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    max_shard_size: str | int | None = None,
+    tokenizer_dir: Path | None = None,
+    **config_overrides: Any,
+) -> Path:
+    """Saves a tiny random-weight model with the SmolLM2 tokenizer.
+
+    Args:
+        path: Output directory (created if needed).
+        arch: ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+        seed: Seed for the random weights; equal seeds give equal weights.
+            Norm weights are ``1 + 0.1 * randn`` and biases ``0.02 * randn``
+            (not transformers' 1 and 0) so that parity tests see them.
+        max_shard_size: Passed to ``save_pretrained`` (e.g. ``"5MB"``) to write
+            a sharded checkpoint with ``model.safetensors.index.json``.
+        tokenizer_dir: Where to copy tokenizer files from; defaults to the
+            converted default model, ``resolve_model(None)``.
+        **config_overrides: Fields of the transformers config to override,
+            e.g. ``num_hidden_layers=3`` or ``rope_scaling={...}``.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ValueError: If ``arch`` is unknown.
+    """
+    import transformers
+
+    if arch not in _ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(_ARCHS)}")
+    config_class_name, arch_defaults = _ARCHS[arch]
+    config_class = getattr(transformers, config_class_name)
+    config = config_class(**{**_TINY_DEFAULTS, **arch_defaults, **config_overrides})
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # NOTE: transformers initializes norms to 1 and biases to 0, which
+            # would hide a missing norm weight or bias in parity tests.
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.02 * torch.randn_like(param))
+    model.generation_config.bos_token_id = config.bos_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(str(path), **save_kwargs)
+
+    source = Path(tokenizer_dir) if tokenizer_dir is not None else resolve_model(None)
+    for file in source.iterdir():
+        if file.is_file() and file.name not in _NOT_TOKENIZER and ".safetensors" not in file.name:
+            shutil.copy2(file, path / file.name)
+    return path
+
+
+def make_hf_model(path: Path) -> torch.nn.Module:
+    """Loads a model directory with transformers in float32, in eval mode.
+
+    Args:
+        path: A directory written by `make_tiny_model_dir` (or any supported
+            Hugging Face checkpoint).
+
+    Returns:
+        The ``AutoModelForCausalLM`` instance, the oracle for parity tests.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
+#: Tokens the parity tests generate, greedily, in the engine and with the oracle.
+NUM_NEW = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+
+
+def hf_greedy(model, prompt_ids, num_new):
+    """Greedy decoding by full recomputation: the simplest possible oracle."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(num_new):
+            next_id = model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return ids[0, len(prompt_ids):].tolist()
+
+
+# -- attention backends ----------------------------------------------------------------------
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
+
+
+def dense_attention(q, k, v):
+    """Causal attention over one contiguous sequence; q is the last rows of k's positions."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q, k) * q.shape[-1] ** -0.5
+    seq_len, query_len = k.shape[0], q.shape[0]
+    mask = torch.arange(seq_len)[None, :] > torch.arange(seq_len - query_len, seq_len)[:, None]
+    return torch.einsum("hls,shd->lhd", scores.masked_fill(mask, float("-inf")).softmax(-1), v)
+
+
+def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32, device="cpu",
+             num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
+    """Fills caches for the context, runs one mixed step, returns (output, reference) on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    backend = get_attention_backend(backend_name, torch.device(device))(num_heads, num_kv_heads, head_dim,
+                                                                        head_dim**-0.5)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    key_shape, value_shape = backend.kv_cache_shapes(num_blocks, block_size)
+    kv_cache = (torch.zeros(key_shape, dtype=dtype, device=device),
+                torch.zeros(value_shape, dtype=dtype, device=device))
+    # Scatter each request's blocks over the pool in a shuffled order.
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, full_k, full_v = [], [], []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(perm[:n])
+        perm = perm[n:]
+        full_k.append(torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype))
+        full_v.append(torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype))
+    # Context tokens (all but the step's queries) are already in the cache.
+    for table, k, v, s, q in zip(tables, full_k, full_v, seq_lens, query_lens):
+        if s > q:
+            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(s - q)],
+                                 dtype=torch.int64, device=device)
+            backend.write_kv(k[: s - q].to(device), v[: s - q].to(device), kv_cache, slots)
+    queries = [torch.randn(q, num_heads, head_dim, generator=gen, dtype=dtype) for q in query_lens]
+    max_blocks = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+    slots = [table[p // block_size] * block_size + p % block_size
+             for table, s, q in zip(tables, seq_lens, query_lens) for p in range(s - q, s)]
+    query_start = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_tokens=sum(query_lens), query_lens=list(query_lens), seq_lens=list(seq_lens),
+        query_start_loc=query_start.to(device),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_size=block_size, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    backend.prepare(metadata)
+    new_k = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens)])
+    new_v = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens)])
+    out = backend.forward(torch.cat(queries).to(device), new_k.to(device), new_v.to(device), kv_cache,
+                          metadata).cpu()
+    reference = torch.cat([dense_attention(q.float(), k.float(), v.float())
+                           for q, k, v in zip(queries, full_k, full_v)])
+    return out, reference
+
+
+MIXED = [
+    ([5], [5]),  # one prefill from scratch
+    ([9, 17, 3], [1, 1, 1]),  # decodes
+    ([12, 30, 7, 40], [12, 1, 3, 1]),  # prefill, decode, chunk over context, decode
+]
+
+WIDE = ([37, 20, 33, 5, 50], [37, 1, 9, 5, 1])
+
+
+# -- the sampler ------------------------------------------------------------------------
+
+
+def sampling_metadata(params, prompt_token_ids, output_token_ids, eos_token_ids, vocab_size, device="cpu"):
+    """The sampler's metadata for rows given as lists (row ``i`` is request ``i``), gathered
+    through a fresh InputBatch as the worker gathers it from its persistent one."""
+    import numpy as np
+
+    from pagoda.engine.messages import NewRequestData
+    from pagoda.engine.worker.input_batch import InputBatch
+
+    assert len(prompt_token_ids) == len(params) and len(output_token_ids) == len(params)
+    max_len = max((len(p) + len(o) for p, o in zip(prompt_token_ids, output_token_ids)), default=1)
+    batch = InputBatch(max(len(params), 1), max_len, 16, vocab_size, list(eos_token_ids), torch.device(device))
+    rows = [batch.add(NewRequestData(str(i), list(prompt), list(output), p, [], 0))
+            for i, (p, prompt, output) in enumerate(zip(params, prompt_token_ids, output_token_ids))]
+    return batch.sampling_metadata(np.array(rows, dtype=np.int64))
+
+
+# -- servers ----------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256",
+              "--block-size", "8"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,63 @@
+"""size_kv_cache: how many blocks the cache gets and how long a request may be (no model)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.core.kv_sizing import bytes_per_block, size_kv_cache
+from pagoda.engine.model_config import ModelConfig
+
+# SmolLM2-135M's shape: 30 layers, 9 query heads over 3 KV heads of 64.
+MODEL = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=8192,
+                    tie_word_embeddings=True, attention_bias=False, bos_token_id=1, eos_token_ids=[2])
+BF16 = 2
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * BF16  # K and V, every layer, 16 tokens, 3 KV heads of 64
+
+
+def test_a_block_holds_k_and_v_of_every_layer():
+    assert bytes_per_block(MODEL, 16, BF16) == BLOCK_BYTES
+    # Tensor parallelism: each rank holds its share of the KV heads (3 over 3 ranks: one each).
+    assert bytes_per_block(MODEL, 16, BF16, tensor_parallel_size=3) == BLOCK_BYTES // 3
+
+
+def test_the_bytes_decide_the_blocks_and_the_model_decides_the_length():
+    size = size_kv_cache(EngineConfig(kv_cache_bytes=2 * 1024**3, swap_space_bytes=1024**3), MODEL, BF16)
+    assert size.num_blocks == 2 * 1024**3 // BLOCK_BYTES
+    assert size.num_cpu_blocks == 1024**3 // BLOCK_BYTES
+    assert size.num_tokens == size.num_blocks * 16 and size.num_bytes == size.num_blocks * BLOCK_BYTES
+    assert size.max_model_len == 8192 and not size.limited_by_window
+
+
+def test_never_more_blocks_than_max_num_seqs_full_requests_use():
+    size = size_kv_cache(EngineConfig(kv_cache_bytes=64 * 1024**3, max_num_seqs=2, max_model_len=100), MODEL, BF16)
+    assert size.num_blocks == 2 * 7  # ceil(100 / 16) blocks each
+
+
+def test_a_small_cache_caps_the_length_and_an_explicit_one_that_does_not_fit_is_refused():
+    assert size_kv_cache(EngineConfig(num_kv_blocks=10), MODEL, BF16).max_model_len == 160
+    with pytest.raises(ValueError, match="does not fit in the KV cache"):
+        size_kv_cache(EngineConfig(num_kv_blocks=10, max_model_len=200), MODEL, BF16)
+    with pytest.raises(ValueError, match="too small to serve any request"):
+        size_kv_cache(EngineConfig(num_kv_blocks=1, block_size=1), MODEL, BF16)
+
+
+def test_lengths_beyond_the_model_or_its_window_are_refused_or_capped():
+    with pytest.raises(ValueError, match="larger than the model's context length"):
+        size_kv_cache(EngineConfig(max_model_len=10000), MODEL, BF16)
+    windowed = replace(MODEL, sliding_window=4096)
+    size = size_kv_cache(EngineConfig(), windowed, BF16)
+    assert size.max_model_len == 4096 and size.limited_by_window
+    with pytest.raises(ValueError, match="sliding window"):
+        size_kv_cache(EngineConfig(max_model_len=5000), windowed, BF16)
+
+
+def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt():
+    config = EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=1024, max_model_len=2048)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        size_kv_cache(config, MODEL, BF16)
+    assert size_kv_cache(replace(config, max_num_batched_tokens=2048), MODEL, BF16).max_model_len == 2048
