@@ -15,6 +15,11 @@ scheduling, and reports per step:
 ``--output-kind delta`` reads every request as a stream of deltas, as the server's
 streaming responses do (text detokenized and each stream woken every step); ``final``
 reads one output per request, as ``LLM.generate`` does.
+
+``--structured-output json`` constrains every request with a JSON schema (an object holding
+an array of integers), so the cost of structured outputs (the per-step bitmasks, the
+matchers, and with async scheduling the wait for each structured request's pending token)
+shows against the same run without it.
 """
 
 from __future__ import annotations
@@ -29,12 +34,17 @@ from dataclasses import asdict
 from pagoda.engine.args import add_engine_args, engine_config_from_args
 
 
-async def _run(config, args: argparse.Namespace) -> tuple[dict, dict, float]:
+#: The schema of --structured-output json: open-ended, so requests run to max_tokens mostly.
+BENCH_SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}}},
+                "required": ["values"], "additionalProperties": False}
+
+
+async def _run(config, args: argparse.Namespace) -> tuple[dict, dict, float, int]:
     """Starts an engine, warms it up, runs the workload; returns the step stats before and
     after it and its wall time."""
     from pagoda.engine.frontend.async_engine import AsyncEngine
     from pagoda.engine.frontend.output_processor import OutputKind
-    from pagoda.engine.sampling_params import SamplingParams
+    from pagoda.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
     async def consume(engine, prompt, params, kind) -> None:
         async for _ in engine.stream_outputs(engine.add_request(prompt, params, output_kind=kind)):
@@ -44,15 +54,18 @@ async def _run(config, args: argparse.Namespace) -> tuple[dict, dict, float]:
     async with AsyncEngine(config) as engine:
         vocab = engine.model_config.vocab_size
         prompts = [[rng.randrange(1000, vocab) for _ in range(args.input_len)] for _ in range(args.num_requests)]
-        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        warm_up = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        structured = StructuredOutputsParams(json=BENCH_SCHEMA) if args.structured_output == "json" else None
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
+                                structured_outputs=structured)
+        warm_up = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, structured_outputs=structured)
         await asyncio.gather(*(consume(engine, p, warm_up, OutputKind.FINAL) for p in prompts[:4]))
         before = asdict(engine.step_stats)
+        tokens_before = engine.scheduler.stats.num_generation_tokens
         start = time.perf_counter()
         kind = OutputKind(args.output_kind)
         await asyncio.gather(*(consume(engine, p, params, kind) for p in prompts))
         wall = time.perf_counter() - start
-        return before, asdict(engine.step_stats), wall
+        return before, asdict(engine.step_stats), wall, engine.scheduler.stats.num_generation_tokens - tokens_before
 
 
 def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
@@ -62,7 +75,7 @@ def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
     config.async_scheduling = async_scheduling
     loop = new_event_loop()
     try:
-        before, after, wall = loop.run_until_complete(_run(config, args))
+        before, after, wall, num_tokens = loop.run_until_complete(_run(config, args))
     finally:
         loop.close()
     steps = after["num_steps"] - before["num_steps"]
@@ -77,7 +90,8 @@ def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
             "worker_idle_ms_per_step": per_step("worker_idle_seconds"),
             "worker_compute_ms_per_step": per_step("worker_compute_seconds"),
             "outside_forward_ms_per_step": 1e3 * wall / steps - per_step("worker_compute_seconds"),
-            "output_kind": args.output_kind, "seconds": wall}
+            "output_kind": args.output_kind, "structured_output": args.structured_output, "seconds": wall,
+            "output_tokens": num_tokens, "output_tokens_per_s": num_tokens / wall}
 
 
 def run_overhead(args: argparse.Namespace) -> int:
@@ -85,14 +99,14 @@ def run_overhead(args: argparse.Namespace) -> int:
     for r in results:
         print(json.dumps(r), flush=True)
     print(f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output), "
-          f"{args.output_kind} outputs, per step (ms):")
+          f"{args.output_kind} outputs, structured output: {args.structured_output}; per step (ms):")
     print(f"{'async scheduling':<18}{'engine':>9}{'schedule':>10}{'update':>9}{'worker idle':>13}"
-          f"{'worker compute':>16}{'wall':>9}{'outside fwd':>13}{'total s':>9}")
+          f"{'worker compute':>16}{'wall':>9}{'outside fwd':>13}{'total s':>9}{'tok/s':>8}")
     for r in results:
         print(f"{'on' if r['async_scheduling'] else 'off':<18}{r['engine_ms_per_step']:>9.2f}"
               f"{r['schedule_ms_per_step']:>10.2f}{r['update_ms_per_step']:>9.2f}{r['worker_idle_ms_per_step']:>13.2f}"
               f"{r['worker_compute_ms_per_step']:>16.2f}{r['wall_ms_per_step']:>9.2f}"
-              f"{r['outside_forward_ms_per_step']:>13.2f}{r['seconds']:>9.2f}")
+              f"{r['outside_forward_ms_per_step']:>13.2f}{r['seconds']:>9.2f}{r['output_tokens_per_s']:>8.0f}")
     return 0
 
 
@@ -105,5 +119,7 @@ def add_overhead_parser(bench_sub) -> None:
     p.add_argument("--bench-seed", type=int, default=0)
     p.add_argument("--output-kind", choices=["final", "delta"], default="final",
                    help="final: one output per request (LLM.generate); delta: streamed deltas (the server)")
+    p.add_argument("--structured-output", choices=["none", "json"], default="none",
+                   help="json: every request constrained by a JSON schema (see the module docstring)")
     add_engine_args(p)
     p.set_defaults(func=run_overhead)

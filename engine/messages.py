@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagoda.engine.sampling_params import SamplingParams
 
@@ -74,6 +74,10 @@ class SchedulerOutput:
         swap_out: (block, cpu block) copies into the swap space.
         swap_in: (cpu block, block) copies out of the swap space.
         copy_blocks: (source, destination) block copies (copy-on-write).
+        grammar_request_ids: Structured requests that sample this step, in the order of
+            the rows of ``grammar_bitmask``.
+        grammar_bitmask: ``[len(grammar_request_ids), ceil(vocab / 32)]`` int32: bit i of
+            word w allows token 32 w + i (None when no structured request samples).
 
     The worker applies them in this order: drop finished, swap out, swap in, copy,
     then runs the step.
@@ -88,6 +92,8 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    grammar_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -33,6 +33,8 @@ class SamplingParams:
             sampled token's).
         skip_special_tokens: Leave special tokens out of the detokenized text.
         include_stop_str_in_output: Keep a matched stop string in the text.
+        structured_outputs: Constrain the output to a JSON schema, a regex, a choice or a
+            grammar (see StructuredOutputsParams; a dict of its fields is taken too).
     """
 
     n: int = 1
@@ -52,8 +54,13 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", f"must be a StructuredOutputsParams, got {self.structured_outputs!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -80,6 +87,53 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What the output must match; exactly one field is set (vLLM's ``structured_outputs``).
+
+    Attributes:
+        json: A JSON schema (a dict, or its JSON text): the output is one JSON value that
+            validates against it.
+        json_object: Any JSON object (``response_format: {"type": "json_object"}``).
+        regex: A regular expression the whole output matches.
+        choice: The output is exactly one of these strings.
+        grammar: A grammar in Lark syntax (llguidance's dialect; EBNF as Lark writes it).
+        structural_tag: llguidance's structural tag (a dict or its JSON text): free text in
+            which a trigger such as ``<tool_call>`` starts a constrained part.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict | str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object else [])
+        _check(len(given) == 1, "structured_outputs",
+               f"must set exactly one of json, json_object, regex, choice, grammar, structural_tag; got {given or 'none'}")
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and self.choice and all(isinstance(c, str) for c in self.choice),
+                   "structured_outputs", "choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value), "structured_outputs",
+                   f"{name} must be a non-empty string")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, (dict, str)), "structured_outputs",
+                   f"{name} must be an object or its JSON text")
+
+    def cache_key(self) -> str:
+        """A key that is equal for equal constraints (dicts compared by content)."""
+        import json as jsonlib
+
+        return jsonlib.dumps([self.json, self.json_object, self.regex, self.choice, self.grammar,
+                              self.structural_tag], sort_keys=True)
 
 
 def _is_number(value: object) -> bool:

@@ -83,6 +83,13 @@ class _EngineCollector:
                    "preemption included (Pagoda's own).", labels, stats.num_prefill_tokens_computed)
             sample(counter, "generation_tokens", "Number of generation tokens processed.", labels,
                    stats.num_generation_tokens)
+            grammars = engine.grammar_compiler
+            sample(counter, "structured_output_requests", "Requests with a structured-output constraint (Pagoda's own).",
+                   labels, grammars.num_requests if grammars else 0)
+            sample(counter, "grammar_compiles", "Distinct output constraints compiled (cache misses; Pagoda's own).",
+                   labels, grammars.num_compiles if grammars else 0)
+            sample(counter, "grammar_compile_seconds", "Seconds spent compiling output constraints (Pagoda's own).",
+                   labels, grammars.compile_seconds if grammars else 0.0)
             sample(counter, "worker_restarts", "Times the worker process died and was restarted.", labels,
                    engine.num_worker_restarts)
             ready = engine.worker.ready if engine.worker is not None else None

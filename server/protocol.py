@@ -8,8 +8,9 @@ Unknown fields are rejected with a 400 naming the field, as OpenAI does ("Unreco
 request argument supplied: foo"): a misspelt ``max_token`` must not silently fall back to
 the default. Fields OpenAI defines that only label the request (``user``, ``metadata``,
 ``store``...) are accepted and ignored; fields whose effect Pagoda cannot honour
-(``tools``, ``logit_bias``, a JSON ``response_format``...) are rejected with a 400 when
-set to anything but their no-op value.
+(``tools``, ``logit_bias``...) are rejected with a 400 when set to anything but their
+no-op value. ``response_format``, ``structured_outputs`` and vLLM's ``guided_*`` fields
+constrain the output (docs/structured-outputs.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.server.config import ServerConfig
 from pagoda.server.errors import bad_request, from_value_error
 
@@ -33,7 +34,8 @@ _SAMPLING_FIELDS = (
 _COMMON_FIELDS = _SAMPLING_FIELDS + (
     "model", "stream", "stream_options", "user", "priority", "cache_salt", "kv_retention", "logprobs", "echo",
     "add_special_tokens", "logit_bias", "metadata", "store", "service_tier", "prompt_cache_key",
-    "safety_identifier", "response_format", "prompt_logprobs",
+    "safety_identifier", "response_format", "prompt_logprobs", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar",
 )
 COMPLETION_FIELDS = frozenset(_COMMON_FIELDS + ("prompt", "best_of", "suffix"))
 CHAT_FIELDS = frozenset(_COMMON_FIELDS + (
@@ -71,6 +73,7 @@ class GenerateRequest:
         add_generation_prompt: Chat: end the rendered prompt with the assistant header.
         continue_final_message: Chat: let the model continue the last message.
         chat_template_kwargs: Chat: extra variables for the template.
+        structured_param: The field that gave ``params.structured_outputs`` (for errors).
     """
 
     model: str | None
@@ -91,6 +94,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    structured_param: str | None = None
 
 
 class Body:
@@ -240,7 +244,7 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
         continuous_usage = Body(options).bool_("continuous_usage_stats", False)
     b.unsupported("logit_bias")
     b.unsupported("prompt_logprobs")
-    b.unsupported("response_format", ({"type": "text"},), " (only {\"type\": \"text\"})")
+    structured, structured_param = _parse_structured(b)
     stop = _parse_stop(b.get("stop"), config)
     stop_token_ids = b.get("stop_token_ids")
     if stop_token_ids is not None and (not isinstance(stop_token_ids, list)
@@ -280,6 +284,7 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
             logprobs=logprobs,
             skip_special_tokens=b.bool_("skip_special_tokens", True),
             include_stop_str_in_output=b.bool_("include_stop_str_in_output", False),
+            structured_outputs=structured,
         )
     except ValueError as exc:
         raise from_value_error(exc) from None
@@ -288,8 +293,49 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
         include_usage=include_usage,
         continuous_usage=continuous_usage, logprobs=logprobs, echo=echo,
         add_special_tokens=b.bool_("add_special_tokens", add_special_tokens), priority=priority,
-        cache_salt=cache_salt, kv_retention=kv_retention,
+        cache_salt=cache_salt, kv_retention=kv_retention, structured_param=structured_param,
     )
+
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "structural_tag", "json_object")
+# vLLM's older fields, each one kind of structured_outputs.
+_GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                   "guided_grammar": "grammar"}
+
+
+def _parse_structured(b: Body) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The output constraint from response_format, structured_outputs or a guided_* field
+    (at most one of them), and the field it came from."""
+    given = [name for name in ("response_format", "structured_outputs", *_GUIDED_ALIASES)
+             if b.get(name) is not None and b.get(name) != {"type": "text"}]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise bad_request(f"only one of {', '.join(given)} may be given", given[1], code="invalid_structured_outputs")
+    name = given[0]
+    value = b.get(name)
+    try:
+        if name in _GUIDED_ALIASES:
+            return StructuredOutputsParams(**{_GUIDED_ALIASES[name]: value}), name
+        if name == "structured_outputs":
+            if not isinstance(value, dict):
+                raise ValueError("structured_outputs must be an object")
+            unknown = [key for key in value if key not in _STRUCTURED_KEYS]
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field {unknown[0]!r} (known: {', '.join(_STRUCTURED_KEYS)})")
+            return StructuredOutputsParams(**{k: v for k, v in value.items() if v is not None}), name
+        if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+            raise ValueError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                             "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        if value["type"] == "json_object":
+            return StructuredOutputsParams(json_object=True), name
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format.json_schema must be an object with a 'schema' object")
+        return StructuredOutputsParams(json=spec["schema"]), name
+    except (ValueError, TypeError) as exc:
+        message = str(exc).removeprefix("structured_outputs ").removeprefix("structured_outputs: ")
+        raise bad_request(f"{name}: {message}", name, code="invalid_structured_outputs") from None
 
 
 def _parse_stop(stop: Any, config: ServerConfig) -> list[str]:

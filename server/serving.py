@@ -194,6 +194,15 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
                 raise bad_request(str(exc), "prompt") from None
             echo = await state.run_tokenizer(engine.tokenizer.decode, ids) if gen.echo else ""
             prompts.append((ids, ids, echo))
+    structured = gen.params.structured_outputs
+    if structured is not None:
+        # NOTE: compiled (and validated) off the event loop; add_request finds it cached.
+        try:
+            await asyncio.to_thread(engine.compile_grammar, structured)
+        except ValueError as exc:
+            message = str(exc).removeprefix("structured_outputs: ")
+            raise bad_request(f"{gen.structured_param}: {message}", gen.structured_param,
+                              code="invalid_structured_outputs") from None
     jobs = []
     for index, (prompt, ids, echo) in enumerate(prompts):
         state.check_length(len(ids), gen.max_tokens, "messages" if chat else "prompt", gen.max_tokens_param)

@@ -84,6 +84,7 @@ class Request:
         "kv_retention",
         "pending_forks",
         "view",
+        "matcher",
     )
 
     def __init__(
@@ -119,6 +120,8 @@ class Request:
         # Samples of an n > 1 request that fork from this one once its prompt (all
         # but the last token) is in the cache.
         self.pending_forks: list[Request] = []
+        # The structured-output matcher (an llguidance LLMatcher), None when unconstrained.
+        self.matcher = None
 
     @property
     def num_tokens(self) -> int:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagoda.engine.core.kv_cache_manager import UNCHANGED, KVCacheManager, SlotAllocation
 from pagoda.engine.core.policy import Policy
@@ -11,6 +13,11 @@ from pagoda.engine.core.request_queue import WaitingQueue
 from pagoda.engine.messages import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
 from pagoda.engine.core.request import Request, RequestStatus
 from pagoda.plugins.views import KVCacheView, StepView
+
+if TYPE_CHECKING:
+    from pagoda.engine.core.grammar import BitmaskFiller
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -74,8 +81,10 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "auto",
         policy: Policy | None = None,
+        bitmasks: BitmaskFiller | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.bitmasks = bitmasks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -217,6 +226,7 @@ class Scheduler:
         # NOTE: the step's result is matched to these objects, not to ids: an id may be
         # reused by a new request while a step holding the old one is still running.
         self._scheduled[out.step_id] = scheduled = {}
+        structured: list[Request] = []
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = scheduled[request_id] = requests[request_id]
             num_computed = request.num_computed_tokens
@@ -226,6 +236,13 @@ class Scheduler:
             num_computed = request.num_computed_tokens = num_computed + num_tokens
             if num_computed == len(request.all_token_ids) + request.num_pending_tokens:
                 request.num_pending_tokens += 1
+                if request.matcher is not None:
+                    structured.append(request)
+        if structured:
+            # NOTE: a structured request samples only with all its tokens known (see
+            # _num_tokens_to_run), so its matcher is where the sampled token will go on.
+            out.grammar_request_ids = [r.request_id for r in structured]
+            out.grammar_bitmask = self.bitmasks.fill([r.matcher for r in structured])
 
     def _admit(self, request: Request, budget: int) -> str | None:
         """Admits the first waiting request if its blocks can be had.
@@ -394,6 +411,8 @@ class Scheduler:
                 if logprobs is not None:
                     update.new_logprobs.append(logprobs)
             status = request.check_stop()
+            if request.matcher is not None and status is None:
+                status = _advance_matcher(request, token_id)
             if status is None and len(request.all_token_ids) >= max_model_len:
                 status = RequestStatus.FINISHED_LENGTH_CAPPED
             if status is not None:
@@ -417,8 +436,10 @@ class Scheduler:
     def _num_tokens_to_run(self, request: Request) -> int:
         if request.pending_forks:
             return request.num_prompt_tokens - 1 - request.num_computed_tokens
-        # NOTE: pending tokens count against the limits.
         num_pending = request.num_pending_tokens
+        if num_pending and request.matcher is not None:
+            return 0  # its next mask depends on the token in flight: it waits for it
+        # NOTE: pending tokens count against the limits.
         num_with_pending = len(request.all_token_ids) + num_pending
         if (len(request.output_token_ids) + num_pending >= request.max_tokens
                 or num_with_pending >= self.max_model_len):
@@ -518,3 +539,21 @@ class Scheduler:
         if request_id in self._in_worker:
             self._in_worker.discard(request_id)
             self._finished_ids.append(request_id)
+
+
+def _advance_matcher(request: Request, token_id: int) -> RequestStatus | None:
+    """Feeds a structured request's matcher its new token; the status it implies, if any.
+
+    A complete grammar allows only an end-of-sequence token next, which ends the request
+    as EOS does (even with ignore_eos, and left out of the text); a broken one (the token
+    was not allowed, which the mask rules out unless the grammar itself failed) ends it as
+    "stop" too: a request never hangs on a grammar that allows nothing.
+    """
+    matcher = request.matcher
+    was_complete = matcher.is_stopped()
+    if matcher.consume_token(token_id) and not matcher.is_error() and not was_complete:
+        return None
+    if matcher.is_error():
+        logger.warning("request %s: its grammar failed (%s); stopping it", request.request_id, matcher.get_error())
+    request.stop_reason = None
+    return RequestStatus.FINISHED_STOPPED

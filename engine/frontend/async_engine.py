@@ -23,6 +23,7 @@ import pluggy
 from pagoda.attention_backends import get_attention_backend
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.engine_core import EngineCore, StepStats
+from pagoda.engine.core.grammar import BitmaskFiller, GrammarCompiler
 from pagoda.engine.core.kv_cache_manager import KVCacheManager
 from pagoda.engine.core.kv_sizing import KVCacheSize, size_kv_cache
 from pagoda.engine.core.plugin_manager import check_policy_names, create_plugin_manager, plugin_names
@@ -37,7 +38,7 @@ from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_tokenizer, resolve_model
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.platform import resolve_device, resolve_dtype
-from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class AsyncEngine:
         self.kv_cache_size: KVCacheSize | None = None
         self.core: EngineCore | None = None
         self.output_processor: OutputProcessor | None = None
+        self.grammar_compiler: GrammarCompiler | None = None
         self._ids = itertools.count()
 
     # -- lifecycle --------------------------------------------------------------------
@@ -97,6 +99,7 @@ class AsyncEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             preemption_mode=config.preemption_mode,
             policy=self.policy,
+            bitmasks=BitmaskFiller(model_config.vocab_size),
         )
         init = WorkerInit(config, model_dir, model_config, kv.num_blocks, kv.max_model_len, kv.num_cpu_blocks)
         self.core = EngineCore(config, scheduler, partial(create_executor, init, config), self.output_processor,
@@ -188,6 +191,21 @@ class AsyncEngine:
         """Why the engine stopped serving ("" while it runs)."""
         return self.core.dead_reason if self.core is not None else "it has not been started"
 
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compiles a constraint into the cache (thread-safe: callers on the event loop run it
+        in a thread first, so that add_request finds it compiled).
+
+        Raises:
+            ValueError: The constraint is invalid (the message starts with ``structured_outputs``).
+        """
+        self._grammars().compile(params)
+
+    def _grammars(self) -> GrammarCompiler:
+        if self.grammar_compiler is None:
+            self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                    list(self.model_config.eos_token_ids))
+        return self.grammar_compiler
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Tokenizes a text prompt, or validates a token-id prompt."""
         if isinstance(prompt, str):
@@ -242,6 +260,9 @@ class AsyncEngine:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) is larger than max_num_seqs ({self.config.max_num_seqs}): "
                              "the samples of one request must be able to run together")
+        matchers = [None] * params.n
+        if params.structured_outputs is not None:
+            matchers = self._grammars().matchers(params.structured_outputs, params.n)
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stream = RequestStream(request_id, prompt if isinstance(prompt, str) else None, list(prompt_token_ids),
@@ -256,6 +277,7 @@ class AsyncEngine:
             child_id = request_id if params.n == 1 else f"{request_id}-{index}"
             request = Request(child_id, prompt_token_ids, child_params, max_tokens, eos, cache_salt=cache_salt,
                               priority=priority, kv_retention=kv_retention)
+            request.matcher = matchers[index]
             outputs.new_sample(stream, request, index)
             requests.append(request)
         self.policy.admit(requests[0].view, self.scheduler.num_waiting, self.scheduler.num_running)
@@ -274,6 +296,8 @@ class AsyncEngine:
         prompt_token_ids = None
         if isinstance(prompt, str) and prompt:
             prompt_token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.compile_grammar, params.structured_outputs)  # off the loop; cached
         stream = self.add_request(prompt, params, request_id, prompt_token_ids, **kwargs)
         async for output in self.stream_outputs(stream):
             yield output

@@ -137,6 +137,11 @@ class DataParallelEngine:
                 setattr(total, name, combine(getattr(total, name), getattr(r.step_stats, name)))
         return total
 
+    def compile_grammar(self, params) -> None:
+        """Compiles a constraint on every replica (each keeps its own cache)."""
+        for replica in self.replicas:
+            replica.compile_grammar(params)
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return self.replicas[0].encode_prompt(prompt)
 

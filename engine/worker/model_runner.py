@@ -195,6 +195,8 @@ class ModelRunner:
         sample_rows = rows[samples]
         last = torch.from_numpy(query_start[1:][samples].astype(np.int64) - 1).to(device)
         logits = self.model.compute_logits(hidden[last])
+        if sched.grammar_bitmask is not None:
+            _mask_logits(logits, sample_rows, [row_of[r] for r in sched.grammar_request_ids], sched.grammar_bitmask)
         # NOTE: rank 0 samples and every other rank takes its tokens, so all keep the same ids.
         if self.tp.rank == 0:
             result = self.sampler(logits, batch.sampling_metadata(sample_rows))
@@ -253,3 +255,25 @@ class ModelRunner:
         for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
             self.attention_backend.copy_blocks(src_k, dst_k, src_ids, dst_ids, self.block_size)
             self.attention_backend.copy_blocks(src_v, dst_v, src_ids, dst_ids, self.block_size)
+
+
+def _mask_logits(logits: torch.Tensor, sample_rows: np.ndarray, grammar_rows: list[int],
+                 bitmask: np.ndarray) -> None:
+    """Sets to -inf, in place, the logits of the tokens the grammars of structured requests
+    do not allow: one tensor operation over their rows (bit i of word w allows token 32 w + i).
+
+    Args:
+        logits: ``[len(sample_rows), V]``, the step's sampling rows.
+        sample_rows: Batch row of each logits row.
+        grammar_rows: Batch row of each bitmask row.
+        bitmask: ``[len(grammar_rows), ceil(V / 32)]`` int32.
+    """
+    position = np.full(int(max(sample_rows.max(), max(grammar_rows))) + 1, -1, dtype=np.int64)
+    position[sample_rows] = np.arange(len(sample_rows))
+    index = position[np.asarray(grammar_rows, dtype=np.int64)]
+    keep = index >= 0  # NOTE: a row the engine thought samples always does; guard anyway
+    index, words = index[keep], torch.from_numpy(np.ascontiguousarray(bitmask[keep])).to(logits.device)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().view(len(index), -1)[:, : logits.shape[1]]
+    rows = torch.from_numpy(index).to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

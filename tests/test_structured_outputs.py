@@ -1,0 +1,170 @@
+"""Structured outputs through the real openai client against a live server: JSON schemas,
+parse() with a Pydantic model, regex, choice, grammars; bad constraints get a 400 and lose
+nothing. The default model (SmolLM2-135M-Instruct) writes the answers; the grammar decides
+what it may write.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagoda.server.testing import ServerThread
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+PERSON = [{"role": "user", "content": "Describe a person as JSON."}]
+
+SCHEMAS = {
+    "nested object": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 24},
+                       "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                                   "required": ["city", "zip"], "additionalProperties": False}},
+        "required": ["name", "address"], "additionalProperties": False,
+    },
+    "enum and integer range": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]},
+                       "age": {"type": "integer", "minimum": 18, "maximum": 99}},
+        "required": ["color", "age"], "additionalProperties": False,
+    },
+    "array with bounds": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                "minItems": 2, "maxItems": 3}},
+        "required": ["tags"], "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def server(request):
+    config = EngineConfig(max_model_len=1024, async_scheduling=request.param)
+    with ServerThread(config) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def assert_no_leaks(server):
+    kv = server.call(lambda: server.engine.scheduler.kv_cache_manager)
+    assert server.call(lambda: kv.get_num_free_blocks()) == kv.num_blocks
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_json_schema_responses_validate(client, name):
+    schema = SCHEMAS[name]
+    out = client.chat.completions.create(
+        model=MODEL, messages=PERSON, max_tokens=120, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_parse_with_a_pydantic_model_and_sampling(client):
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=30)
+        country: str = pydantic.Field(max_length=30)
+        population: int = pydantic.Field(ge=0)
+
+    out = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about Paris as JSON."}], max_tokens=120,
+        temperature=0.8, seed=3, n=2, response_format=City)
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        assert isinstance(choice.message.parsed, City), choice.message.content
+
+
+def test_regex_choice_grammar_and_json_object(client, server):
+    phone = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": r" [0-9]{3}-[0-9]{4}"}})
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", phone.choices[0].text), phone.choices[0].text
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=10, temperature=0,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert answer.choices[0].message.content in ("yes", "no", "maybe")
+    counted = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to three."}], max_tokens=20, temperature=0,
+        extra_body={"structured_outputs": {"grammar": 'start: NUM ", " NUM ", " NUM\nNUM: /[1-9]/'}})
+    assert re.fullmatch(r"[1-9], [1-9], [1-9]", counted.choices[0].message.content), counted.choices[0].message.content
+    assert counted.choices[0].finish_reason == "stop"
+    anything = client.chat.completions.create(model=MODEL, messages=PERSON, max_tokens=100, temperature=0,
+                                              response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    assert_no_leaks(server)
+
+
+def test_streamed_json_adds_up_to_the_whole(client):
+    schema = SCHEMAS["enum and integer range"]
+    kwargs = dict(model=MODEL, messages=PERSON, max_tokens=60, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+              if c.choices]
+    assert "".join(pieces) == whole
+    jsonschema.validate(json.loads(whole), schema)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "start: @@@"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "structured_outputs"),
+])
+def test_bad_constraints_get_a_400_naming_the_field_and_lose_nothing(client, server, body, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=PERSON, max_tokens=5, extra_body=body)
+    assert error.value.status_code == 400
+    assert error.value.body["param"] in (param, "guided_regex", "response_format"), error.value.body
+    assert error.value.body["code"] == "invalid_structured_outputs"
+    ok = client.chat.completions.create(model=MODEL, messages=PERSON, max_tokens=3)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert_no_leaks(server)
+
+
+def test_structured_requests_and_compile_time_are_counted(client, server):
+    client.chat.completions.create(model=MODEL, messages=PERSON, max_tokens=30, temperature=0,
+                                   extra_body={"guided_regex": "[a-z]{3,8}"})
+    with urllib.request.urlopen(server.url + "/metrics") as response:
+        metrics = response.read().decode()
+    requests = float(re.search(r'^pagoda:structured_output_requests_total\{[^}]*\} (\S+)', metrics, re.M).group(1))
+    compiles = float(re.search(r'^pagoda:grammar_compiles_total\{[^}]*\} (\S+)', metrics, re.M).group(1))
+    seconds = float(re.search(r'^pagoda:grammar_compile_seconds_total\{[^}]*\} (\S+)', metrics, re.M).group(1))
+    assert requests >= 1 and compiles >= 1 and seconds > 0
+
+
+def test_offline_llm_takes_structured_outputs_with_preemption(tmp_path):
+    from pagoda import LLM
+
+    schema = SCHEMAS["nested object"]
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=100,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    conversations = [[{"role": "user", "content": f"Describe person number {i} and where they live as JSON."}]
+                     for i in range(8)]
+    # NOTE: a cache this small preempts (recompute); the matchers keep what was accepted.
+    with LLM(max_model_len=256, num_kv_blocks=24, max_num_seqs=8, preemption_mode="recompute") as llm:
+        outputs = llm.chat(conversations, params)
+        assert llm.engine.scheduler.stats.num_preemptions > 0
+    for out in outputs:
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
