@@ -14,6 +14,7 @@ import sys
 from pagoda.engine.args import add_engine_args, configure_logging, engine_config_from_args
 from pagoda.engine.sampling_params import MAX_LOGPROBS, MAX_N
 from pagoda.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
+from pagoda.server.tools import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "PAGODA_API_KEY"
 
@@ -68,6 +69,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     _add(parser, "--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     _add(parser, "--otlp-traces-endpoint", default=None,
          help="export OpenTelemetry traces to this OTLP endpoint (needs opentelemetry-exporter-otlp)")
+    _add(parser, "--enable-auto-tool-choice", action="store_true",
+         help='accept tool_choice "auto": the model decides to call tools (needs --tool-call-parser)')
+    _add(parser, "--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+         help="how tool calls are found in the model's text for tool_choice auto (hermes: <tool_call> JSON)")
     _add(parser, "--access-log", action=argparse.BooleanOptionalAction, default=True,
          help="log one line per HTTP request")
     parser.set_defaults(func=serve)
@@ -84,7 +89,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout, max_n=args.max_n,
         max_logprobs=args.max_logprobs, max_stop=args.max_stop, max_prompts=args.max_prompts,
         chat_template=args.chat_template, otlp_traces_endpoint=args.otlp_traces_endpoint,
-        access_log=args.access_log,
+        access_log=args.access_log, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

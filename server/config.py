@@ -39,6 +39,8 @@ class ServerConfig:
             tokenizer's.
         otlp_traces_endpoint: Export traces to this OTLP endpoint (turns tracing on).
         access_log: Log one line per HTTP request.
+        enable_auto_tool_choice: Accept ``tool_choice: "auto"`` (needs tool_call_parser).
+        tool_call_parser: How calls are found in a model's own text for "auto" ("hermes").
     """
 
     host: str = "127.0.0.1"
@@ -58,6 +60,8 @@ class ServerConfig:
     chat_template: str | None = None
     otlp_traces_endpoint: str | None = None
     access_log: bool = True
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:

@@ -15,12 +15,14 @@ constrain the output (docs/structured-outputs.md).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.server.config import ServerConfig
 from pagoda.server.errors import bad_request, from_value_error
+from pagoda.server.tools import ToolRequest, parse_tools
 
 MAX_STOP_LENGTH = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -74,6 +76,7 @@ class GenerateRequest:
         continue_final_message: Chat: let the model continue the last message.
         chat_template_kwargs: Chat: extra variables for the template.
         structured_param: The field that gave ``params.structured_outputs`` (for errors).
+        tools: Chat: the tools and tool_choice (None without tools).
     """
 
     model: str | None
@@ -95,6 +98,7 @@ class GenerateRequest:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     structured_param: str | None = None
+    tools: ToolRequest | None = None
 
 
 class Body:
@@ -178,10 +182,10 @@ def parse_chat(body: Any, config: ServerConfig) -> GenerateRequest:
     """
     b = _check_fields(body, CHAT_FIELDS)
     messages = parse_messages(body.get("messages"))
-    for name in ("tools", "functions", "audio", "prediction", "web_search_options"):
-        b.unsupported(name, what=" (Pagoda has no tool calling, audio or web search)")
-    b.unsupported("tool_choice", ("none", "auto"))
+    for name in ("functions", "audio", "prediction", "web_search_options"):
+        b.unsupported(name, what=" (Pagoda has no legacy function calling ('tools' it has), audio or web search)")
     b.unsupported("function_call", ("none", "auto"))
+    tools = parse_tools(body, config.enable_auto_tool_choice, config.tool_call_parser)
     b.unsupported("modalities", (["text"],))
     logprobs = None
     if b.bool_("logprobs", False):
@@ -204,6 +208,13 @@ def parse_chat(body: Any, config: ServerConfig) -> GenerateRequest:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     request.chat_template_kwargs = kwargs or {}
+    request.tools = tools
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is not None:
+        if request.params.structured_outputs is not None:
+            raise bad_request(f"'tool_choice' {tools.choice!r} constrains the output; it cannot be combined with "
+                              f"'{request.structured_param}'", "tool_choice", code="invalid_structured_outputs")
+        request.params.structured_outputs, request.structured_param = constraint, "tools"
     return request
 
 
@@ -406,5 +417,31 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
         normalized = {"role": "system" if role == "developer" else role, "content": content}
         if isinstance(message.get("name"), str):
             normalized["name"] = message["name"]
+        if role == "tool" and isinstance(message.get("tool_call_id"), str):
+            normalized["tool_call_id"] = message["tool_call_id"]
+        if role == "assistant" and message.get("tool_calls"):
+            normalized["tool_calls"] = _parse_tool_calls(message["tool_calls"], where)
         result.append(normalized)
+    return result
+
+
+def _parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls, for the chat template: arguments as an object
+    (templates render them with tojson), as transformers' tool-use templates expect."""
+    if not isinstance(calls, list):
+        raise bad_request(f"'{where}.tool_calls' must be a list", f"{where}.tool_calls")
+    result = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"'{where}.tool_calls[{j}]' must have a function with a name", f"{where}.tool_calls")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                raise bad_request(f"'{where}.tool_calls[{j}].function.arguments' must be JSON text",
+                                  f"{where}.tool_calls") from None
+        result.append({"id": call.get("id"), "type": "function",
+                       "function": {"name": function["name"], "arguments": arguments}})
     return result

@@ -7,6 +7,7 @@ from typing import Any
 
 from pagoda.engine.messages import TokenLogprobs
 from pagoda.engine.outputs import CompletionOutput
+from pagoda.server.tools import ToolRequest
 
 
 class TokenStrings:
@@ -76,11 +77,13 @@ class ChoiceState:
         prefix: Text still to send before the output (echo).
         text_offset: Completions logprobs: offset of the next token in the choice's text.
         finished: The chunk with the finish_reason was sent.
+        held: Text held back until the choice finishes (tool calls are parsed whole).
     """
 
     prefix: str = ""
     text_offset: int = 0
     finished: bool = False
+    held: str = ""
 
 
 class ChoiceBuilder:
@@ -90,12 +93,15 @@ class ChoiceBuilder:
         chat: Chat (message/delta) rather than completions (text) choices.
         num_logprobs: Top logprobs per token, None when not requested.
         token_str: Token id to text.
+        tools: The chat request's tools, whose calls are parsed out of each answer.
     """
 
-    def __init__(self, chat: bool, num_logprobs: int | None, token_str: TokenStrings) -> None:
+    def __init__(self, chat: bool, num_logprobs: int | None, token_str: TokenStrings,
+                 tools: ToolRequest | None = None) -> None:
         self.chat = chat
         self.num_logprobs = num_logprobs
         self.token_str = token_str
+        self.tools = tools if tools is not None and tools.choice != "none" else None
 
     def _logprobs(self, entries: list[TokenLogprobs] | None, text_offset: int) -> dict[str, Any] | None:
         if self.num_logprobs is None or entries is None:
@@ -109,17 +115,54 @@ class ChoiceBuilder:
         text = prefix + output.text
         logprobs = self._logprobs(output.logprobs, len(prefix))
         choice: dict[str, Any] = {"index": index}
+        finish = output.finish_reason
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                content, calls = self.tools.extract(text)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content,
+                                         "tool_calls": [call.to_dict() for call in calls]}
+                    finish = "tool_calls" if finish == "stop" else finish
         else:
             choice["text"] = text
-        choice.update(logprobs=logprobs, finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+        choice.update(logprobs=logprobs, finish_reason=finish, stop_reason=output.stop_reason)
         return choice
 
     def role(self, index: int) -> dict[str, Any]:
         """A chat stream's first chunk for a choice: the role."""
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
+
+    def deltas(self, index: int, output: CompletionOutput, state: ChoiceState) -> list[dict[str, Any]]:
+        """The stream chunks of a choice for one engine delta (``output`` holds only what is
+        new): usually one, none when there is nothing new to send.
+
+        With tools, the text is held back until the choice finishes, then sent as its content
+        and tool calls, OpenAI's way: for each call a chunk with its id and name, then one
+        with its arguments.
+        """
+        if self.tools is None:
+            choice = self.delta(index, output, state)
+            return [] if choice is None else [choice]
+        state.held += output.text
+        if not output.finished or state.finished:
+            return []
+        state.finished = True
+        content, calls = self.tools.extract(state.held)
+        finish = "tool_calls" if calls and output.finish_reason == "stop" else output.finish_reason
+        chunks = []
+        if content:
+            chunks.append({"index": index, "delta": {"content": content}, "logprobs": None, "finish_reason": None})
+        for i, call in enumerate(calls):
+            chunks.append({"index": index, "delta": {"tool_calls": [
+                {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]},
+                "logprobs": None, "finish_reason": None})
+            chunks.append({"index": index, "delta": {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]},
+                           "logprobs": None, "finish_reason": None})
+        chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                       "stop_reason": output.stop_reason})
+        return chunks
 
     def delta(self, index: int, output: CompletionOutput, state: ChoiceState) -> dict[str, Any] | None:
         """The stream chunk of a choice for one engine delta (``output`` holds only what is

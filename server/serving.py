@@ -32,6 +32,7 @@ from pagoda.server.protocol import GenerateRequest, parse_chat, parse_completion
 from pagoda.server.responses import ChoiceBuilder, ChoiceState, usage
 from pagoda.server.state import STATE_KEY, ServerState
 from pagoda.server.streaming import merge, open_sse, send_done, send_event
+from pagoda.server.tools import check_template_renders_tools
 from pagoda.server.tracing import RequestSpan
 
 
@@ -133,7 +134,7 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, span: 
         if isinstance(exc, RequestRejected):
             raise rejection_error(exc) from None
         raise from_value_error(exc, "messages" if chat else "prompt") from None
-    builder = ChoiceBuilder(chat, gen.logprobs, state.token_str)
+    builder = ChoiceBuilder(chat, gen.logprobs, state.token_str, gen.tools)
     created = int(time.time())
     head = {"id": request_id, "object": _object(chat, gen.stream), "created": created, "model": model}
     try:
@@ -174,8 +175,15 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
     """Tokenizes (or renders and tokenizes) the prompts and checks them against the context."""
     engine = state.engine
     if chat:
+        kwargs = gen.chat_template_kwargs
+        if gen.tools is not None:
+            kwargs = {**kwargs, "tools": gen.tools.tools}
         text = await state.run_tokenizer(state.render_chat, gen.messages, gen.add_generation_prompt,
-                                         gen.continue_final_message, gen.chat_template_kwargs)
+                                         gen.continue_final_message, kwargs)
+        if gen.tools is not None:
+            check_template_renders_tools(text, await state.run_tokenizer(
+                state.render_chat, gen.messages, gen.add_generation_prompt, gen.continue_final_message,
+                gen.chat_template_kwargs))
         ids = await state.run_tokenizer(state.encode, text, gen.add_special_tokens)
         last = gen.messages[-1]
         echo = last["content"] if gen.echo and last["role"] == "assistant" else ""
@@ -283,8 +291,7 @@ async def _stream(request: web.Request, state: ServerState, gen: GenerateRequest
                 _finish(jobs[index], out, gen, span)
                 for o in out.outputs:
                     choice_index = index * n + o.index
-                    choice = builder.delta(choice_index, o, states[choice_index])
-                    if choice is not None:
+                    for choice in builder.deltas(choice_index, o, states[choice_index]):
                         await send(choice)
     except (EngineDeadError, StepError) as exc:
         error = _engine_error(exc)

@@ -46,9 +46,13 @@ def served_model_names(model: str | None, names: list[str]) -> tuple[list[str], 
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a path to a Jinja file, or the template itself."""
+    """``--chat-template``: a path to a Jinja file, the name of one Pagoda ships
+    (``chatml_tools``: server/templates/), or the template itself."""
     if value is None:
         return None
+    shipped = Path(__file__).parent / "templates" / f"{value}.jinja"
+    if value.isidentifier() and shipped.is_file():
+        return shipped.read_text()
     path = Path(value)
     try:
         if path.is_file():
