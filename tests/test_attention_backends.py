@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagoda.attention_backends import AttentionMetadata, get_attention_backend
-from helpers import HEAD_DIM, MIXED, NUM_HEADS, NUM_KV_HEADS, WIDE, dense_attention, run_step
+from helpers import MIXED, WIDE, run_step
 
 @pytest.mark.parametrize("backend", ["naive", "torch_sdpa", "cpu_paged"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])

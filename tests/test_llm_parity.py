@@ -1,9 +1,8 @@
 """Greedy parity with transformers, token for token, through the whole engine."""
 
 import pytest
-import torch
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM
 from helpers import GREEDY, NUM_NEW, hf_greedy, make_hf_model
 
 PROMPTS = [

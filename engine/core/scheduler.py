@@ -70,6 +70,8 @@ class Scheduler:
         enable_chunked_prefill: Whether a prompt may be split over steps.
         preemption_mode: "auto" (ask the chooser), "swap" or "recompute".
         policy: The plugin hooks (built-in fcfs and lru when None).
+        bitmasks: Fills the token bitmasks of structured requests (needed only when a
+            request has a grammar matcher).
     """
 
     def __init__(
