@@ -7,6 +7,7 @@ import logging
 from dataclasses import fields
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.reasoning import REASONING_PARSERS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                 help="load a plugin (repeatable), after those installed under the 'pagoda' group")
         elif isinstance(default, bool) or f.type in ("bool | None", bool | None):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif f.name == "reasoning_parser":
+            parser.add_argument(flag, default=default, choices=list(REASONING_PARSERS),
+                                help="the model's thinking format: reasoning_content apart from content, and "
+                                     "structured outputs applied after the thinking")
         elif isinstance(default, str) or f.name == "model":
             parser.add_argument(flag, default=default)
         else:

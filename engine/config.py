@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pagoda.engine.reasoning import REASONING_PARSERS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 DEFAULT_SWAP_SPACE_BYTES = 4 * 1024**3
@@ -50,6 +52,9 @@ class EngineConfig:
             shortest-prompt-first, or a plugin's).
         eviction_policy: A registered eviction policy (lru, retention-priority, ...).
         plugins: ``module:object`` plugins to load after the installed ones.
+        reasoning_parser: The reasoning family of the model's output (``deepseek_r1``,
+            ``qwen3``): a structured-output grammar then applies only after the thinking
+            ends, and the server returns the thinking as ``reasoning_content``.
     """
 
     model: str | None = None
@@ -78,6 +83,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     eviction_policy: str = "lru"
     plugins: tuple[str, ...] = ()
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")
@@ -112,6 +118,9 @@ class EngineConfig:
         self.plugins = tuple(self.plugins)
         if not all(isinstance(p, str) and p for p in self.plugins):
             raise ValueError(f"plugins must be 'module:object' strings; got {self.plugins!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
+                             f"got {self.reasoning_parser!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
 

@@ -14,7 +14,7 @@ import sys
 from pagoda.engine.args import add_engine_args, configure_logging, engine_config_from_args
 from pagoda.engine.sampling_params import MAX_LOGPROBS, MAX_N
 from pagoda.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
-from pagoda.server.tools import TOOL_CALL_PARSERS
+from pagoda.server.tool_parsers import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "PAGODA_API_KEY"
 
@@ -72,7 +72,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     _add(parser, "--enable-auto-tool-choice", action="store_true",
          help='accept tool_choice "auto": the model decides to call tools (needs --tool-call-parser)')
     _add(parser, "--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
-         help="how tool calls are found in the model's text for tool_choice auto (hermes: <tool_call> JSON)")
+         help="how tool calls are found in the model's text for tool_choice auto: hermes (<tool_call> JSON; "
+              "Qwen2.5, Hermes), llama3_json (Llama 3.1-3.3), mistral ([TOOL_CALLS]), pythonic ([f(x=1)])")
     _add(parser, "--access-log", action=argparse.BooleanOptionalAction, default=True,
          help="log one line per HTTP request")
     parser.set_defaults(func=serve)

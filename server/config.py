@@ -40,7 +40,8 @@ class ServerConfig:
         otlp_traces_endpoint: Export traces to this OTLP endpoint (turns tracing on).
         access_log: Log one line per HTTP request.
         enable_auto_tool_choice: Accept ``tool_choice: "auto"`` (needs tool_call_parser).
-        tool_call_parser: How calls are found in a model's own text for "auto" ("hermes").
+        tool_call_parser: How calls are found in a model's own text for "auto" (hermes,
+            llama3_json, mistral, pythonic: server/tool_parsers.py).
     """
 
     host: str = "127.0.0.1"

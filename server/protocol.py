@@ -22,6 +22,7 @@ from typing import Any
 from pagoda.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.server.config import ServerConfig
 from pagoda.server.errors import bad_request, from_value_error
+from pagoda.server.tool_parsers import KEEPS_SPECIAL_TOKENS
 from pagoda.server.tools import ToolRequest, parse_tools
 
 MAX_STOP_LENGTH = 256
@@ -209,6 +210,8 @@ def parse_chat(body: Any, config: ServerConfig) -> GenerateRequest:
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     request.chat_template_kwargs = kwargs or {}
     request.tools = tools
+    if tools is not None and tools.parser in KEEPS_SPECIAL_TOKENS and "skip_special_tokens" not in body:
+        request.params.skip_special_tokens = False  # its calls start with a special token
     constraint = tools.constraint() if tools is not None else None
     if constraint is not None:
         if request.params.structured_outputs is not None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine.messages import TokenLogprobs
 from pagoda.engine.outputs import CompletionOutput
-from pagoda.server.tools import ToolRequest
+from pagoda.engine.reasoning import ReasoningParser
+from pagoda.server.tool_parsers import Parsed
+from pagoda.server.tools import ToolCall, ToolRequest
 
 
 class TokenStrings:
@@ -70,6 +72,14 @@ def chat_logprobs(entries: list[TokenLogprobs], token_str: TokenStrings, num_top
 
 
 @dataclass(slots=True)
+class SentCall:
+    """A streamed tool call: its id and how much of its arguments went out."""
+
+    id: str
+    num_argument_chars: int = 0
+
+
+@dataclass(slots=True)
 class ChoiceState:
     """What one streamed choice has sent.
 
@@ -77,13 +87,21 @@ class ChoiceState:
         prefix: Text still to send before the output (echo).
         text_offset: Completions logprobs: offset of the next token in the choice's text.
         finished: The chunk with the finish_reason was sent.
-        held: Text held back until the choice finishes (tool calls are parsed whole).
+        text: The answer so far, when it is parsed (tools, reasoning).
+        num_reasoning_chars: Reasoning sent so far.
+        num_content_chars: Content sent so far (parsed answers).
+        calls: Tool calls sent so far.
+        logprobs: Logprobs entries not yet sent (parsed answers send them with the next chunk).
     """
 
     prefix: str = ""
     text_offset: int = 0
     finished: bool = False
-    held: str = ""
+    text: str = ""
+    num_reasoning_chars: int = 0
+    num_content_chars: int = 0
+    calls: list[SentCall] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class ChoiceBuilder:
@@ -94,14 +112,18 @@ class ChoiceBuilder:
         num_logprobs: Top logprobs per token, None when not requested.
         token_str: Token id to text.
         tools: The chat request's tools, whose calls are parsed out of each answer.
+        reasoning: The engine's reasoning parser (chat only): thinking goes to
+            ``reasoning_content``.
     """
 
     def __init__(self, chat: bool, num_logprobs: int | None, token_str: TokenStrings,
-                 tools: ToolRequest | None = None) -> None:
+                 tools: ToolRequest | None = None, reasoning: ReasoningParser | None = None) -> None:
         self.chat = chat
         self.num_logprobs = num_logprobs
         self.token_str = token_str
         self.tools = tools if tools is not None and tools.choice != "none" else None
+        self.reasoning = reasoning if chat else None
+        self.parses = self.tools is not None or self.reasoning is not None
 
     def _logprobs(self, entries: list[TokenLogprobs] | None, text_offset: int) -> dict[str, Any] | None:
         if self.num_logprobs is None or entries is None:
@@ -110,22 +132,34 @@ class ChoiceBuilder:
             return chat_logprobs(entries, self.token_str, self.num_logprobs)
         return completion_logprobs(entries, self.token_str, text_offset)
 
+    def _parse(self, text: str, final: bool) -> tuple[str | None, Parsed]:
+        """(reasoning, content and tool calls) of an answer so far."""
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text, final)
+        return reasoning, self.tools.parse(text, final) if self.tools is not None else Parsed(text)
+
     def whole(self, index: int, output: CompletionOutput, prefix: str = "") -> dict[str, Any]:
         """A non-streamed choice."""
         text = prefix + output.text
         logprobs = self._logprobs(output.logprobs, len(prefix))
         choice: dict[str, Any] = {"index": index}
         finish = output.finish_reason
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            if self.tools is not None:
-                content, calls = self.tools.extract(text)
-                if calls:
-                    choice["message"] = {"role": "assistant", "content": content,
-                                         "tool_calls": [call.to_dict() for call in calls]}
-                    finish = "tool_calls" if finish == "stop" else finish
-        else:
+        if not self.chat:
             choice["text"] = text
+        elif not self.parses:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            reasoning, parsed = self._parse(text, final=True)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+                message["content"] = parsed.content or None
+            if parsed.calls:
+                message["content"] = parsed.content or None
+                message["tool_calls"] = [ToolCall(call.name, call.arguments).to_dict() for call in parsed.calls]
+                finish = "tool_calls" if finish == "stop" else finish
+            choice["message"] = message
         choice.update(logprobs=logprobs, finish_reason=finish, stop_reason=output.stop_reason)
         return choice
 
@@ -138,30 +172,54 @@ class ChoiceBuilder:
         """The stream chunks of a choice for one engine delta (``output`` holds only what is
         new): usually one, none when there is nothing new to send.
 
-        With tools, the text is held back until the choice finishes, then sent as its content
-        and tool calls, OpenAI's way: for each call a chunk with its id and name, then one
-        with its arguments.
+        A parsed answer (tools, reasoning) is parsed again as it grows, and what it holds
+        beyond what was sent goes out: reasoning and content as text deltas, each tool
+        call as OpenAI streams them (a chunk with its id and name, then pieces of its
+        arguments). Text that may still turn out to be a tag waits for the next tokens.
         """
-        if self.tools is None:
+        if not self.parses:
             choice = self.delta(index, output, state)
             return [] if choice is None else [choice]
-        state.held += output.text
-        if not output.finished or state.finished:
+        if state.finished:
             return []
-        state.finished = True
-        content, calls = self.tools.extract(state.held)
-        finish = "tool_calls" if calls and output.finish_reason == "stop" else output.finish_reason
-        chunks = []
-        if content:
-            chunks.append({"index": index, "delta": {"content": content}, "logprobs": None, "finish_reason": None})
-        for i, call in enumerate(calls):
-            chunks.append({"index": index, "delta": {"tool_calls": [
-                {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]},
-                "logprobs": None, "finish_reason": None})
-            chunks.append({"index": index, "delta": {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]},
-                           "logprobs": None, "finish_reason": None})
-        chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish,
-                       "stop_reason": output.stop_reason})
+        state.text += output.text
+        if self.num_logprobs is not None and output.logprobs:
+            state.logprobs.extend(output.logprobs)
+        reasoning, parsed = self._parse(state.text, output.finished)
+        deltas: list[dict[str, Any]] = []
+        if reasoning is not None and len(reasoning) > state.num_reasoning_chars:
+            deltas.append({"reasoning_content": reasoning[state.num_reasoning_chars:]})
+            state.num_reasoning_chars = len(reasoning)
+        content = parsed.content
+        # NOTE: a final answer whose calls turn out malformed is all content; calls already
+        # streamed stand, and its markup is not sent again as content.
+        if len(content) > state.num_content_chars and not (state.calls and not parsed.calls):
+            deltas.append({"content": content[state.num_content_chars:]})
+            state.num_content_chars = len(content)
+        for i, call in enumerate(parsed.calls):
+            if call.name is None:
+                break  # its name is still being written
+            if i == len(state.calls):
+                sent = ToolCall(call.name, "")
+                state.calls.append(SentCall(sent.id))
+                deltas.append({"tool_calls": [{"index": i, "id": sent.id, "type": "function",
+                                               "function": {"name": call.name, "arguments": ""}}]})
+            sent_call = state.calls[i]
+            if len(call.arguments) > sent_call.num_argument_chars:
+                deltas.append({"tool_calls": [{"index": i, "function": {
+                    "arguments": call.arguments[sent_call.num_argument_chars:]}}]})
+                sent_call.num_argument_chars = len(call.arguments)
+        chunks = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
+        if chunks and state.logprobs:
+            chunks[0]["logprobs"] = self._logprobs(state.logprobs, 0)
+            state.logprobs = []
+        if output.finished:
+            state.finished = True
+            finish = output.finish_reason
+            if state.calls and finish == "stop":
+                finish = "tool_calls"
+            chunks.append({"index": index, "delta": {}, "finish_reason": finish, "stop_reason": output.stop_reason,
+                           "logprobs": self._logprobs(state.logprobs, 0) if state.logprobs else None})
         return chunks
 
     def delta(self, index: int, output: CompletionOutput, state: ChoiceState) -> dict[str, Any] | None:

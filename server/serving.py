@@ -25,6 +25,7 @@ from aiohttp import web
 
 from pagoda.engine.frontend.output_processor import OutputKind
 from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.reasoning import REASONING_PARSERS
 from pagoda.engine.exceptions import AdmissionPluginFailed, EngineDeadError, RequestRejected, StepError
 from pagoda.server.errors import APIError, bad_request, from_value_error
 from pagoda.server.metrics import RequestTracker
@@ -134,7 +135,9 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, span: 
         if isinstance(exc, RequestRejected):
             raise rejection_error(exc) from None
         raise from_value_error(exc, "messages" if chat else "prompt") from None
-    builder = ChoiceBuilder(chat, gen.logprobs, state.token_str, gen.tools)
+    reasoning = engine.config.reasoning_parser
+    builder = ChoiceBuilder(chat, gen.logprobs, state.token_str, gen.tools,
+                            REASONING_PARSERS[reasoning] if reasoning is not None else None)
     created = int(time.time())
     head = {"id": request_id, "object": _object(chat, gen.stream), "created": created, "model": model}
     try:

@@ -7,13 +7,13 @@ own text (``tool_choice: "auto"``).
   enforces it, whatever the model.
 - a named function: the output is that function's arguments, valid for its schema.
 - ``auto``: the model writes calls in its own syntax, found by the parser the server was
-  started with (``--enable-auto-tool-choice --tool-call-parser hermes``).
+  started with (``--enable-auto-tool-choice --tool-call-parser hermes``; the parsers are in
+  server/tool_parsers.py).
 - ``none``: no call; the tools still reach the chat template.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -21,9 +21,7 @@ from typing import Any
 
 from pagoda.engine.sampling_params import StructuredOutputsParams
 from pagoda.server.errors import bad_request
-
-#: Parsers for ``tool_choice: "auto"`` (--tool-call-parser).
-TOOL_CALL_PARSERS = ("hermes",)
+from pagoda.server.tool_parsers import TOOL_CALL_PARSERS, Parsed, parse_arguments, parse_json_array
 
 
 @dataclass(slots=True)
@@ -77,46 +75,30 @@ class ToolRequest:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
 
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished output: the calls it makes and the text around them."""
+    def parse(self, text: str, final: bool) -> Parsed:
+        """The content and calls in an answer so far (``final``: the whole answer).
+
+        Called on a growing text, the content and each call's arguments only grow, so a
+        stream sends the differences (see server/tool_parsers.py).
+        """
         if self.choice == "named":
-            return None, [ToolCall(self.function, _compact(text))]
-        if self.choice == "required":
-            try:
-                items = json.loads(text)
-            except ValueError:
-                return text, []  # cut by max_tokens before the JSON closed
-            return None, [ToolCall(item["name"], json.dumps(item["arguments"], ensure_ascii=False)) for item in items]
-        if self.choice == "auto" and self.parser == "hermes":
-            return _parse_hermes(text)
-        return text, []
+            parsed = parse_arguments(self.function)(text, final)
+        elif self.choice == "required":
+            parsed = parse_json_array(text, final)
+        elif self.choice == "auto" and self.parser is not None:
+            parsed = TOOL_CALL_PARSERS[self.parser](text, final)
+        else:
+            return Parsed(text)
+        if not self.parallel:
+            del parsed.calls[1:]
+        return parsed
 
-
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen2.5,
-    SmolLM3): the calls, and the text before the first as content. A block that is not a
-    call's JSON leaves the whole text as content."""
-    calls = []
-    for match in _HERMES_CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-            calls.append(ToolCall(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
-        except (ValueError, KeyError, TypeError):
-            return text, []
-    if not calls:
-        return text, []
-    content = text[: text.index("<tool_call>")].strip()
-    return content or None, calls
-
-
-def _compact(text: str) -> str:
-    try:
-        return json.dumps(json.loads(text), ensure_ascii=False)
-    except ValueError:
-        return text
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished answer: the calls it makes and the text around them."""
+        parsed = self.parse(text, final=True)
+        if not parsed.calls:
+            return parsed.content, []
+        return parsed.content or None, [ToolCall(call.name, call.arguments) for call in parsed.calls]
 
 
 def parse_tools(body: dict[str, Any], enable_auto: bool, parser: str | None) -> ToolRequest | None:

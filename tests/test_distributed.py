@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import openai
@@ -10,6 +11,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.sampling_params import StructuredOutputsParams
 from pagoda.engine.tensor_parallel import even_split, head_share
 from pagoda.engine.core.plugin_manager import create_plugin_manager
 from helpers import GREEDY, NUM_NEW, hf_greedy, make_hf_model
@@ -58,6 +60,22 @@ def test_tp2_matches_transformers_on_qwen2_with_biases(tiny_qwen2_dir):
     want = [hf_greedy(hf, p, NUM_NEW) for p in PROMPTS]
     with LLM(str(tiny_qwen2_dir), max_model_len=128, **TP2) as llm:
         assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
+
+
+def test_tp2_holds_structured_requests_to_their_grammar(tiny_llama_dir, expected):
+    """Rank 0 samples, so only it needs the step's bitmask; unconstrained requests in the
+    same steps are untouched."""
+    regex = StructuredOutputsParams(regex=r"[a-c]{2,4}")
+    choice = StructuredOutputsParams(choice=["alpha", "beta"])
+    structured = [SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=40, structured_outputs=c)
+                  for c in (regex, choice)]
+    with LLM(str(tiny_llama_dir), max_model_len=128, **TP2) as llm:
+        outputs = llm.generate(PROMPTS[:2] + PROMPTS, [*structured, *[GREEDY] * len(PROMPTS)])
+    for sample in outputs[0].outputs:
+        assert re.fullmatch(r"[a-c]{2,4}", sample.text) and sample.finish_reason == "stop"
+    for sample in outputs[1].outputs:
+        assert sample.text in ("alpha", "beta") and sample.finish_reason == "stop"
+    assert token_ids(outputs[2:]) == expected
 
 
 def test_tp2_prefix_cache_and_copy_on_write_forks(tiny_llama_dir):

@@ -85,6 +85,7 @@ class Request:
         "pending_forks",
         "view",
         "matcher",
+        "reasoning_end",
     )
 
     def __init__(
@@ -122,6 +123,9 @@ class Request:
         self.pending_forks: list[Request] = []
         # The structured-output matcher (an llguidance LLMatcher), None when unconstrained.
         self.matcher = None
+        # The token ids that end the model's thinking while its grammar waits for them
+        # (--reasoning-parser); None once the grammar applies.
+        self.reasoning_end: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ from pagoda.engine.core.policy import Policy
 from pagoda.engine.core.request_queue import WaitingQueue
 from pagoda.engine.messages import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
 from pagoda.engine.core.request import Request, RequestStatus
+from pagoda.engine.reasoning import ends_with
 from pagoda.plugins.views import KVCacheView, StepView
 
 if TYPE_CHECKING:
@@ -238,7 +239,7 @@ class Scheduler:
             num_computed = request.num_computed_tokens = num_computed + num_tokens
             if num_computed == len(request.all_token_ids) + request.num_pending_tokens:
                 request.num_pending_tokens += 1
-                if request.matcher is not None:
+                if request.matcher is not None and request.reasoning_end is None:
                     structured.append(request)
         if structured:
             # NOTE: a structured request samples only with all its tokens known (see
@@ -414,7 +415,10 @@ class Scheduler:
                     update.new_logprobs.append(logprobs)
             status = request.check_stop()
             if request.matcher is not None and status is None:
-                status = _advance_matcher(request, token_id)
+                if request.reasoning_end is None:
+                    status = _advance_matcher(request, token_id)
+                elif ends_with(request.output_token_ids, request.reasoning_end):
+                    request.reasoning_end = None  # the thinking is over: the grammar applies from here
             if status is None and len(request.all_token_ids) >= max_model_len:
                 status = RequestStatus.FINISHED_LENGTH_CAPPED
             if status is not None:
@@ -440,7 +444,9 @@ class Scheduler:
             return request.num_prompt_tokens - 1 - request.num_computed_tokens
         num_pending = request.num_pending_tokens
         if num_pending and request.matcher is not None:
-            return 0  # its next mask depends on the token in flight: it waits for it
+            # Its next mask (or whether its thinking has ended and a mask applies)
+            # depends on the token in flight: it waits for it.
+            return 0
         # NOTE: pending tokens count against the limits.
         num_with_pending = len(request.all_token_ids) + num_pending
         if (len(request.output_token_ids) + num_pending >= request.max_tokens

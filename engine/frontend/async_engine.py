@@ -38,6 +38,7 @@ from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_tokenizer, resolve_model
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.platform import resolve_device, resolve_dtype
+from pagoda.engine.reasoning import REASONING_PARSERS, ReasoningParser
 from pagoda.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class AsyncEngine:
         self.core: EngineCore | None = None
         self.output_processor: OutputProcessor | None = None
         self.grammar_compiler: GrammarCompiler | None = None
+        # (parser, its opening tag's ids, its closing tag's ids) with --reasoning-parser.
+        self._reasoning: tuple[ReasoningParser, list[int], tuple[int, ...]] | None = None
         self._ids = itertools.count()
 
     # -- lifecycle --------------------------------------------------------------------
@@ -84,6 +87,10 @@ class AsyncEngine:
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         self.output_processor = OutputProcessor(self.tokenizer)
+        if config.reasoning_parser is not None:
+            parser = REASONING_PARSERS[config.reasoning_parser]
+            self._reasoning = (parser, self.tokenizer.encode(parser.start, add_special_tokens=False),
+                               tuple(self.tokenizer.encode(parser.end, add_special_tokens=False)))
         self.kv_cache_size = kv = size_kv_cache(config, model_config, resolve_dtype(config.dtype, device).itemsize)
         if kv.limited_by_window:
             logger.warning("limiting max_model_len to the sliding window (%d tokens)", kv.max_model_len)
@@ -260,9 +267,13 @@ class AsyncEngine:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) is larger than max_num_seqs ({self.config.max_num_seqs}): "
                              "the samples of one request must be able to run together")
-        matchers = [None] * params.n
+        matchers, reasoning_end = [None] * params.n, None
         if params.structured_outputs is not None:
             matchers = self._grammars().matchers(params.structured_outputs, params.n)
+            if self._reasoning is not None:
+                parser, start_ids, end_ids = self._reasoning
+                if parser.is_thinking(prompt_token_ids, start_ids, list(end_ids)):
+                    reasoning_end = end_ids  # the grammar waits for the thinking to end
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stream = RequestStream(request_id, prompt if isinstance(prompt, str) else None, list(prompt_token_ids),
@@ -278,6 +289,7 @@ class AsyncEngine:
             request = Request(child_id, prompt_token_ids, child_params, max_tokens, eos, cache_salt=cache_salt,
                               priority=priority, kv_retention=kv_retention)
             request.matcher = matchers[index]
+            request.reasoning_end = reasoning_end
             outputs.new_sample(stream, request, index)
             requests.append(request)
         self.policy.admit(requests[0].view, self.scheduler.num_waiting, self.scheduler.num_running)
