@@ -5,6 +5,7 @@ from __future__ import annotations
 
 def add_bench_parser(sub) -> None:
     from pagoda.benchmarks.compare import add_compare_parser
+    from pagoda.benchmarks.fairness import add_fairness_parser
     from pagoda.benchmarks.kv import add_kv_bench_parsers
     from pagoda.benchmarks.linear import add_linear_bench_parser
     from pagoda.benchmarks.overhead import add_overhead_parser
@@ -18,4 +19,5 @@ def add_bench_parser(sub) -> None:
     add_kv_bench_parsers(bench_sub)
     add_plugins_bench_parser(bench_sub)
     add_overhead_parser(bench_sub)
+    add_fairness_parser(bench_sub)
     add_linear_bench_parser(bench_sub)

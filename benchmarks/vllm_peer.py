@@ -30,6 +30,7 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     with open(args.workloads) as f:
         workloads = json.load(f)
@@ -40,7 +41,11 @@ def main() -> int:
     for workload in workloads:
         for run in workload["runs"]:
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
-            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in run["output_lens"]]
+            # NOTE: a workload with a "json_schema" holds every request to it (structured outputs).
+            schema = workload.get("json_schema")
+            structured = StructuredOutputsParams(json=schema) if schema is not None else None
+            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=structured)
+                      for n in run["output_lens"]]
             llm.reset_prefix_cache()
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -73,6 +73,23 @@ def pagoda_request_sort_key(policy: str, request: RequestView) -> tuple | None:
 
 
 @hookspec(firstresult=True)
+def pagoda_sort_keys_change(policy: str) -> bool | None:
+    """Says whether a scheduling policy's sort keys change while requests wait.
+
+    A policy whose order depends on what has been served since a request was queued (fair
+    share) answers True; the engine then asks pagoda_request_sort_key again for every
+    waiting request before each step admits any. Asked once, at start-up.
+
+    Args:
+        policy: The scheduling policy's name.
+
+    Returns:
+        True to have keys asked again every step; None (the fallback: False) otherwise.
+        Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
 def pagoda_select_victim(policy: str, running: Sequence[RequestView], needing: RequestView,
                          needing_is_running: bool) -> RequestView | None:
     """Picks the running request to preempt so that ``needing`` can proceed.

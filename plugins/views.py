@@ -5,7 +5,8 @@ A plugin depends on these alone; the engine can change its internals freely.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -15,6 +16,7 @@ class _RequestLike(Protocol):
     kv_retention: int
     num_computed_tokens: int
     max_tokens: int
+    client: str | None
 
 
 class RequestView:
@@ -39,6 +41,12 @@ class RequestView:
     def kv_retention(self) -> int:
         """Higher keeps the request's cached blocks longer (under retention eviction)."""
         return self._request.kv_retention
+
+    @property
+    def client(self) -> str | None:
+        """Who sent it, for per-client policies (fair): the server's client key (a hash of
+        the API key, the --client-header value, or the address); None offline."""
+        return self._request.client
 
     @property
     def arrival_time(self) -> float:
@@ -107,6 +115,8 @@ class StepView:
         num_waiting: Requests waiting after it.
         num_preemptions: Preemptions so far, over the engine's life.
         kv_cache_usage: Fraction of KV blocks in use after it (1 = all).
+        scheduled: Tokens the step computed per request id (read-only; the fair policy
+            counts each client's service with it).
     """
 
     step_id: int
@@ -115,3 +125,4 @@ class StepView:
     num_waiting: int
     num_preemptions: int
     kv_cache_usage: float
+    scheduled: Mapping[str, int] = field(default_factory=dict)

@@ -74,6 +74,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     _add(parser, "--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
          help="how tool calls are found in the model's text for tool_choice auto: hermes (<tool_call> JSON; "
               "Qwen2.5, Hermes), llama3_json (Llama 3.1-3.3), mistral ([TOOL_CALLS]), pythonic ([f(x=1)])")
+    _add(parser, "--client-header", default=None, metavar="NAME",
+         help="a request header that names the client, for --scheduling-policy fair and the per-key limits "
+              "(default: the API key, else the client's address)")
     _add(parser, "--access-log", action=argparse.BooleanOptionalAction, default=True,
          help="log one line per HTTP request")
     parser.set_defaults(func=serve)
@@ -82,7 +85,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        host=args.host, port=args.port, api_key=_api_key(args.api_key),
         served_model_names=list(args.served_model_name), max_waiting_requests=args.max_waiting_requests,
         max_concurrent_requests=args.max_concurrent_requests,
         max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
@@ -91,8 +94,16 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_logprobs=args.max_logprobs, max_stop=args.max_stop, max_prompts=args.max_prompts,
         chat_template=args.chat_template, otlp_traces_endpoint=args.otlp_traces_endpoint,
         access_log=args.access_log, enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, client_header=args.client_header,
     )
+
+
+def _api_key(flag: str | None) -> str | None:
+    """--api-key, else PAGODA_API_KEY; an empty one is an error, not a server without a key."""
+    key, source = (flag, "--api-key") if flag is not None else (os.environ.get(API_KEY_ENV), API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"{source} is empty: give a key, or leave it out to serve without one")
+    return key
 
 
 def serve(args: argparse.Namespace) -> int:

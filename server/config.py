@@ -42,6 +42,9 @@ class ServerConfig:
         enable_auto_tool_choice: Accept ``tool_choice: "auto"`` (needs tool_call_parser).
         tool_call_parser: How calls are found in a model's own text for "auto" (hermes,
             llama3_json, mistral, pythonic: server/tool_parsers.py).
+        client_header: A request header that names the client (for the fair policy and
+            the per-key limits), e.g. one a gateway sets; None: the API key, else the
+            client's address.
     """
 
     host: str = "127.0.0.1"
@@ -63,12 +66,13 @@ class ServerConfig:
     access_log: bool = True
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    client_header: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535]; got {self.port!r}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it out to serve without a key)")
         for name in ("max_body_bytes", "max_n", "max_stop", "max_prompts"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

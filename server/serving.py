@@ -81,14 +81,14 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     span = state.tracing.start(request, operation) if state.tracing is not None else RequestSpan()
     status, error = 500, None
     task = asyncio.current_task()
-    key = client_key(request)
+    key = client_key(request, state.config.client_header)
     try:
         state.track(task, key)
     except APIError as exc:
         span.end(exc.status, exc.message)
         raise
     try:
-        response = await _generate(request, state, chat, span)
+        response = await _generate(request, state, chat, span, key)
         status = response.status
         return response
     except APIError as exc:
@@ -102,15 +102,21 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         span.end(status, error)
 
 
-def client_key(request: web.Request) -> str:
-    """Who a request is from, for the per-client limits: its API key, else its address."""
+def client_key(request: web.Request, header: str | None = None) -> str:
+    """Who a request is from, for the per-client limits and the fair policy: the value of
+    ``header`` (--client-header) when set and present, else its API key, else its address."""
+    if header is not None:
+        value = request.headers.get(header, "").strip()
+        if value:
+            return "client:" + value[:256]
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
     return "addr:" + (request.remote or "unknown")
 
 
-async def _generate(request: web.Request, state: ServerState, chat: bool, span: RequestSpan) -> web.StreamResponse:
+async def _generate(request: web.Request, state: ServerState, chat: bool, span: RequestSpan,
+                    client: str) -> web.StreamResponse:
     config, engine = state.config, state.engine
     body = await read_json(request)
     gen = parse_chat(body, config) if chat else parse_completion(body, config)
@@ -123,7 +129,7 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, span: 
         for job in jobs:
             job.stream = engine.add_request(job.prompt, gen.params, request_id=job.request_id,
                                             prompt_token_ids=job.prompt_token_ids, priority=gen.priority,
-                                            cache_salt=gen.cache_salt, kv_retention=gen.kv_retention,
+                                            cache_salt=gen.cache_salt, kv_retention=gen.kv_retention, client=client,
                                             output_kind=OutputKind.DELTA if gen.stream else OutputKind.FINAL)
     except (ValueError, EngineDeadError, AdmissionPluginFailed) as exc:
         for job in jobs:

@@ -75,3 +75,15 @@ def test_linear_bench_times_every_packing_this_machine_has(capsys):
         assert timed == expected
         # NOTE: one repeat of a tiny shape: well under 0.1 GFLOP/s, which must not print as 0.
         assert all(r[f"{name}_ms"] > 0 and r[f"{name}_gflops"] > 0 for name in timed)
+
+
+def test_fairness_bench_serves_the_light_client_sooner_under_fair(capsys, tiny_llama_dir):
+    assert main(["bench", "fairness", "--model", str(tiny_llama_dir), "--num-light", "2", "--ratio", "5",
+                 "--input-len", "5", "--output-len", "12", "--max-num-seqs", "2", "--dtype", "float32",
+                 "--enforce-eager"]) == 0
+    rows = {r["policy"]: r for r in (json.loads(line) for line in capsys.readouterr().out.splitlines()
+                                     if line.startswith("{"))}
+    assert rows["fcfs"]["heavy"]["requests"] == 10 and rows["fair"]["light"]["requests"] == 2
+    # fcfs serves in arrival order (5 heavy, then 1 light, ...); fair alternates the clients.
+    assert rows["fcfs"]["light"]["last_finished_after"] >= 10  # behind every heavy request (2 slots)
+    assert rows["fair"]["light"]["last_finished_after"] <= 5

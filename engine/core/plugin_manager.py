@@ -10,12 +10,14 @@ import pluggy
 
 from pagoda.plugins import PROJECT_NAME, hookspecs
 from pagoda.plugins.builtin import BuiltinPolicies
+from pagoda.plugins.fair import FairShare
 
 logger = logging.getLogger(__name__)
 
 #: Set to a non-empty value to skip plugins installed under the `pagoda` entry-point group.
 DISABLE_AUTOLOAD_ENV = "PAGODA_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_NAME = "pagoda-builtin"
+FAIR_NAME = "pagoda-builtin-fair"
 
 
 def _import_object(spec: str) -> object:
@@ -56,6 +58,7 @@ def create_plugin_manager(plugins: list[str] | tuple[str, ...] = (), load_entry_
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     pm.register(BuiltinPolicies(), name=BUILTIN_NAME)
+    pm.register(FairShare(), name=FAIR_NAME)  # NOTE: stateful, so one instance per engine
     if load_entry_points and not os.environ.get(DISABLE_AUTOLOAD_ENV):
         pm.load_setuptools_entrypoints(PROJECT_NAME)
     for spec in plugins:
@@ -89,7 +92,7 @@ def _registered_as(pm: pluggy.PluginManager, obj: object) -> str | None:
 
 def plugin_names(pm: pluggy.PluginManager) -> list[str]:
     """The names of the loaded plugins other than the built-ins, in registration order."""
-    return [name for name, _ in pm.list_name_plugin() if name != BUILTIN_NAME]
+    return [name for name, _ in pm.list_name_plugin() if name not in (BUILTIN_NAME, FAIR_NAME)]
 
 
 def known_policies(pm: pluggy.PluginManager) -> tuple[list[str], list[str]]:

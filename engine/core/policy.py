@@ -47,6 +47,12 @@ class Policy:
         self._fallback_policy = scheduling_policy if scheduling_policy in self._builtin.pagoda_scheduling_policies() else FCFS
         self.num_plugin_errors = 0
         self._logged: set[str] = set()
+        #: The waiting queue's keys are asked for again before each step's admission.
+        self.sort_keys_change = False
+        try:
+            self.sort_keys_change = bool(self.hook.pagoda_sort_keys_change(policy=scheduling_policy))
+        except Exception as exc:
+            self._failed("pagoda_sort_keys_change", exc)
 
     def _failed(self, hook: str, exc: BaseException | None, detail: str = "") -> None:
         self.num_plugin_errors += 1

@@ -62,6 +62,7 @@ class Request:
         priority: Scheduling priority (lower runs first) for policies that use it.
         kv_retention: Eviction priority of its cached blocks (higher is kept longer)
             for eviction policies that use it.
+        client: Who sent it (the server's client key), for per-client policies.
         view: The read-only view plugins see.
     """
 
@@ -86,6 +87,7 @@ class Request:
         "view",
         "matcher",
         "reasoning_end",
+        "client",
     )
 
     def __init__(
@@ -99,6 +101,7 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         kv_retention: int = 0,
+        client: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -117,6 +120,7 @@ class Request:
         self.cache_salt = cache_salt
         self.priority = priority
         self.kv_retention = kv_retention
+        self.client = client
         self.view = RequestView(self)
         # Samples of an n > 1 request that fork from this one once its prompt (all
         # but the last token) is in the cache.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pagoda.engine.core.request import Request
 
@@ -25,6 +25,12 @@ class WaitingQueue:
         entry = [key, next(self._counter), request]
         self._entries[request.request_id] = entry
         heapq.heappush(self._heap, entry)
+
+    def rekey(self, key: Callable[[Request], tuple]) -> None:
+        """Orders the queue by fresh keys (for policies whose keys change while requests wait)."""
+        self._heap = [[key(entry[2]), entry[1], entry[2]] for entry in self._entries.values()]
+        heapq.heapify(self._heap)
+        self._entries = {entry[2].request_id: entry for entry in self._heap}
 
     def peek(self) -> Request | None:
         self._drop_removed()

@@ -196,6 +196,8 @@ class Scheduler:
             self._budget -= num_new
             self._cursor += 1
 
+        if self.policy.sort_keys_change and self.waiting:
+            self.waiting.rekey(lambda request: self.policy.sort_key(request.view))
         # NOTE: no admission in a step that preempted: the freed blocks would go straight
         # to a newer request and the victim would starve.
         while self.waiting and self._budget > 0 and not self._preempted_this_step:
@@ -434,6 +436,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             num_preemptions=self.stats.num_preemptions,
             kv_cache_usage=1 - kv.get_num_free_blocks() / kv.num_blocks,
+            scheduled=scheduler_output.num_scheduled_tokens,
         ))
         return updates
 

@@ -227,7 +227,7 @@ class AsyncEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     prompt_token_ids: list[int] | None = None, *, cache_salt: str | None = None,
-                    priority: int = 0, kv_retention: int = 0,
+                    priority: int = 0, kv_retention: int = 0, client: str | None = None,
                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> RequestStream:
         """Validates and queues a request; returns its stream.
 
@@ -240,6 +240,7 @@ class AsyncEngine:
             priority: Scheduling priority, lower first, for policies that use it.
             kv_retention: Eviction priority of the request's cached blocks, higher kept
                 longer, for eviction policies that use it.
+            client: Who sent it, for per-client policies (the fair policy).
             output_kind: What each output read from the stream holds: everything so
                 far, only what is new, or only the final result.
 
@@ -287,7 +288,7 @@ class AsyncEngine:
                 child_params = replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}-{index}"
             request = Request(child_id, prompt_token_ids, child_params, max_tokens, eos, cache_salt=cache_salt,
-                              priority=priority, kv_retention=kv_retention)
+                              priority=priority, kv_retention=kv_retention, client=client)
             request.matcher = matchers[index]
             request.reasoning_end = reasoning_end
             outputs.new_sample(stream, request, index)
