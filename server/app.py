@@ -10,12 +10,16 @@ aborts them in the engine) and stops the worker.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import hmac
 import logging
+import os
+import signal
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
 from importlib import metadata
 from typing import TYPE_CHECKING
 
@@ -41,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: Reachable without the API key (load balancers and orchestrators probe it).
 PUBLIC_PATHS = frozenset({"/health"})
+#: Seconds between the engine's death and the server's exit (requests get 503 meanwhile).
+ENGINE_DEATH_GRACE = 5.0
 
 
 def _json(payload: object, status: int = 200) -> web.Response:
@@ -78,6 +84,51 @@ def auth_middleware(api_key: str):
         return await handler(request)
 
     return middleware
+
+
+def cors(origins: list[str], methods: list[str], headers: list[str], credentials: bool):
+    """CORS as browsers ask for it (--allowed-origins, --allowed-methods, --allowed-headers,
+    --allow-credentials): preflight ``OPTIONS`` answered here, before the API key is asked
+    for (browsers never send it on a preflight), and the ``Access-Control-Allow-*`` headers on
+    every answer to an allowed origin, errors and streams included.
+
+    Returns:
+        (the preflight middleware, the on_response_prepare callback).
+    """
+    any_origin, any_header = "*" in origins, "*" in headers
+
+    def allow_origin(request: web.Request) -> str | None:
+        origin = request.headers.get("Origin")
+        if origin is None or not (any_origin or origin in origins):
+            return None
+        # NOTE: with credentials the literal "*" is not allowed: the origin is echoed back.
+        return "*" if any_origin and not credentials else origin
+
+    @web.middleware
+    async def preflight(request: web.Request, handler) -> web.StreamResponse:
+        if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
+            return await handler(request)
+        origin = allow_origin(request)
+        if origin is None:
+            raise APIError(403, "This origin is not allowed (--allowed-origins).", code="cors_origin_not_allowed")
+        asked = request.headers.get("Access-Control-Request-Headers", "")
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": ", ".join(methods),
+            "Access-Control-Allow-Headers": asked if any_header else ", ".join(headers),
+            "Access-Control-Max-Age": "600",
+        })
+
+    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        origin = allow_origin(request)
+        if origin is None:
+            return
+        response.headers["Access-Control-Allow-Origin"] = origin
+        if origin != "*":
+            response.headers.add("Vary", "Origin")
+        if credentials:
+            response.headers["Access-Control-Allow-Credentials"] = "true"
+
+    return preflight, on_prepare
 
 
 def body_size_middleware(max_bytes: int):
@@ -161,9 +212,11 @@ async def tokenize(request: web.Request) -> web.Response:
         prompt = b.str_("prompt")
         if prompt is None:
             raise bad_request("'prompt' must be a string", "prompt")
+        state.limits.check_chars(len(prompt), "prompt")
         ids = await state.run_tokenizer(state.encode, prompt, b.bool_("add_special_tokens", True))
     else:
         messages = parse_messages(body.get("messages"))
+        state.limits.check_chars(sum(len(m.get("content") or "") for m in messages), "messages")
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
@@ -189,6 +242,9 @@ async def detokenize(request: web.Request) -> web.Response:
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise bad_request("'tokens' must be a list of token ids", "tokens")
+    if len(tokens) > state.engine.max_model_len:
+        raise bad_request(f"'tokens' has {len(tokens)} ids; at most this model's maximum context length "
+                          f"({state.engine.max_model_len}) are allowed", "tokens", code="context_length_exceeded")
     try:
         ids = state.engine.encode_prompt(tokens) if tokens else []
     except ValueError as exc:
@@ -201,7 +257,8 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
-               tracer_provider: TracerProvider | None = None) -> web.Application:
+               tracer_provider: TracerProvider | None = None,
+               on_engine_death: Callable[[], None] | None = None) -> web.Application:
     """Builds the server app; the engine starts when the app starts.
 
     Args:
@@ -209,6 +266,9 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
         config: Server options (defaults when None).
         tracer_provider: A tracer provider to use instead of the one the OTEL_*
             variables and ``config.otlp_traces_endpoint`` describe; the caller owns it.
+        on_engine_death: Called ENGINE_DEATH_GRACE seconds after the engine stops for
+            good (its worker restart budget spent), unless
+            ``config.keep_alive_on_engine_death``; ``pagoda serve`` exits with status 1.
 
     Raises:
         ValueError: A tracing option asks for an exporter that is not installed.
@@ -221,10 +281,17 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     model_names, accepted_names = served_model_names(engine_config.model, config.served_model_names)
 
     middlewares = [error_middleware]
+    on_prepare = None
+    if config.allowed_origins:
+        preflight, on_prepare = cors(config.allowed_origins, config.allowed_methods, config.allowed_headers,
+                                     config.allow_credentials)
+        middlewares.append(preflight)
     if config.api_key is not None:
         middlewares.append(auth_middleware(config.api_key))
     middlewares.append(body_size_middleware(config.max_body_bytes))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    if on_prepare is not None:
+        app.on_response_prepare.append(on_prepare)
 
     async def engine_context(app: web.Application) -> AsyncIterator[None]:
         engine = create_engine(engine_config)
@@ -240,9 +307,16 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
             chat_template=chat_template,
         )
         app[STATE_KEY] = state
+        watcher = None
+        if on_engine_death is not None and not config.keep_alive_on_engine_death:
+            watcher = asyncio.create_task(_exit_on_engine_death(engine, on_engine_death), name="pagoda-death-watch")
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
+                with suppress(asyncio.CancelledError):
+                    await watcher
             state.draining = True
             await engine.shutdown()
             logger.info("engine stopped")
@@ -278,6 +352,18 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     return app
 
 
+async def _exit_on_engine_death(engine, exit_server: Callable[[], None]) -> None:
+    """Waits for the engine to stop for good, then (after a grace period in which requests
+    get their 503s and /health says why) asks the server to exit, so that a supervisor that
+    watches the process (systemd, Kubernetes) starts a new one."""
+    while engine.is_running:
+        await asyncio.sleep(0.5)
+    logger.error("the engine stopped for good (%s); the server exits with status 1 in %.0f s "
+                 "(--keep-alive-on-engine-death keeps it up)", engine.dead_reason, ENGINE_DEATH_GRACE)
+    await asyncio.sleep(ENGINE_DEATH_GRACE)
+    exit_server()
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the model loads, so a port in use fails at once.
 
@@ -303,8 +389,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serves until SIGTERM or SIGINT, on uvloop when it is installed; blocks.
+
+    Returns:
+        The exit status: 0, or 1 when the server stopped because the engine died.
 
     Raises:
         ValueError: The address cannot be listened on (checked before the model loads).
@@ -318,7 +407,14 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
         loop = asyncio.new_event_loop()
     else:
         loop = uvloop.new_event_loop()
-    app = create_app(engine_config, config)
+    engine_died = False
+
+    def exit_on_death() -> None:
+        nonlocal engine_died
+        engine_died = True
+        os.kill(os.getpid(), signal.SIGTERM)  # the same graceful stop as a supervisor's
+
+    app = create_app(engine_config, config, on_engine_death=exit_on_death)
     host = f"[{config.host}]" if ":" in config.host else config.host
     base_url = f"http://{host}:{sock.getsockname()[1]}/v1"
 
@@ -332,3 +428,4 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
         app, sock=sock, loop=loop, handler_cancellation=True, shutdown_timeout=config.shutdown_timeout,
         access_log=logging.getLogger("aiohttp.access") if config.access_log else None, print=ready,
     )
+    return 1 if engine_died else 0

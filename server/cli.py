@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -54,6 +55,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
          help="generation requests in flight at once; more get 429 (default 1024; 0 for no limit)")
     _add(parser, "--max-concurrent-requests-per-key", type=_optional_int, default=None,
          help="the same per API key, or per client address without keys; more get 429 (default: no limit)")
+    _add(parser, "--max-sequences-per-request", type=_optional_int, default=None,
+         help="most sequences (prompts x n) in one request; more get 400 (default: --max-num-seqs)")
+    _add(parser, "--max-tokens-per-request", type=_optional_int, default=None,
+         help="most tokens (each sequence's prompt + max_tokens) in one request; more get 400 "
+              "(default: 4 x the KV cache's tokens)")
+    _add(parser, "--max-sequences-per-client", type=_optional_int, default=None,
+         help="most sequences one client (API key, --client-header, or address) has in flight; more get 429 "
+              "(default: 2 x --max-num-seqs)")
+    _add(parser, "--max-tokens-per-client", type=_optional_int, default=None,
+         help="most tokens one client has in flight; more get 429 (default: 8 x the KV cache's tokens)")
     _add(parser, "--max-tokens-limit", type=_optional_int, default=None,
          help="most tokens one request may generate; larger max_tokens get 400 (default: the context)")
     _add(parser, "--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -77,6 +88,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     _add(parser, "--client-header", default=None, metavar="NAME",
          help="a request header that names the client, for --scheduling-policy fair and the per-key limits "
               "(default: the API key, else the client's address)")
+    _add(parser, "--allowed-origins", type=_json_list, default=["*"],
+         help='origins browsers may call the API from, as a JSON list (default ["*"]; [] turns CORS off)')
+    _add(parser, "--allowed-methods", type=_json_list, default=["GET", "POST", "OPTIONS"],
+         help='methods a CORS preflight allows, as a JSON list (default ["GET", "POST", "OPTIONS"])')
+    _add(parser, "--allowed-headers", type=_json_list, default=["*"],
+         help='request headers a CORS preflight allows, as a JSON list (default ["*"])')
+    _add(parser, "--allow-credentials", action="store_true", help="let browsers send credentials (CORS)")
+    _add(parser, "--keep-alive-on-engine-death", action="store_true",
+         help="past the worker restart budget, keep answering 503 instead of exiting with status 1 (the "
+              "default, so that systemd or Kubernetes restarts the server)")
     _add(parser, "--access-log", action=argparse.BooleanOptionalAction, default=True,
          help="log one line per HTTP request")
     parser.set_defaults(func=serve)
@@ -95,7 +116,22 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         chat_template=args.chat_template, otlp_traces_endpoint=args.otlp_traces_endpoint,
         access_log=args.access_log, enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, client_header=args.client_header,
+        max_sequences_per_request=args.max_sequences_per_request, max_tokens_per_request=args.max_tokens_per_request,
+        max_sequences_per_client=args.max_sequences_per_client, max_tokens_per_client=args.max_tokens_per_client,
+        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+        keep_alive_on_engine_death=args.keep_alive_on_engine_death,
     )
+
+
+def _json_list(value: str) -> list[str]:
+    try:
+        items = json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {value!r}") from None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {value!r}")
+    return items
 
 
 def _api_key(flag: str | None) -> str | None:
@@ -118,9 +154,8 @@ def serve(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args)
     config = server_config_from_args(args)
     try:
-        run_server(engine_config, config)
+        return run_server(engine_config, config)
     except Exception as exc:  # noqa: BLE001 - startup failures (bad model, port in use) end the command
         logging.getLogger("server").debug("server failed", exc_info=True)
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    return 0

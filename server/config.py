@@ -42,6 +42,21 @@ class ServerConfig:
         enable_auto_tool_choice: Accept ``tool_choice: "auto"`` (needs tool_call_parser).
         tool_call_parser: How calls are found in a model's own text for "auto" (hermes,
             llama3_json, mistral, pythonic: server/tool_parsers.py).
+        max_sequences_per_request: Prompts x n of one request; None: the engine's
+            max_num_seqs (server/limits.py).
+        max_tokens_per_request: Sum over a request's sequences of prompt + max_tokens;
+            None: four times the KV cache's tokens.
+        max_sequences_per_client: Sequences one client may have in flight; None: twice
+            max_num_seqs.
+        max_tokens_per_client: Tokens (as above) one client may have in flight; None:
+            eight times the KV cache's tokens.
+        allowed_origins: Origins browsers may call the API from (CORS); ``["*"]`` any,
+            ``[]`` none (no CORS headers).
+        allowed_methods: Methods a preflight allows.
+        allowed_headers: Request headers a preflight allows (``*``: whatever it asks for).
+        allow_credentials: Let browsers send cookies and credentials.
+        keep_alive_on_engine_death: Keep serving 503s after the engine stops for good
+            instead of exiting with status 1 (``pagoda serve``).
         client_header: A request header that names the client (for the fair policy and
             the per-key limits), e.g. one a gateway sets; None: the API key, else the
             client's address.
@@ -67,6 +82,15 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     client_header: str | None = None
+    keep_alive_on_engine_death: bool = False
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["GET", "POST", "OPTIONS"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    max_sequences_per_request: int | None = None
+    max_tokens_per_request: int | None = None
+    max_sequences_per_client: int | None = None
+    max_tokens_per_client: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -77,7 +101,9 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
-        for name in ("max_concurrent_requests", "max_concurrent_requests_per_key", "max_tokens_limit"):
+        for name in ("max_concurrent_requests", "max_concurrent_requests_per_key", "max_tokens_limit",
+                     "max_sequences_per_request", "max_tokens_per_request", "max_sequences_per_client",
+                     "max_tokens_per_client"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None; got {value!r}")

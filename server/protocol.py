@@ -251,9 +251,7 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
             raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
-        for key in options:
-            if key not in ("include_usage", "continuous_usage_stats"):
-                raise bad_request(f"Unrecognized stream option: {key}", "stream_options")
+        # NOTE: other keys are ignored, as OpenAI's API does (it adds options over time).
         include_usage = Body(options).bool_("include_usage", False)
         continuous_usage = Body(options).bool_("continuous_usage_stats", False)
     b.unsupported("logit_bias")

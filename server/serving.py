@@ -125,6 +125,30 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, span: 
     span.set_request(gen, request_id, model)
     state.check_can_serve()
     jobs = await _prepare(state, gen, chat, request_id)
+    num_sequences, num_tokens = _cost(gen, jobs, engine.max_model_len)
+    state.limits.check_request(num_sequences, num_tokens, gen.max_tokens_param)
+    state.budget.charge(client, num_sequences, num_tokens)
+    try:
+        return await _run(request, state, gen, chat, span, request_id, jobs, model, client)
+    finally:
+        state.budget.release(client, num_sequences, num_tokens)
+
+
+def _cost(gen: GenerateRequest, jobs: list[_Job], max_model_len: int) -> tuple[int, int]:
+    """(sequences, tokens) a request asks for: prompts x n, and each sequence's prompt plus
+    the tokens it may generate."""
+    n, max_tokens = gen.params.n, gen.params.max_tokens
+    num_tokens = 0
+    for job in jobs:
+        room = max_model_len - len(job.prompt_token_ids)
+        num_tokens += (len(job.prompt_token_ids) + (room if max_tokens is None else min(max_tokens, room))) * n
+    return len(jobs) * n, num_tokens
+
+
+async def _run(request: web.Request, state: ServerState, gen: GenerateRequest, chat: bool, span: RequestSpan,
+               request_id: str, jobs: list[_Job], model: str, client: str) -> web.StreamResponse:
+    """Submits a validated request's prompts and streams or collects the answer."""
+    engine = state.engine
     try:
         for job in jobs:
             job.stream = engine.add_request(job.prompt, gen.params, request_id=job.request_id,
@@ -182,7 +206,17 @@ def _object(chat: bool, stream: bool) -> str:
 
 async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request_id: str) -> list[_Job]:
     """Tokenizes (or renders and tokenizes) the prompts and checks them against the context."""
-    engine = state.engine
+    engine, limits = state.engine, state.limits
+    # NOTE: both bounds come before the tokenizer runs: a huge prompt costs nothing but a 400.
+    num_prompts = 1 if chat else len(gen.prompts)
+    limits.check_request(num_prompts * gen.params.n, 0, "n")
+    if chat:
+        limits.check_chars(sum(len(m.get("content") or "") for m in gen.messages)
+                           + (len(orjson.dumps(gen.tools.tools)) if gen.tools is not None else 0), "messages")
+    else:
+        for prompt in gen.prompts:
+            if isinstance(prompt, str):
+                limits.check_chars(len(prompt), "prompt")
     if chat:
         kwargs = gen.chat_template_kwargs
         if gen.tools is not None:

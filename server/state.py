@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from jinja2 import TemplateError
 
 from pagoda.engine.model_loader import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
 from pagoda.server.errors import APIError, bad_request
+from pagoda.server.limits import ClientBudget, Limits
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ class ServerState:
         inflight: The tasks running generation requests (for the drain on shutdown).
         idle: Set while no generation request runs.
         inflight_per_key: Generation requests in flight per client key (API key or address).
+        limits: Characters, sequences and tokens allowed (server/limits.py).
+        budget: Sequences and tokens in flight per client.
     """
 
     engine: AsyncEngine
@@ -98,9 +102,14 @@ class ServerState:
     inflight: set[asyncio.Task] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     inflight_per_key: dict[str, int] = field(default_factory=dict)
+    limits: Limits = None
+    budget: ClientBudget = None
 
     def __post_init__(self) -> None:
         self.idle.set()
+        if self.limits is None:
+            self.limits = Limits.resolve(self.config, self.engine)
+        self.budget = ClientBudget(self.limits)
 
     # -- in-flight requests -----------------------------------------------------------
 
@@ -218,8 +227,12 @@ class ServerState:
                 continue_final_message=continue_final_message, tokenize=False, **(kwargs or {}))
         except APIError:
             raise
-        except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception()...
+        except TemplateError as exc:  # the template's own raise_exception(), or its syntax
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
+        except Exception:  # noqa: BLE001 - a Python error inside transformers: not the client's to read
+            logger.warning("the chat template failed", exc_info=True)
+            raise bad_request("The chat template could not render these messages (chat_template_kwargs or the "
+                              "messages' fields do not fit it); see the server log.", "messages") from None
 
 
 STATE_KEY = web.AppKey("pagoda_state", ServerState)

@@ -107,7 +107,8 @@ def test_a_crash_loop_past_the_budget_turns_health_503_and_sigterm_still_exits_c
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "pagoda", "serve", "--model", str(tiny_llama_dir), *TINY_FLAGS,
-                             "--max-worker-restarts", "2", "--port", str(port)], cwd=REPO, stdout=log,
+                             "--max-worker-restarts", "2", "--keep-alive-on-engine-death", "--port", str(port)],
+                            cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -141,6 +142,36 @@ def test_a_crash_loop_past_the_budget_turns_health_503_and_sigterm_still_exits_c
         log.close()
     text = (tmp_path / "server.log").read_text()
     assert "restarting it (restart 1)" in text and "giving up" in text
+
+
+def test_past_the_restart_budget_the_server_exits_with_status_1(tiny_llama_dir, tmp_path):
+    """Without --keep-alive-on-engine-death, a dead engine ends the process (after requests
+    got their 503s), so that a supervisor that watches the process restarts it."""
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda", "serve", "--model", str(tiny_llama_dir), *TINY_FLAGS,
+                             "--max-worker-restarts", "0", "--port", str(port)], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            try:
+                return http_request(url + "/health", timeout=5).status == 200
+            except OSError:
+                return False
+
+        wait_until(up, 120, "the server")
+        (worker,) = children(proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        wait_until(lambda: http_request(url + "/health").status == 503, 30, "/health to give up")
+        result = http_request(url + "/v1/completions", "POST", json={"prompt": "Hello", "max_tokens": 3})
+        assert result.status == 503 and result.json()["error"]["code"] == "engine_dead"
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert "exits with status 1" in (tmp_path / "server.log").read_text()
 
 
 def test_disconnect_storm_leaves_no_running_request_and_no_used_block(tiny_llama_dir):

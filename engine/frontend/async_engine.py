@@ -130,6 +130,11 @@ class AsyncEngine:
     async def __aexit__(self, *exc_info) -> None:
         await self.shutdown()
 
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens the KV cache holds (once started)."""
+        return self.kv_cache_size.num_tokens
+
     def describe(self) -> str:
         """One line on what runs, once started: the model's architecture, device, dtype and
         attention backend, KV capacity, policies and plugins (for the start-up log)."""

@@ -125,6 +125,10 @@ class DataParallelEngine:
         return sum(r.num_worker_restarts for r in self.replicas)
 
     @property
+    def num_kv_tokens(self) -> int:
+        return sum(engine.num_kv_tokens for engine in self.engines)
+
+    @property
     def num_waiting(self) -> int:
         return sum(r.num_waiting for r in self.replicas)
 
