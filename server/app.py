@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pagoda.engine.frontend.data_parallel import create_engine
 from pagoda.engine.config import EngineConfig
 from pagoda.server.config import ServerConfig
+from pagoda.server.connections import harden
 from pagoda.server.errors import APIError, bad_request, error_middleware
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Body, parse_messages
@@ -289,7 +290,9 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     if config.api_key is not None:
         middlewares.append(auth_middleware(config.api_key))
     middlewares.append(body_size_middleware(config.max_body_bytes))
-    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes,
+                          handler_args={"keepalive_timeout": config.header_timeout})
+    harden(app, config.max_connections)
     if on_prepare is not None:
         app.on_response_prepare.append(on_prepare)
 

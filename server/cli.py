@@ -95,6 +95,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     _add(parser, "--allowed-headers", type=_json_list, default=["*"],
          help='request headers a CORS preflight allows, as a JSON list (default ["*"])')
     _add(parser, "--allow-credentials", action="store_true", help="let browsers send credentials (CORS)")
+    _add(parser, "--header-timeout", type=float, default=15.0,
+         help="seconds a connection may take to send a request's headers, or stay idle between requests (default 15)")
+    _add(parser, "--body-timeout", type=float, default=60.0,
+         help="seconds a request body may take to arrive; then 408 (default 60)")
+    _add(parser, "--max-connections", type=_optional_int, default=2048,
+         help="open connections; past it new ones get 503 and are closed (default 2048; 0: no limit)")
     _add(parser, "--keep-alive-on-engine-death", action="store_true",
          help="past the worker restart budget, keep answering 503 instead of exiting with status 1 (the "
               "default, so that systemd or Kubernetes restarts the server)")
@@ -120,7 +126,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_sequences_per_client=args.max_sequences_per_client, max_tokens_per_client=args.max_tokens_per_client,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-        keep_alive_on_engine_death=args.keep_alive_on_engine_death,
+        keep_alive_on_engine_death=args.keep_alive_on_engine_death, header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout, max_connections=args.max_connections,
     )
 
 

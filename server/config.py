@@ -57,6 +57,10 @@ class ServerConfig:
         allow_credentials: Let browsers send cookies and credentials.
         keep_alive_on_engine_death: Keep serving 503s after the engine stops for good
             instead of exiting with status 1 (``pagoda serve``).
+        header_timeout: Seconds a connection may take to send a whole request's headers,
+            and stay idle between requests (aiohttp's keep-alive timeout); then it is closed.
+        body_timeout: Seconds a request's body may take to arrive (408 after).
+        max_connections: Open connections; past it new ones get a 503 and are closed.
         client_header: A request header that names the client (for the fair policy and
             the per-key limits), e.g. one a gateway sets; None: the API key, else the
             client's address.
@@ -83,6 +87,9 @@ class ServerConfig:
     tool_call_parser: str | None = None
     client_header: str | None = None
     keep_alive_on_engine_death: bool = False
+    header_timeout: float = 15.0
+    body_timeout: float = 60.0
+    max_connections: int | None = 2048
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     allowed_methods: list[str] = field(default_factory=lambda: ["GET", "POST", "OPTIONS"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
@@ -103,7 +110,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
         for name in ("max_concurrent_requests", "max_concurrent_requests_per_key", "max_tokens_limit",
                      "max_sequences_per_request", "max_tokens_per_request", "max_sequences_per_client",
-                     "max_tokens_per_client"):
+                     "max_tokens_per_client", "max_connections"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None; got {value!r}")
@@ -113,5 +120,8 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}]; got {self.max_logprobs!r}")
         if self.max_n > MAX_N:
             raise ValueError(f"max_n must be <= {MAX_N}; got {self.max_n!r}")
+        if not self.header_timeout > 0 or not self.body_timeout > 0:
+            raise ValueError(f"header_timeout and body_timeout must be positive; got {self.header_timeout!r}, "
+                             f"{self.body_timeout!r}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0; got {self.shutdown_timeout!r}")

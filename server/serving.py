@@ -56,7 +56,12 @@ class _Job:
 
 async def read_json(request: web.Request) -> Any:
     """The request body as JSON; 400 when it does not parse (413 comes from aiohttp's size limit)."""
-    raw = await request.read()
+    timeout = request.app[STATE_KEY].config.body_timeout
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout:g} s (--body-timeout).",
+                       code="request_timeout") from None
     if not raw:
         raise bad_request("The request body is empty; send a JSON object.", code="invalid_json")
     try:

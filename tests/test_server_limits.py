@@ -5,10 +5,12 @@ key refused at start. Each refusal is followed by a request that succeeds."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 import openai
+import orjson
 import pytest
 
 from pagoda.cli.main import main
@@ -137,3 +139,67 @@ def test_an_empty_api_key_is_refused_at_start(capsys, monkeypatch):
     monkeypatch.setenv("PAGODA_API_KEY", "  ")
     assert main(["serve"]) == 2
     assert "PAGODA_API_KEY is empty" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_llama_dir):
+    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True, max_model_len=256,
+                          num_kv_blocks=64)
+    config = ServerConfig(header_timeout=1.0, body_timeout=1.0, max_connections=4)
+    with ServerThread(engine, config) as server:
+        yield server
+
+
+def raw_connection(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=10)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """One answer: until the connection closes, or the body its Content-Length announces is in."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+        head, sep, body = data.partition(b"\r\n\r\n")
+        length = [line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+        if sep and length and len(body) >= int(length[0].split(b":")[1]):
+            break
+    return data
+
+
+def test_aiohttps_own_errors_come_as_json_that_echoes_nothing(strict_server):
+    with raw_connection(strict_server) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Secret: " + b"s3cr3t" * 2000 + b"\r\n\r\n")
+        answer = read_all(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0].endswith(b" 400 Bad Request") and b"application/json" in head
+    assert orjson.loads(body)["error"]["code"] == "invalid_http_request" and b"s3cr3t" not in answer
+
+
+def test_slow_headers_and_slow_bodies_are_cut_off(strict_server):
+    with raw_connection(strict_server) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            for _ in range(40):  # a header line every 0.25 s, never the end of the headers
+                time.sleep(0.25)
+                sock.sendall(b"X-Slow: 1\r\n")
+        assert time.monotonic() - start < 5  # closed after the 1 s header timeout, not after 10 s of trickle
+    with raw_connection(strict_server) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+
+
+def test_connections_past_the_cap_get_a_503_and_are_closed(strict_server):
+    held = [raw_connection(strict_server) for _ in range(4)]
+    try:
+        time.sleep(0.2)
+        with raw_connection(strict_server) as extra:
+            answer = read_all(extra)
+        assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.2)
+    assert http_request(strict_server.url + "/health").status == 200
