@@ -52,6 +52,11 @@ class EngineConfig:
             shortest-prompt-first, or a plugin's).
         eviction_policy: A registered eviction policy (lru, retention-priority, ...).
         plugins: ``module:object`` plugins to load after the installed ones.
+        batch_invariant: Make every output independent of what it is batched with (and of
+            chunked prefill, preemption and worker restarts): every kernel reduces in an
+            order that does not depend on the batch. On the CPU in bfloat16 with Pagoda's
+            own matrix kernel (AVX512-BF16), eager, cpu_paged attention; it costs the
+            speed of oneDNN's AMX products and of compilation (docs/engine.md).
         reasoning_parser: The reasoning family of the model's output (``deepseek_r1``,
             ``qwen3``): a structured-output grammar then applies only after the thinking
             ends, and the server returns the thinking as ``reasoning_content``.
@@ -84,6 +89,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     plugins: tuple[str, ...] = ()
     reasoning_parser: str | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")

@@ -79,12 +79,23 @@ def packing_available(packing: str) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def choose_packing(device: torch.device, dtype: torch.dtype) -> str | None:
+def choose_packing(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> str | None:
     """The packing for linear weights on this machine, or None to keep them as loaded.
 
+    With ``batch_invariant``, the blocked kernel, whose every output row is summed in the
+    same order whatever the number of rows (oneDNN's small-batch products round
+    differently from its large-batch ones).
+
     Raises:
-        ValueError: PAGODA_CPU_LINEAR names an unknown packing, or one this machine lacks.
+        ValueError: PAGODA_CPU_LINEAR names an unknown packing, or one this machine lacks;
+            batch invariance where the blocked kernel cannot run.
     """
+    if batch_invariant:
+        if device.type != "cpu" or dtype != torch.bfloat16 or not packing_available("blocked"):
+            raise ValueError("batch_invariant needs bfloat16 on a CPU with AVX512-BF16 (Pagoda's blocked matrix "
+                             f"kernel); this is {device.type} in {str(dtype).removeprefix('torch.')}"
+                             + ("" if packing_available("blocked") else ", without the kernel"))
+        return "blocked"
     if device.type != "cpu" or dtype != torch.bfloat16:
         return None
     requested = os.environ.get(PACKING_ENV)

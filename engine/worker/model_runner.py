@@ -48,7 +48,13 @@ class ModelRunner:
         self.tp = tp = init_tensor_parallel(init.rank, init.world_size, init.dist_init_method, self.device)
         heads = head_share(model_config.num_attention_heads, model_config.num_key_value_heads, tp.rank,
                            tp.world_size)
-        backend_cls = get_attention_backend(config.attention_backend, self.device)
+        attention_backend = config.attention_backend
+        if config.batch_invariant:
+            # NOTE: cpu_paged computes each query row alone, in fixed partitions of keys.
+            if attention_backend not in ("auto", "cpu_paged"):
+                raise ValueError(f"batch_invariant runs the cpu_paged attention backend, not {attention_backend!r}")
+            attention_backend = "cpu_paged"
+        backend_cls = get_attention_backend(attention_backend, self.device)
         backend = backend_cls(heads.num_heads, heads.num_kv_heads, model_config.head_dim,
                               model_config.head_dim**-0.5)
         self.attention_backend = backend
@@ -63,7 +69,7 @@ class ModelRunner:
         start = time.perf_counter()
         progress(f"loading weights from {init.model_dir} ({self.device}, {str(self.dtype).removeprefix('torch.')})")
         model.load_weights(load_weights(init.model_dir))
-        packing = choose_packing(self.device, self.dtype)
+        packing = choose_packing(self.device, self.dtype, config.batch_invariant)
         if packing is not None:
             model.pack_weights(packing)
         progress(f"weights loaded in {time.perf_counter() - start:.1f} s"
@@ -96,7 +102,10 @@ class ModelRunner:
         # NOTE: compiled on the CPU only for now: the compiled path has not been checked on
         # a GPU yet, so CUDA runs eagerly; and not across tensor-parallel ranks, whose
         # all-reduces sit inside the compiled regions.
-        if not config.enforce_eager and self.device.type == "cpu" and not tp.is_parallel:
+        # NOTE: not with batch_invariant: inductor compiles a one-row batch apart, and its
+        # code rounds differently from the many-row code's.
+        compiles = not config.enforce_eager and not config.batch_invariant
+        if compiles and self.device.type == "cpu" and not tp.is_parallel:
             progress("compiling the model with torch.compile (tens of seconds at the first start; later "
                      "starts reuse torch's compile cache; --enforce-eager skips it)")
             start = time.perf_counter()
