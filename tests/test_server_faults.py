@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.models.linear import packing_available
 from pagoda.server.config import ServerConfig
 from pagoda.server.testing import ServerThread, http_request
 from helpers import REPO, TINY_FLAGS, free_port
@@ -47,8 +48,13 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_kill_9_during_16_streams_restarts_the_worker_and_every_stream_finishes_unchanged(tiny_llama_dir):
-    with ServerThread(tiny_engine(tiny_llama_dir)) as server:
+@pytest.mark.parametrize("options", [
+    {},
+    pytest.param({"dtype": "bfloat16", "batch_invariant": True}, id="bfloat16-batch-invariant",
+                 marks=pytest.mark.skipif(not packing_available("blocked"), reason="needs the blocked kernel")),
+], ids=lambda o: "float32" if not o else None)
+def test_kill_9_during_16_streams_restarts_the_worker_and_every_stream_finishes_unchanged(tiny_llama_dir, options):
+    with ServerThread(tiny_engine(tiny_llama_dir, **options)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
         # Half greedy, half seeded sampling: both must continue exactly across the restart.
