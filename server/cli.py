@@ -56,7 +56,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     _add(parser, "--max-concurrent-requests-per-key", type=_optional_int, default=None,
          help="the same per API key, or per client address without keys; more get 429 (default: no limit)")
     _add(parser, "--max-sequences-per-request", type=_optional_int, default=None,
-         help="most sequences (prompts x n) in one request; more get 400 (default: --max-num-seqs)")
+         help="most sequences (prompts x n) in one request; more get 400 (default: half of --max-num-seqs)")
     _add(parser, "--max-tokens-per-request", type=_optional_int, default=None,
          help="most tokens (each sequence's prompt + max_tokens) in one request; more get 400 "
               "(default: 4 x the KV cache's tokens)")

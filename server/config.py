@@ -42,7 +42,7 @@ class ServerConfig:
         enable_auto_tool_choice: Accept ``tool_choice: "auto"`` (needs tool_call_parser).
         tool_call_parser: How calls are found in a model's own text for "auto" (hermes,
             llama3_json, mistral, pythonic: server/tool_parsers.py).
-        max_sequences_per_request: Prompts x n of one request; None: the engine's
+        max_sequences_per_request: Prompts x n of one request; None: half the engine's
             max_num_seqs (server/limits.py).
         max_tokens_per_request: Sum over a request's sequences of prompt + max_tokens;
             None: four times the KV cache's tokens.

@@ -28,7 +28,8 @@ class Limits:
 
     Attributes:
         max_prompt_chars: Characters a prompt (or a conversation's text) may have.
-        max_sequences_per_request: Prompts x n of one request (default: max_num_seqs).
+        max_sequences_per_request: Prompts x n of one request (default: half of
+            max_num_seqs, so that a request never holds every slot).
         max_tokens_per_request: Sum over its sequences of prompt + max_tokens (default:
             four times the KV cache's tokens).
         max_sequences_per_client: Sequences one client may have in flight (default: twice
@@ -49,7 +50,8 @@ class Limits:
         max_num_seqs, kv_tokens = engine.config.max_num_seqs, engine.num_kv_tokens
         return cls(
             max_prompt_chars=engine.max_model_len * max(longest_token, 1),
-            max_sequences_per_request=config.max_sequences_per_request or max_num_seqs,
+            # NOTE: half the engine's slots, so that one request never holds all of them.
+            max_sequences_per_request=config.max_sequences_per_request or max(1, max_num_seqs // 2),
             max_tokens_per_request=config.max_tokens_per_request or 4 * kv_tokens,
             max_sequences_per_client=config.max_sequences_per_client or 2 * max_num_seqs,
             max_tokens_per_client=config.max_tokens_per_client or 8 * kv_tokens,
