@@ -88,7 +88,7 @@ def test_fair_admits_the_least_served_client_first():
 def test_fair_on_a_live_server_answers_a_small_request_beside_a_hog_that_fills_every_slot(tiny_llama_dir):
     engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True, max_model_len=256,
                           num_kv_blocks=1024, max_num_seqs=64, scheduling_policy="fair")
-    with ServerThread(engine, ServerConfig(client_header="X-Client", max_n=128)) as server:
+    with ServerThread(engine, ServerConfig(client_header="X-Client", max_n=128, max_sequences_per_request=64)) as server:
         hog_client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                                    default_headers={"X-Client": "hog"})
         small_client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
