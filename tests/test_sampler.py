@@ -249,3 +249,35 @@ def test_property_sampled_tokens_respect_filters(data, num_reqs, vocab):
     if any(p.logprobs is not None for p in params):
         assert torch.allclose(out.logprobs[:, 0], logits.log_softmax(-1).gather(1, ids[:, None])[:, 0])
         assert not math.isnan(float(out.logprobs.sum()))
+
+
+def test_bfloat16_ties_at_the_top_are_broken_by_the_float32_sums():
+    from pagoda.engine.models.llama import break_bfloat16_ties
+
+    torch.manual_seed(0)
+    vocab, size = 4000, 64
+    hidden = torch.randn(5, size).to(torch.bfloat16)
+    weight = torch.randn(vocab, size).to(torch.bfloat16)
+    for row in range(5):  # token 10 row is each row's clear favourite ...
+        weight[10 * row + 10] = hidden[row] * 2
+    for row in range(4):  # ... and token 10 row + 11 a rival a hair below it in float32
+        best, rival = 10 * row + 10, 10 * row + 11
+        weight[rival] = weight[best]
+        j = int(hidden[row].float().abs().argmax())
+        nudge = torch.tensor(abs(float(weight[best, j])) * 2**-7 * (1 if hidden[row, j] < 0 else -1))
+        weight[rival, j] = (weight[best, j].float() + nudge).to(torch.bfloat16)
+    exact = hidden.float() @ weight.float().T  # what a float32 accumulator holds
+    logits = exact.to(torch.bfloat16)
+    for row in range(4):
+        best, rival = 10 * row + 10, 10 * row + 11
+        assert exact[row, best] > exact[row, rival]
+        # as a bfloat16 kernel may write them: tied, or the rival a step above
+        logits[row, rival] = logits[row, best] if row % 2 else torch.nextafter(
+            logits[row, best].float(), torch.tensor(1e9)).to(torch.bfloat16)
+        logits[row, rival] = max(logits[row, rival], logits[row, best])
+    before = logits.clone()
+    break_bfloat16_ties(logits, hidden, weight, torch.tensor([0, 1, 2, 4]))  # row 3 samples
+    for row in (0, 1, 2):
+        assert int(logits[row].argmax()) == 10 * row + 10 == int(exact[row].argmax())
+        assert int((logits[row] != before[row]).sum()) == 1  # the winner, raised one step
+    assert torch.equal(logits[3:], before[3:])  # a sampled row and a row without a tie: untouched

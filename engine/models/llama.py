@@ -175,6 +175,40 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(hidden)
 
 
+#: Most candidates one row's tie is broken among (a bound on the work; real ties are 2-3).
+MAX_TIE_CANDIDATES = 64
+
+
+def break_bfloat16_ties(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                        rows: torch.Tensor) -> None:
+    """For greedy rows, makes the bfloat16 argmax the float32 one: in place.
+
+    A bfloat16 logit keeps 8 bits of mantissa: at |logit| 2-4 its step is 1/64, and two
+    candidates whose float32 sums differ by less come out equal or swapped (the default
+    model's first answer token to "What is the capital of France?" tied at -1.878 on an AMX
+    machine and the answer went astray). The tokens within two steps of a row's maximum are
+    summed again in float32 from the same bfloat16 hidden state and weights, and the winner's
+    logit is raised one step above the maximum, so that argmax picks it. It costs two passes
+    over the greedy rows' logits and a few dot products for the rows that tie.
+
+    Args:
+        logits: [rows, vocab] bfloat16, changed in place.
+        hidden: [rows, hidden] the LM head's input.
+        weight: [vocab, hidden] the LM head's weight, unpacked.
+        rows: Indices of the greedy rows.
+    """
+    sub = logits.index_select(0, rows)
+    top = sub.amax(dim=-1).float()
+    step = torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(1e-30))) - 7)
+    near = sub >= (top - 2 * step).to(torch.bfloat16).unsqueeze(1)
+    tied = (near.sum(dim=-1) > 1).nonzero().squeeze(1).tolist()
+    for i in tied:
+        candidates = near[i].nonzero().squeeze(1)[:MAX_TIE_CANDIDATES]
+        exact = weight.index_select(0, candidates).float() @ hidden[rows[i]].float()
+        winner = candidates[exact.argmax()]
+        logits[rows[i], winner] = (top[i] + step[i]).to(torch.bfloat16)
+
+
 class LlamaForCausalLM(nn.Module):
     """The model. ``forward`` returns hidden states; ``compute_logits`` runs the LM head
     only on the rows that sample.
@@ -204,6 +238,8 @@ class LlamaForCausalLM(nn.Module):
                                                  for r in range(tp.world_size))]
         self._regions = (before_first_attention, between_attentions, after_last_attention)
         self._packed_lm_head: tuple[torch.Tensor, str] | None = None
+        # An untied LM head's weight as loaded, once the head is packed (break_bfloat16_ties).
+        self._unpacked_lm_head: torch.Tensor | None = None
 
     def compile_regions(self) -> None:
         """Compiles the three regions with torch.compile (inductor, dynamic shapes)."""
@@ -218,6 +254,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, packing: str) -> None:
         """Repacks every linear weight (and a tied LM head) for ``packing``; see
         engine/models/linear.py."""
+        if self.lm_head is not None:
+            self._unpacked_lm_head = self.lm_head.weight  # NOTE: kept for break_bfloat16_ties
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(packing)
@@ -241,9 +279,15 @@ class LlamaForCausalLM(nn.Module):
                 q, k, v, residual = between(layer, layers[i + 1], attn, residual, cos, sin)
         return last(layers[-1], self.norm, attn, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, greedy_rows: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, vocab] logits in the model's dtype (the sampler upcasts where it must),
-        gathered from every tensor-parallel rank's share of the vocabulary."""
+        gathered from every tensor-parallel rank's share of the vocabulary.
+
+        Args:
+            hidden: The final hidden states of the rows that sample.
+            greedy_rows: Rows sampled greedily: in bfloat16, their ties at the top are
+                broken by the float32 sums (see break_bfloat16_ties).
+        """
         if self._packed_lm_head is not None:
             weight, packing = self._packed_lm_head
             logits = packed_linear(hidden, weight, None, packing, self.embed_tokens.num_embeddings)
@@ -251,6 +295,11 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(hidden)
         else:
             logits = F.linear(hidden, self.embed_tokens.weight)
+        # NOTE: not under tensor parallelism, where each rank holds a share of the vocabulary.
+        if greedy_rows is not None and logits.dtype == torch.bfloat16 and not self.tp.is_parallel:
+            rows = (self.embed_tokens.weight if self.lm_head is None
+                    else self._unpacked_lm_head if self._unpacked_lm_head is not None else self.lm_head.weight)
+            break_bfloat16_ties(logits, hidden, rows, greedy_rows)
         return self.tp.all_gather_last_dim(logits, self._vocab_shares)
 
     def _share_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

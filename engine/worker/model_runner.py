@@ -203,12 +203,17 @@ class ModelRunner:
             return out
         sample_rows = rows[samples]
         last = torch.from_numpy(query_start[1:][samples].astype(np.int64) - 1).to(device)
-        logits = self.model.compute_logits(hidden[last])
+        md = batch.sampling_metadata(sample_rows) if self.tp.rank == 0 else None
+        greedy_rows = None
+        if md is not None and not md.all_random:
+            greedy_rows = (torch.arange(len(sample_rows), device=device) if md.all_greedy
+                           else md.greedy_mask.nonzero().squeeze(1))
+        logits = self.model.compute_logits(hidden[last], greedy_rows)
         if sched.grammar_bitmask is not None:
             _mask_logits(logits, sample_rows, [row_of[r] for r in sched.grammar_request_ids], sched.grammar_bitmask)
         # NOTE: rank 0 samples and every other rank takes its tokens, so all keep the same ids.
         if self.tp.rank == 0:
-            result = self.sampler(logits, batch.sampling_metadata(sample_rows))
+            result = self.sampler(logits, md)
             sampled = result.sampled_token_ids
         else:
             sampled = torch.empty(len(sample_rows), dtype=torch.int64, device=device)
