@@ -275,9 +275,14 @@ def test_bfloat16_ties_at_the_top_are_broken_by_the_float32_sums():
         logits[row, rival] = logits[row, best] if row % 2 else torch.nextafter(
             logits[row, best].float(), torch.tensor(1e9)).to(torch.bfloat16)
         logits[row, rival] = max(logits[row, rival], logits[row, best])
-    before = logits.clone()
-    break_bfloat16_ties(logits, hidden, weight, torch.tensor([0, 1, 2, 4]))  # row 3 samples
+    refined = break_bfloat16_ties(logits, hidden, weight, torch.tensor([0, 1, 2, 4]))  # row 3 samples
+    assert refined.dtype == torch.float32
     for row in (0, 1, 2):
-        assert int(logits[row].argmax()) == 10 * row + 10 == int(exact[row].argmax())
-        assert int((logits[row] != before[row]).sum()) == 1  # the winner, raised one step
-    assert torch.equal(logits[3:], before[3:])  # a sampled row and a row without a tie: untouched
+        best, rival = 10 * row + 10, 10 * row + 11
+        assert int(refined[row].argmax()) == best == int(exact[row].argmax())
+        assert float(refined[row, best]) == pytest.approx(float(exact[row, best]), rel=1e-6)
+        assert float(refined[row, rival]) == pytest.approx(float(exact[row, rival]), rel=1e-6)
+        changed = refined[row] != logits[row].float()
+        assert set(changed.nonzero().squeeze(1).tolist()) <= {best, rival}  # only the candidates
+    # a sampled row and a row without a tie: their bfloat16 values, in float32
+    assert torch.equal(refined[3:], logits[3:].float())
