@@ -153,13 +153,16 @@ FORMATS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FORMATS))
+@pytest.fixture(scope="module", params=[(parser, async_scheduling) for parser in FORMATS
+                                        for async_scheduling in (False, True)],
+                ids=lambda p: f"{p[0]}-{'async' if p[1] else 'sync'}")
 def parser_server(request, tiny_llama_dir):
+    parser, async_scheduling = request.param
     engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True, max_model_len=512,
-                          num_kv_blocks=128, reasoning_parser="qwen3")
-    config = ServerConfig(chat_template="chatml_tools", enable_auto_tool_choice=True, tool_call_parser=request.param)
+                          num_kv_blocks=128, reasoning_parser="qwen3", async_scheduling=async_scheduling)
+    config = ServerConfig(chat_template="chatml_tools", enable_auto_tool_choice=True, tool_call_parser=parser)
     with ServerThread(engine, config) as server:
-        yield request.param, server
+        yield parser, server
 
 
 def test_auto_finds_the_calls_of_each_format_in_a_live_answer(parser_server):
