@@ -24,6 +24,29 @@ from pagoda.benchmarks.workloads import WORKLOADS, Workload
 from pagoda.engine.args import add_engine_args, engine_config_from_args
 
 PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
+#: The CPU features that decide which kernels run (and so which figures are comparable).
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def describe_cpu() -> dict:
+    """The machine the figures come from: the CPU's model name, its cores, and the features
+    that decide the kernels (from /proc/cpuinfo; empty where there is none)."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"model_name": model, "cores": os.cpu_count(), "features": [f for f in CPU_FEATURES if f in flags]}
+
+
+def cpu_line(cpu: dict) -> str:
+    return f"CPU: {cpu['model_name']}, {cpu['cores']} cores, {' '.join(cpu['features']) or 'no AVX2'}"
 
 
 def draw_runs(workload: Workload, runs: int, seed: int, vocab_size: int) -> list[dict]:
@@ -123,13 +146,15 @@ def run_compare(args: argparse.Namespace) -> int:
     max_model_len = args.max_model_len or max(max(w.max_len for w in workloads), 1024)
     args.max_model_len = max_model_len
     plan = [{"name": w.name, "runs": draw_runs(w, args.runs, args.bench_seed, vocab_size)} for w in workloads]
+    cpu = describe_cpu()
     results = run_pagoda(args, plan)
     if args.peer == "vllm":
         results += run_vllm(args, plan, model_dir, max_model_len)
     if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=1))
+        Path(args.output).write_text(json.dumps([{"engine": "machine", "event": "cpu", **cpu}, *results], indent=1))
 
-    print(f"\nmedian of {args.runs} runs after a warm-up, fresh prompts each run, greedy, EOS ignored")
+    print(f"\n{cpu_line(cpu)}")
+    print(f"median of {args.runs} runs after a warm-up, fresh prompts each run, greedy, EOS ignored")
     header = f"{'workload':<52}{'pagoda s':>10}{'tok/s':>9}"
     if args.peer == "vllm":
         header += f"{'vllm s':>10}{'tok/s':>9}{'pagoda speed-up':>17}"

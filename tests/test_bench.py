@@ -87,3 +87,17 @@ def test_fairness_bench_serves_the_light_client_sooner_under_fair(capsys, tiny_l
     # fcfs serves in arrival order (5 heavy, then 1 light, ...); fair alternates the clients.
     assert rows["fcfs"]["light"]["last_finished_after"] >= 10  # behind every heavy request (2 slots)
     assert rows["fair"]["light"]["last_finished_after"] <= 5
+
+
+def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llama_dir):
+    from pagoda.benchmarks.compare import describe_cpu
+
+    cpu = describe_cpu()
+    flags = open("/proc/cpuinfo").read()
+    assert cpu["model_name"] in flags and cpu["cores"] >= 1
+    assert ("amx_bf16" in cpu["features"]) == (" amx_bf16" in flags)
+    output = tmp_path / "compare.json"
+    assert main(["bench", "compare", "--model", str(tiny_llama_dir), "--workloads", "single", "--runs", "1",
+                 "--dtype", "float32", "--enforce-eager", "--output", str(output)]) == 0
+    assert f"CPU: {cpu['model_name']}" in capsys.readouterr().out
+    assert json.loads(output.read_text())[0] == {"engine": "machine", "event": "cpu", **cpu}
