@@ -52,3 +52,17 @@ def test_a_worker_that_fails_to_start_reports_its_traceback(tiny_llama_dir, tmp_
     message = str(info.value)
     assert "failed to start" in message and "Traceback" in message
     assert "safetensors" in message.lower()
+
+
+@pytest.mark.parametrize("user_value", [None, "glibc.malloc.arena_max=2"])
+def test_the_worker_gets_the_allocator_tunables_unless_the_user_set_some(tiny_llama_dir, monkeypatch, user_value):
+    if user_value is not None:
+        monkeypatch.setenv("GLIBC_TUNABLES", user_value)
+    with LLM(str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=128) as llm:
+        environ = Path(f"/proc/{llm.engine.worker.pid}/environ").read_bytes().split(b"\0")
+    tunables = [e.decode() for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
+    assert len(tunables) == 1
+    if user_value is None:
+        assert "glibc.malloc.mmap_threshold=67108864" in tunables[0]
+    else:
+        assert tunables[0] == f"GLIBC_TUNABLES={user_value}"
