@@ -109,22 +109,31 @@ def children(pid: int) -> list[int]:
     return pids
 
 
-def test_a_crash_loop_past_the_budget_turns_health_503_and_sigterm_still_exits_cleanly(tiny_llama_dir, tmp_path):
+def serve_tiny(tiny_llama_dir, log, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``pagoda serve`` on the tiny model in a process of its own, once /health answers."""
     port = free_port()
-    log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "pagoda", "serve", "--model", str(tiny_llama_dir), *TINY_FLAGS,
-                             "--max-worker-restarts", "2", "--keep-alive-on-engine-death", "--port", str(port)],
-                            cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT)
+                             *flags, "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        def up() -> bool:
-            try:
-                return http_request(url + "/health", timeout=5).status == 200
-            except OSError:
-                return False
 
+    def up() -> bool:
+        try:
+            return http_request(url + "/health", timeout=5).status == 200
+        except OSError:
+            return False
+
+    try:
         wait_until(up, 120, "the server")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def test_a_crash_loop_past_the_budget_turns_health_503_and_sigterm_still_exits_cleanly(tiny_llama_dir, tmp_path):
+    log = open(tmp_path / "server.log", "w")
+    proc, url = serve_tiny(tiny_llama_dir, log, "--max-worker-restarts", "2", "--keep-alive-on-engine-death")
+    try:
         body = {"prompt": "Hello", "max_tokens": 3}
         for round_ in range(3):
             (worker,) = children(proc.pid)
@@ -153,20 +162,9 @@ def test_a_crash_loop_past_the_budget_turns_health_503_and_sigterm_still_exits_c
 def test_past_the_restart_budget_the_server_exits_with_status_1(tiny_llama_dir, tmp_path):
     """Without --keep-alive-on-engine-death, a dead engine ends the process (after requests
     got their 503s), so that a supervisor that watches the process restarts it."""
-    port = free_port()
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "pagoda", "serve", "--model", str(tiny_llama_dir), *TINY_FLAGS,
-                             "--max-worker-restarts", "0", "--port", str(port)], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_tiny(tiny_llama_dir, log, "--max-worker-restarts", "0")
     try:
-        def up() -> bool:
-            try:
-                return http_request(url + "/health", timeout=5).status == 200
-            except OSError:
-                return False
-
-        wait_until(up, 120, "the server")
         (worker,) = children(proc.pid)
         os.kill(worker, signal.SIGKILL)
         wait_until(lambda: http_request(url + "/health").status == 503, 30, "/health to give up")
