@@ -42,7 +42,8 @@ def describe_cpu() -> dict:
                     flags = set(value.split())
     except OSError:
         pass
-    return {"model_name": model, "cores": os.cpu_count(), "features": [f for f in CPU_FEATURES if f in flags]}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"model_name": model, "cores": cores, "features": [f for f in CPU_FEATURES if f in flags]}
 
 
 def cpu_line(cpu: dict) -> str:

@@ -30,7 +30,6 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import StructuredOutputsParams
 
     with open(args.workloads) as f:
         workloads = json.load(f)
@@ -42,8 +41,11 @@ def main() -> int:
         for run in workload["runs"]:
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
             # NOTE: a workload with a "json_schema" holds every request to it (structured outputs).
-            schema = workload.get("json_schema")
-            structured = StructuredOutputsParams(json=schema) if schema is not None else None
+            schema, structured = workload.get("json_schema"), None
+            if schema is not None:
+                from vllm.sampling_params import StructuredOutputsParams  # NOTE: vLLM >= 0.11 names it so
+
+                structured = StructuredOutputsParams(json=schema)
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=structured)
                       for n in run["output_lens"]]
             llm.reset_prefix_cache()

@@ -3,8 +3,8 @@
 Models of the ``<think>…</think>`` family write their thinking first and the answer after
 the closing tag. The server returns the two apart (``message.reasoning_content`` and
 ``message.content``, streamed as deltas of each); the engine holds a structured-output
-grammar back until the thinking ends, so the constraint applies to the answer alone, as in
-vLLM. Both read the definitions here (a leaf module: no torch, nothing of the engine's).
+grammar back until the thinking ends (unless the prompt's last tag already closed it), so
+the constraint applies to the answer alone, as in vLLM. Both read the definitions here (a leaf module: no torch, nothing of the engine's).
 
 - ``deepseek_r1``: the output starts inside the thinking (the chat template opens it);
   a leading ``<think>`` is dropped; all text before ``</think>`` is reasoning, and an output
@@ -58,12 +58,11 @@ class ReasoningParser:
         return body[:_tag_prefix_at(body, self.end)], ""
 
     def is_thinking(self, prompt_ids: list[int], start_ids: list[int], end_ids: list[int]) -> bool:
-        """Whether a prompt leaves the model inside its thinking: the last tag in it opens
-        thinking, or it has none and this family's outputs start inside."""
-        start, end = _rfind(prompt_ids, start_ids), _rfind(prompt_ids, end_ids)
-        if start < 0 and end < 0:
-            return self.starts_inside
-        return start > end
+        """Whether the model may still think after this prompt: unless the prompt's last tag
+        closes the thinking (Qwen3 with enable_thinking off, an assistant message continued
+        after it), the grammar waits for the output to close it, as vLLM's does."""
+        end = _rfind(prompt_ids, end_ids)
+        return end < 0 or end < _rfind(prompt_ids, start_ids)
 
 
 def _tag_prefix_at(text: str, tag: str) -> int:

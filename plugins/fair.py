@@ -77,13 +77,14 @@ class FairShare:
 
     @hookimpl
     def pagoda_step_finished(self, step: StepView) -> None:
-        client_of, served = self._client_of, self.served
-        if not client_of:
+        if not self._client_of:
             return  # another policy runs (or nothing waits or runs): nothing to count
+        # NOTE: by the step's own client_of, so that the samples of an n > 1 request, which
+        # fork from the first without passing through the queue, count too.
+        served, client_of = self.served, step.client_of
         for request_id, num_tokens in step.scheduled.items():
-            if request_id in client_of:
-                client = client_of[request_id]
-                served[client] = served.get(client, 0.0) + num_tokens
+            client = client_of(request_id)
+            served[client] = served.get(client, 0.0) + num_tokens
 
     @hookimpl
     def pagoda_request_finished(self, request: RequestView, finish_reason: str) -> None:

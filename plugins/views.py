@@ -5,7 +5,7 @@ A plugin depends on these alone; the engine can change its internals freely.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -117,6 +117,7 @@ class StepView:
         kv_cache_usage: Fraction of KV blocks in use after it (1 = all).
         scheduled: Tokens the step computed per request id (read-only; the fair policy
             counts each client's service with it).
+        client_of: The client of a request id in ``scheduled`` (RequestView.client).
     """
 
     step_id: int
@@ -126,3 +127,4 @@ class StepView:
     num_preemptions: int
     kv_cache_usage: float
     scheduled: Mapping[str, int] = field(default_factory=dict)
+    client_of: Callable[[str], str | None] = lambda request_id: None

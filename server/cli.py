@@ -88,8 +88,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     _add(parser, "--client-header", default=None, metavar="NAME",
          help="a request header that names the client, for --scheduling-policy fair and the per-key limits "
               "(default: the API key, else the client's address)")
-    _add(parser, "--allowed-origins", type=_json_list, default=["*"],
-         help='origins browsers may call the API from, as a JSON list (default ["*"]; [] turns CORS off)')
+    _add(parser, "--allowed-origins", type=_json_list, default=[],
+         help='origins browsers may call the API from, as a JSON list, e.g. \'["https://app.example"]\' or '
+              '\'["*"]\' (default []: CORS off, so no web page can read the answers)')
     _add(parser, "--allowed-methods", type=_json_list, default=["GET", "POST", "OPTIONS"],
          help='methods a CORS preflight allows, as a JSON list (default ["GET", "POST", "OPTIONS"])')
     _add(parser, "--allowed-headers", type=_json_list, default=["*"],

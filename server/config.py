@@ -51,7 +51,7 @@ class ServerConfig:
         max_tokens_per_client: Tokens (as above) one client may have in flight; None:
             eight times the KV cache's tokens.
         allowed_origins: Origins browsers may call the API from (CORS); ``["*"]`` any,
-            ``[]`` none (no CORS headers).
+            ``[]`` (the default) none: no CORS headers, so no web page can read the answers.
         allowed_methods: Methods a preflight allows.
         allowed_headers: Request headers a preflight allows (``*``: whatever it asks for).
         allow_credentials: Let browsers send cookies and credentials.
@@ -90,7 +90,7 @@ class ServerConfig:
     header_timeout: float = 15.0
     body_timeout: float = 60.0
     max_connections: int | None = 2048
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_origins: list[str] = field(default_factory=list)
     allowed_methods: list[str] = field(default_factory=lambda: ["GET", "POST", "OPTIONS"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False

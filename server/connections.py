@@ -35,11 +35,14 @@ class _RequestHandler(RequestHandler):
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        logger.info("unparsable request from %s: %s", request.remote, type(exc).__name__ if exc else status)
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        else:
+            logger.info("unparsable request from %s: %s", request.remote, type(exc).__name__ if exc else status)
         if request.writer.output_size > 0:
             raise ConnectionError("the response had started; cannot send an error")
         phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
-        text = ("The server failed while reading the request; see the server log." if status >= 500 else
+        text = ("The server failed on this request; see the server log." if status >= 500 else
                 f"The HTTP request could not be read ({phrase}): a malformed request line, or a header line or "
                 "field over 8,190 bytes.")
         response = web.Response(status=status, body=_error_body(status, text, "invalid_http_request"),

@@ -107,6 +107,16 @@ class ClientBudget:
                            code="too_many_requests", headers={"Retry-After": "1"})
         self._inflight[client] = (sequences + num_sequences, tokens + num_tokens)
 
+    def check_room(self, client: str) -> None:
+        """429 for a client already at a limit, before its request is tokenized."""
+        sequences, tokens = self._inflight.get(client, (0, 0))
+        limits = self.limits
+        if sequences >= limits.max_sequences_per_client or tokens >= limits.max_tokens_per_client:
+            raise APIError(429, f"This client has {sequences} sequences and {tokens} tokens in flight, at its "
+                                f"limits ({limits.max_sequences_per_client} sequences, "
+                                f"{limits.max_tokens_per_client} tokens). Retry when some finish.",
+                           code="too_many_requests", headers={"Retry-After": "1"})
+
     def release(self, client: str, num_sequences: int, num_tokens: int) -> None:
         sequences, tokens = self._inflight.get(client, (0, 0))
         sequences, tokens = sequences - num_sequences, tokens - num_tokens

@@ -150,7 +150,9 @@ class ChoiceBuilder:
         elif not self.parses:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            reasoning, parsed = self._parse(text, final=True)
+            # NOTE: an echoed prefix is the client's own text: content, never parsed.
+            reasoning, parsed = self._parse(output.text, final=True)
+            parsed.content = prefix + parsed.content
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
@@ -187,6 +189,9 @@ class ChoiceBuilder:
             state.logprobs.extend(output.logprobs)
         reasoning, parsed = self._parse(state.text, output.finished)
         deltas: list[dict[str, Any]] = []
+        if state.prefix:  # echo: the client's own text goes first, as content, unparsed
+            deltas.append({"content": state.prefix})
+            state.prefix = ""
         if reasoning is not None and len(reasoning) > state.num_reasoning_chars:
             deltas.append({"reasoning_content": reasoning[state.num_reasoning_chars:]})
             state.num_reasoning_chars = len(reasoning)

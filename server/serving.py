@@ -129,6 +129,7 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, span: 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     span.set_request(gen, request_id, model)
     state.check_can_serve()
+    state.budget.check_room(client)
     jobs = await _prepare(state, gen, chat, request_id)
     num_sequences, num_tokens = _cost(gen, jobs, engine.max_model_len)
     state.limits.check_request(num_sequences, num_tokens, gen.max_tokens_param)

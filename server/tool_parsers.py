@@ -85,34 +85,22 @@ def _string_end(text: str, i: int) -> int | None:
     return None
 
 
+_DECODER = json.JSONDecoder()
+
+
 def _value_end(text: str, i: int) -> int | None:
-    """The end (exclusive) of the JSON value starting at ``text[i]``; None when cut off."""
+    """The end (exclusive) of the JSON value starting at ``text[i]``; None when it is cut
+    off (or not JSON). NOTE: json's C scanner, not a loop here: a stream re-reads the
+    arguments at every delta, and a Python loop made a 28k-character call cost seconds."""
     if i >= len(text):
         return None
-    if text[i] == '"':
-        return _string_end(text, i)
-    if text[i] in "{[":
-        depth, j = 0, i
-        while j < len(text):
-            char = text[j]
-            if char == '"':
-                end = _string_end(text, j)
-                if end is None:
-                    return None
-                j = end
-                continue
-            if char in "{[":
-                depth += 1
-            elif char in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
+    try:
+        end = _DECODER.raw_decode(text, i)[1]
+    except ValueError:
         return None
-    j = i  # a number, true, false or null: it ends at a delimiter
-    while j < len(text) and text[j] not in ",}]" + WHITESPACE:
-        j += 1
-    return j if j < len(text) else None
+    if end == len(text) and text[i] not in '"{[':
+        return None  # a number or a literal may go on
+    return end
 
 
 def _call_object(text: str, i: int, argument_keys: tuple[str, ...]) -> tuple[PartialCall, int | None]:
@@ -125,6 +113,7 @@ def _call_object(text: str, i: int, argument_keys: tuple[str, ...]) -> tuple[Par
         Malformed: It is not such an object.
     """
     call = PartialCall(None)
+    seen_arguments = False
     j = _skip_ws(text, i + 1)
     while j < len(text):
         if text[j] == "}":
@@ -146,7 +135,8 @@ def _call_object(text: str, i: int, argument_keys: tuple[str, ...]) -> tuple[Par
             raise Malformed("not a JSON object")
         j = _skip_ws(text, j + 1)
         end = _value_end(text, j)
-        if key in argument_keys:
+        if key in argument_keys and not seen_arguments:  # NOTE: the first such key wins
+            seen_arguments = True
             call.arguments = text[j:end] if end is not None else text[j:].rstrip(WHITESPACE)
         if end is None:
             break
@@ -156,6 +146,8 @@ def _call_object(text: str, i: int, argument_keys: tuple[str, ...]) -> tuple[Par
                 raise Malformed("a call's name must be a string")
             call.name = name
         j = _skip_ws(text, end)
+    if not call.arguments.startswith("{"):
+        call.name = None  # NOTE: not streamed until its arguments turn out to be an object
     return call, None
 
 

@@ -119,3 +119,17 @@ def test_fair_on_a_live_server_answers_a_small_request_beside_a_hog_that_fills_e
         assert hog_done.is_set()
         kv = server.call(lambda: server.engine.scheduler.kv_cache_manager)
         assert server.call(lambda: kv.get_num_free_blocks()) == kv.num_blocks
+
+
+def test_fair_counts_every_sample_of_an_n_request():
+    scheduler = make_scheduler("fair")
+    samples = [Request(f"a-{i}", list(range(1, 9)), SamplingParams(max_tokens=20), max_tokens=20, client="a")
+               for i in range(4)]
+    scheduler.add_request(samples[0], forks=samples[1:])
+    add(scheduler, "b0", "b", max_tokens=20)  # keeps the fair plugin counting
+    for _ in range(10):
+        step(scheduler)
+    fair = scheduler.policy.pm.get_plugin("pagoda-builtin-fair")
+    computed = sum(r.num_computed_tokens for r in samples)
+    assert computed > 8 + 3 * 5  # the forks decoded too
+    assert fair.served["a"] == computed - 3 * 7  # NOTE: the forks share the first sample's 7 prompt tokens

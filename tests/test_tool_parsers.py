@@ -33,6 +33,10 @@ TEXTS = [
      "Let me check.", [("get_weather", PARIS), ("get_time", {"city": 'Pa"ris}'})]),
     ("hermes", "It is sunny; no <tool_ needed.", "It is sunny; no <tool_ needed.", []),
     ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    ("hermes", '<tool_call>{"name": "g", "arguments": null}</tool_call>',
+     '<tool_call>{"name": "g", "arguments": null}</tool_call>', []),  # not streamed as a call either
+    ("hermes", '<tool_call>{"name": "g", "parameters": {"a": 1}, "arguments": {"b": 2}}</tool_call>',
+     "", [("g", {"a": 1})]),  # the first arguments key wins, streamed or not
     ("hermes", '<tool_call>{"name": "get_time", "arguments": {"city": "Paris"', None, None),  # cut off
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
                     '{"name": "get_time", "parameters": {"city": "Paris"}}',
@@ -159,7 +163,7 @@ FORMATS = {
 def parser_server(request, tiny_llama_dir):
     parser, async_scheduling = request.param
     engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True, max_model_len=512,
-                          num_kv_blocks=128, reasoning_parser="qwen3", async_scheduling=async_scheduling)
+                          num_kv_blocks=128, async_scheduling=async_scheduling)
     config = ServerConfig(chat_template="chatml_tools", enable_auto_tool_choice=True, tool_call_parser=parser)
     with ServerThread(engine, config) as server:
         yield parser, server
@@ -190,18 +194,25 @@ def test_auto_finds_the_calls_of_each_format_in_a_live_answer(parser_server):
                                                   for c in whole.message.tool_calls]
 
 
-def test_reasoning_content_comes_apart_from_the_answer_live(parser_server):
-    _, server = parser_server
+@pytest.fixture(scope="module")
+def reasoning_server(tiny_llama_dir):
+    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True, max_model_len=512,
+                          num_kv_blocks=64, reasoning_parser="qwen3")
+    with ServerThread(engine, ServerConfig(chat_template="chatml_tools")) as server:
+        yield server
+
+
+def test_a_grammar_applies_once_the_prompt_closed_the_thinking_live(reasoning_server):
+    """--reasoning-parser qwen3: the assistant's thinking, closed in the prompt (continued),
+    lets the constraint apply from the first output token; the answer is content."""
+    server = reasoning_server
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    kwargs = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Yes or no?"}],
-                  max_tokens=200, temperature=0,
-                  extra_body={"structured_outputs": {"regex": r"<think>[a-z ]{1,20}</think>\n\n(yes|no)"}})
+    messages = [{"role": "user", "content": "Yes or no?"}, {"role": "assistant", "content": "<think>Easy.</think>"}]
+    kwargs = dict(model=client.models.list().data[0].id, messages=messages, max_tokens=50, temperature=0,
+                  extra_body={"structured_outputs": {"regex": "(yes|no)"}, "continue_final_message": True,
+                              "add_generation_prompt": False})
     message = client.chat.completions.create(**kwargs).choices[0].message
-    reasoning = message.model_extra["reasoning_content"]
-    assert re.fullmatch("[a-z ]{1,20}", reasoning) and message.content in ("yes", "no")
-    streamed = {"reasoning_content": "", "content": ""}
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        delta = chunk.choices[0].delta
-        streamed["content"] += delta.content or ""
-        streamed["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
-    assert streamed == {"reasoning_content": reasoning, "content": message.content}
+    assert message.content in ("yes", "no") and message.model_extra.get("reasoning_content") is None
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        stream=True, **kwargs))
+    assert streamed == message.content

@@ -437,6 +437,7 @@ class Scheduler:
             num_preemptions=self.stats.num_preemptions,
             kv_cache_usage=1 - kv.get_num_free_blocks() / kv.num_blocks,
             scheduled=scheduler_output.num_scheduled_tokens,
+            client_of=lambda request_id: scheduled[request_id].client,
         ))
         return updates
 

@@ -264,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, packing: str) -> None:
         """Repacks every linear weight (and a tied LM head) for ``packing``; see
         engine/models/linear.py."""
-        if self.lm_head is not None:
+        if self.lm_head is not None and not self.tp.is_parallel:
             self._unpacked_lm_head = self.lm_head.weight  # NOTE: kept for break_bfloat16_ties
         for module in self.modules():
             if isinstance(module, Linear):
