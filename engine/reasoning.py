@@ -4,7 +4,8 @@ Models of the ``<think>…</think>`` family write their thinking first and the a
 the closing tag. The server returns the two apart (``message.reasoning_content`` and
 ``message.content``, streamed as deltas of each); the engine holds a structured-output
 grammar back until the thinking ends (unless the prompt's last tag already closed it), so
-the constraint applies to the answer alone, as in vLLM. Both read the definitions here (a leaf module: no torch, nothing of the engine's).
+the constraint applies to the answer alone, as in vLLM. Both read the definitions here (a
+leaf module: no torch, nothing of the engine's).
 
 - ``deepseek_r1``: the output starts inside the thinking (the chat template opens it);
   a leading ``<think>`` is dropped; all text before ``</think>`` is reasoning, and an output
@@ -15,6 +16,7 @@ the constraint applies to the answer alone, as in vLLM. Both read the definition
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 WHITESPACE = " \t\n\r"
@@ -57,7 +59,7 @@ class ReasoningParser:
             return body, ""
         return body[:_tag_prefix_at(body, self.end)], ""
 
-    def is_thinking(self, prompt_ids: list[int], start_ids: list[int], end_ids: list[int]) -> bool:
+    def is_thinking(self, prompt_ids: list[int], start_ids: Sequence[int], end_ids: Sequence[int]) -> bool:
         """Whether the model may still think after this prompt: unless the prompt's last tag
         closes the thinking (Qwen3 with enable_thinking off, an assistant message continued
         after it), the grammar waits for the output to close it, as vLLM's does."""
@@ -73,8 +75,9 @@ def _tag_prefix_at(text: str, tag: str) -> int:
     return len(text)
 
 
-def _rfind(ids: list[int], pattern: list[int]) -> int:
+def _rfind(ids: list[int], pattern: Sequence[int]) -> int:
     """Where ``pattern`` last occurs in ``ids`` (-1: nowhere)."""
+    pattern = list(pattern)
     k = len(pattern)
     if not k:
         return -1

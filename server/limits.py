@@ -65,13 +65,16 @@ class Limits:
                 f"{self.max_prompt_chars} (its maximum context length times its longest token). Shorten it.",
                 param, code="context_length_exceeded")
 
-    def check_request(self, num_sequences: int, num_tokens: int, param: str) -> None:
-        """400 for a request that asks for more sequences or tokens than one may."""
+    def check_sequences(self, num_sequences: int) -> None:
+        """400 for a request with more sequences (prompts x n) than one may have."""
         if num_sequences > self.max_sequences_per_request:
             raise bad_request(
                 f"This request asks for {num_sequences} sequences (prompts x n); at most "
                 f"{self.max_sequences_per_request} are allowed per request (--max-sequences-per-request).",
-                param, code="too_many_sequences")
+                "n", code="too_many_sequences")
+
+    def check_tokens(self, num_tokens: int, param: str) -> None:
+        """400 for a request that asks for more tokens than one may."""
         if num_tokens > self.max_tokens_per_request:
             raise bad_request(
                 f"This request asks for {num_tokens} tokens (each sequence's prompt plus max_tokens); at most "
@@ -95,7 +98,7 @@ class ClientBudget:
 
         Raises:
             APIError: 429 with Retry-After when the client would pass a limit (a request
-                alone is never refused here: check_request bounds it).
+                alone is never refused here: check_sequences and check_tokens bound it).
         """
         sequences, tokens = self._inflight.get(client, (0, 0))
         limits = self.limits

@@ -132,7 +132,7 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, span: 
     state.budget.check_room(client)
     jobs = await _prepare(state, gen, chat, request_id)
     num_sequences, num_tokens = _cost(gen, jobs, engine.max_model_len)
-    state.limits.check_request(num_sequences, num_tokens, gen.max_tokens_param)
+    state.limits.check_tokens(num_tokens, gen.max_tokens_param)
     state.budget.charge(client, num_sequences, num_tokens)
     try:
         return await _run(request, state, gen, chat, span, request_id, jobs, model, client)
@@ -214,8 +214,7 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
     """Tokenizes (or renders and tokenizes) the prompts and checks them against the context."""
     engine, limits = state.engine, state.limits
     # NOTE: both bounds come before the tokenizer runs: a huge prompt costs nothing but a 400.
-    num_prompts = 1 if chat else len(gen.prompts)
-    limits.check_request(num_prompts * gen.params.n, 0, "n")
+    limits.check_sequences((1 if chat else len(gen.prompts)) * gen.params.n)
     if chat:
         limits.check_chars(sum(len(m.get("content") or "") for m in gen.messages)
                            + (len(orjson.dumps(gen.tools.tools)) if gen.tools is not None else 0), "messages")

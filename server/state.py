@@ -102,13 +102,12 @@ class ServerState:
     inflight: set[asyncio.Task] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     inflight_per_key: dict[str, int] = field(default_factory=dict)
-    limits: Limits = None
-    budget: ClientBudget = None
+    limits: Limits = field(init=False)
+    budget: ClientBudget = field(init=False)
 
     def __post_init__(self) -> None:
         self.idle.set()
-        if self.limits is None:
-            self.limits = Limits.resolve(self.config, self.engine)
+        self.limits = Limits.resolve(self.config, self.engine)
         self.budget = ClientBudget(self.limits)
 
     # -- in-flight requests -----------------------------------------------------------

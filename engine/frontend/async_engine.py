@@ -278,7 +278,7 @@ class AsyncEngine:
             matchers = self._grammars().matchers(params.structured_outputs, params.n)
             if self._reasoning is not None:
                 parser, start_ids, end_ids = self._reasoning
-                if parser.is_thinking(prompt_token_ids, start_ids, list(end_ids)):
+                if parser.is_thinking(prompt_token_ids, start_ids, end_ids):
                     reasoning_end = end_ids  # the grammar waits for the thinking to end
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

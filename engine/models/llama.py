@@ -308,10 +308,14 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.embed_tokens.weight)
         # NOTE: not under tensor parallelism, where each rank holds a share of the vocabulary.
         if greedy_rows is not None and logits.dtype == torch.bfloat16 and not self.tp.is_parallel:
-            rows = (self.embed_tokens.weight if self.lm_head is None
-                    else self._unpacked_lm_head if self._unpacked_lm_head is not None else self.lm_head.weight)
-            logits = break_bfloat16_ties(logits, hidden, rows, greedy_rows)
+            logits = break_bfloat16_ties(logits, hidden, self._unpacked_lm_head_weight(), greedy_rows)
         return self.tp.all_gather_last_dim(logits, self._vocab_shares)
+
+    def _unpacked_lm_head_weight(self) -> torch.Tensor:
+        """The LM head's [vocab, hidden] weight as loaded (tied: the embedding itself)."""
+        if self.lm_head is None:
+            return self.embed_tokens.weight
+        return self.lm_head.weight if self._unpacked_lm_head is None else self._unpacked_lm_head
 
     def _share_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor (Hugging Face name, "model." stripped)."""
