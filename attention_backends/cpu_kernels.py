@@ -102,31 +102,43 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
+def library_path() -> Path:
+    """The built library's path (building it if needed); its name is unique to the source,
+    the compiler and this CPU's flags.
+
+    Raises:
+        KernelUnavailable: As load().
+    """
+    if os.environ.get(DISABLE_ENV):
+        raise KernelUnavailable(f"disabled by {DISABLE_ENV}")
+    return _build(_compiler())
+
+
+@functools.cache
 def load() -> ctypes.CDLL:
     """The kernel library, built if needed.
 
     Raises:
         KernelUnavailable: Disabled, no compiler, or the build failed.
     """
-    if os.environ.get(DISABLE_ENV):
-        raise KernelUnavailable(f"disabled by {DISABLE_ENV}")
-    lib = ctypes.CDLL(str(_build(_compiler())))
+    lib = ctypes.CDLL(str(library_path()))
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in ("paged_attention_bf16", "paged_attention_f32"):
         fn = getattr(lib, name)
-        fn.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, i64, i64, i64, i64, i64,
-                       ctypes.c_float]
+        fn.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, pointer, i64, i64, i64, i64,
+                       i64, ctypes.c_float]
         fn.restype = None
     for name in ("paged_write_kv_bf16", "paged_write_kv_f32"):
         fn = getattr(lib, name)
         fn.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64]
         fn.restype = None
-    lib.packed_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, pointer, i64]
+    lib.packed_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, pointer, i64, i64]
     lib.packed_linear_bf16.restype = None
-    lib.packed_silu_mul_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64]
+    lib.packed_silu_mul_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, i64]
     lib.packed_silu_mul_linear_bf16.restype = None
-    lib.packed_linear_available.argtypes = []
-    lib.packed_linear_available.restype = ctypes.c_int
+    for name in ("packed_linear_available", "amx_probe"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -174,7 +186,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of every query row over its request's paged context.
 
     Request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]``, the last of its
@@ -185,13 +197,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         query: [num_tokens, num_heads, head_dim], contiguous.
         key_cache: [num_blocks, num_kv_heads, head_dim, block_size] (keys transposed per block).
         value_cache: [num_blocks, num_kv_heads, block_size, head_dim].
-        block_tables: int32 [num_reqs, >= max blocks], rows contiguous.
+        block_tables: int32 [num_reqs, >= max blocks], rows contiguous (a view that starts
+            some blocks in attends over the keys from there on: positions count from it).
         seq_lens: int32 [num_reqs] context lengths (the step's tokens included).
         query_start_loc: int32 [num_reqs + 1].
         scale: Softmax scale.
+        return_lse: Also return each row's log-sum-exp of its scaled scores (float32
+            [num_tokens, num_heads]), to merge with attention over other keys.
 
     Returns:
-        [num_tokens, num_heads, head_dim] in the query's dtype.
+        [num_tokens, num_heads, head_dim] in the query's dtype (and the log-sum-exp).
     """
     fn = _kernel("paged_attention_" + _SUFFIX[query.dtype])
     num_tokens, num_heads, head_dim = query.shape
@@ -202,10 +217,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     assert key_cache.dtype == value_cache.dtype == query.dtype
     assert block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
     out = torch.empty_like(query)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32) if return_lse else None
     fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-       block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(), num_reqs, num_heads,
-       num_kv_heads, head_dim, block_size, scale)
-    return out
+       block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(),
+       None if lse is None else lse.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale)
+    return (out, lse) if return_lse else out
 
 
 # -- the bfloat16 linear layer (csrc/packed_linear.c) ---------------------------------------
@@ -216,6 +232,19 @@ PACKED_LINEAR_GROUP = 64
 def packed_linear_available() -> bool:
     """Whether packed_linear runs here: the library loads and this CPU has AVX512-BF16."""
     return available() and bool(load().packed_linear_available())
+
+
+@functools.cache
+def packed_linear_amx_available() -> bool:
+    """Whether packed_linear can run on AMX tiles here: the kernel was built with them and
+    one tile product ran (in a forked child, so a CPU that lists AMX but faults on it
+    costs nothing; see amx_probe in csrc/packed_linear.c)."""
+    if not packed_linear_available():
+        return False
+    ok = bool(load().amx_probe())
+    if not ok and " amx_bf16" in cpu_flags():
+        logger.warning("this CPU lists amx_bf16 but a tile product did not run; the linear layers will not use AMX")
+    return ok
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -249,8 +278,13 @@ def _check_linear_input(x: torch.Tensor, weight: torch.Tensor, out_features: int
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                  amx_min_rows: int = 0) -> torch.Tensor:
     """x @ W.T + bias for a 2-D bfloat16 x and a weight from pack_linear_weight.
+
+    With ``amx_min_rows`` > 0, an x of at least that many rows is multiplied on AMX tiles
+    (only pass it where packed_linear_amx_available(); the sums differ from the AVX512
+    path's by rounding).
 
     Returns:
         [x rows, out_features] bfloat16.
@@ -262,13 +296,15 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(m, out_features, dtype=torch.bfloat16)
     if m:
         _kernel("packed_linear_bf16")(x.data_ptr(), m, x.stride(0), weight.data_ptr(), out_features, k,
-                                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
+                                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+                                      amx_min_rows)
     return out
 
 
-def packed_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+def packed_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, intermediate_size: int,
+                           amx_min_rows: int = 0) -> torch.Tensor:
     """SiLU(x @ G.T) * (x @ U.T) for a 2-D bfloat16 x and a weight from
-    pack_silu_mul_weight(cat(G, U)).
+    pack_silu_mul_weight(cat(G, U)); ``amx_min_rows`` as for packed_linear.
 
     Returns:
         [x rows, intermediate_size] bfloat16.
@@ -278,5 +314,5 @@ def packed_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, intermediate_s
     out = torch.empty(m, intermediate_size, dtype=torch.bfloat16)
     if m:
         _kernel("packed_silu_mul_linear_bf16")(x.data_ptr(), m, x.stride(0), weight.data_ptr(), intermediate_size,
-                                               k, out.data_ptr(), intermediate_size)
+                                               k, out.data_ptr(), intermediate_size, amx_min_rows)
     return out

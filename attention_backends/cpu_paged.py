@@ -8,17 +8,85 @@ query tokens, and each tile reads its context once. The step's new keys and valu
 written into their slots by the same library. Keys are stored transposed within each
 block so the kernel computes a block's scores with vector lanes over the block's tokens.
 
+Cascade attention: when every request of a step starts with the same blocks (a system
+prompt or few-shot prefix that the prefix cache shares) and enough requests share enough of
+them, the shared keys are attended once for all the step's query rows together, as one
+flash-attention product per KV head (torch's CPU flash attention: the rows of every request
+against one matrix of keys), and each request's own keys by the kernel; the two parts merge
+by their log-sum-exp. The kernel alone would read the shared blocks once per request (64
+requests over a 512-token prefix: 64 passes over the same keys). One level, as vLLM's GPU
+cascade: a step whose requests do not all share the prefix runs as before.
+
 Dtypes: bfloat16 and float32 use the kernels; other dtypes (float16) fall back to
 torch_sdpa's torch code on the same layout.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 
 from pagoda.attention_backends import cpu_kernels
 from pagoda.attention_backends.base import AttentionMetadata
-from pagoda.attention_backends.torch_sdpa import TorchSdpaAttentionBackend
+from pagoda.attention_backends.torch_sdpa import TorchSdpaAttentionBackend, SdpaStepData
+
+# NOTE: from measurements (docs/benchmarks.md, cascade attention): below these the kernel
+# alone is as fast, and the split costs a gather and a merge per layer. The variables are read
+# where the worker starts (PAGODA_CASCADE_MIN_REQUESTS=0 turns the cascade off).
+CASCADE_MIN_REQUESTS = int(os.environ.get("PAGODA_CASCADE_MIN_REQUESTS", 32)) or 10**9
+CASCADE_MIN_TOKENS = int(os.environ.get("PAGODA_CASCADE_MIN_TOKENS", 512))
+
+
+@dataclass(slots=True)
+class SharedPrefix:
+    """The blocks every request of a step starts with, and the rest of each request.
+
+    Attributes:
+        blocks: int64 [n] the shared blocks' ids.
+        tokens: Their tokens (n * block_size): every query row of the step comes after them.
+        suffix_tables: The block tables from the first block after them (a view).
+        suffix_seq_lens: int32 [num_reqs] each request's context after them.
+    """
+
+    blocks: torch.Tensor
+    tokens: int
+    suffix_tables: torch.Tensor
+    suffix_seq_lens: torch.Tensor
+
+
+def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_tokens: int) -> SharedPrefix | None:
+    """The blocks that every request of the step starts with, where at least ``min_requests``
+    requests share at least ``min_tokens`` tokens that come before all of their query rows;
+    else None."""
+    if metadata.num_reqs < min_requests:
+        return None
+    block_size = metadata.block_size
+    # NOTE: only whole blocks before every request's first query row: all of a request's
+    # rows see all of them.
+    limit = min(seq - query for seq, query in zip(metadata.seq_lens, metadata.query_lens)) // block_size
+    if limit * block_size < min_tokens:
+        return None
+    tables = metadata.block_tables[: metadata.num_reqs, :limit]
+    same = (tables == tables[:1]).all(0)
+    blocks = limit if bool(same.all()) else int(same.int().argmin())
+    if blocks * block_size < min_tokens:
+        return None
+    tokens = blocks * block_size
+    return SharedPrefix(blocks=tables[0, :blocks].long(), tokens=tokens,
+                        suffix_tables=metadata.block_tables[: metadata.num_reqs, blocks:],
+                        suffix_seq_lens=metadata.seq_lens_tensor - tokens)
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint sets of keys combined into attention over both: each part
+    weighted by its share of the softmax's sum (from the log-sum-exps [rows, heads])."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = torch.exp(lse_a - lse).unsqueeze(-1)
+    weight_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype)
 
 
 class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
@@ -38,9 +106,10 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         return "its CPU kernels could not be built (a C compiler is needed; see the log)"
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        # NOTE: the kernels need nothing beyond the metadata; torch_sdpa's view of the step
-        # is built only if a dtype without kernels asks for it (see forward).
-        metadata.backend_data = None
+        # NOTE: the kernels need nothing beyond the metadata and a shared prefix, if any;
+        # torch_sdpa's view of the step is built only if a dtype without kernels asks for
+        # it (see forward).
+        metadata.backend_data = find_shared_prefix(metadata, CASCADE_MIN_REQUESTS, CASCADE_MIN_TOKENS)
 
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         key_cache, value_cache = kv_cache
@@ -52,9 +121,37 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         if not cpu_kernels.supports(query.dtype) or key_cache.dtype != query.dtype:
-            if metadata.backend_data is None:
+            if not isinstance(metadata.backend_data, SdpaStepData):
                 super().prepare(metadata)
             return super().forward(query, key, value, kv_cache, metadata)
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
-        return cpu_kernels.paged_attention(query.contiguous(), key_cache, value_cache, metadata.block_tables,
-                                           metadata.seq_lens_tensor, metadata.query_start_loc, self.scale)
+        query = query.contiguous()
+        shared: SharedPrefix | None = metadata.backend_data
+        if shared is None:
+            return cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
+                                               metadata.seq_lens_tensor, metadata.query_start_loc, self.scale)
+        own, own_lse = cpu_kernels.paged_attention(query, key_cache, value_cache, shared.suffix_tables,
+                                                   shared.suffix_seq_lens, metadata.query_start_loc, self.scale,
+                                                   return_lse=True)
+        common, common_lse = self._attend_shared(query, key_cache, value_cache, shared)
+        return merge_attention(common, common_lse, own, own_lse)
+
+    def _attend_shared(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       shared: SharedPrefix) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query row against the shared keys: per KV head, the rows of all its query
+        heads as one matrix (no causal mask: every row comes after them).
+
+        Returns:
+            [num_tokens, num_heads, head_dim] and the float32 log-sum-exp [num_tokens, num_heads].
+        """
+        num_tokens, num_heads, head_dim = query.shape
+        kv_heads, group = self.num_kv_heads, num_heads // self.num_kv_heads
+        # [blocks, kv, head_dim, block_size] (keys transposed) -> [1, kv, tokens, head_dim]
+        keys = key_cache[shared.blocks].permute(1, 0, 3, 2).reshape(1, kv_heads, shared.tokens, head_dim)
+        values = value_cache[shared.blocks].transpose(0, 1).reshape(1, kv_heads, shared.tokens, head_dim)
+        rows = query.view(num_tokens, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, -1, head_dim)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(rows, keys, values, 0.0, False,
+                                                                             scale=self.scale)
+        out = out.view(kv_heads, num_tokens, group, head_dim).transpose(0, 1).reshape(num_tokens, num_heads, head_dim)
+        lse = lse.view(kv_heads, num_tokens, group).transpose(0, 1).reshape(num_tokens, num_heads)
+        return out, lse

@@ -31,7 +31,7 @@ class _Prefill:
 
 
 @dataclass(slots=True)
-class _SdpaData:
+class SdpaStepData:
     decode_rows: torch.Tensor | slice | None  # query rows of the decode requests
     decode_block_tables: torch.Tensor | None  # int32 [num_decodes, max blocks] of the decode requests
     decode_seq_lens: torch.Tensor | None  # int32 [num_decodes]
@@ -82,7 +82,7 @@ class TorchSdpaAttentionBackend(AttentionBackend):
             query_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
             mask = torch.arange(seq_len, device=device).unsqueeze(0) <= query_pos
             prefills.append(_Prefill(starts[i], query_len, slots, mask))
-        data = _SdpaData(None, None, None, prefills)
+        data = SdpaStepData(None, None, None, prefills)
         if decode_idx:
             num_decodes = len(decode_idx)
             if decode_idx[-1] == num_decodes - 1:
@@ -99,7 +99,7 @@ class TorchSdpaAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
-        data: _SdpaData = metadata.backend_data
+        data: SdpaStepData = metadata.backend_data
         key_cache, value_cache = kv_cache
         if data.decode_rows is not None and not data.prefills and isinstance(data.decode_rows, slice):
             return self._decode(query, key_cache, value_cache, data)  # a decode-only step
@@ -136,7 +136,7 @@ class TorchSdpaAttentionBackend(AttentionBackend):
             return cache[blocks, :, :, offsets].transpose(0, 1)
         return cache[blocks, :, offsets].transpose(0, 1)
 
-    def _decode(self, query, key_cache, value_cache, data: _SdpaData) -> torch.Tensor:
+    def _decode(self, query, key_cache, value_cache, data: SdpaStepData) -> torch.Tensor:
         """One query per request against its context, block by block, batched.
 
         Whole blocks are gathered (one index_select); scores are computed per block

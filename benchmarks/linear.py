@@ -4,11 +4,12 @@ Times one decoder's four products (q/k/v, o, gate/up, down) over ``--layers`` la
 distinct weights, so that the weights come from memory as they do in the model, for each
 packing this machine has:
 
-- ``onednn``: oneDNN's blocked layout and matrix products;
-- ``blocked``: Pagoda's kernel (attention_backends/csrc/packed_linear.c), the MLP's
-  SiLU(gate) * up as an element-wise pass after the gate/up product;
-- ``blocked+silu``: the same kernel with SiLU(gate) * up in the gate/up product's epilogue
-  (what the model runs).
+- ``onednn``: oneDNN's blocked layout and matrix products, the MLP's SiLU(gate) * up as an
+  element-wise pass after the gate/up product;
+- ``blocked``: Pagoda's kernel (attention_backends/csrc/packed_linear.c) with AVX512-BF16,
+  SiLU(gate) * up in the gate/up product's epilogue (what the model runs);
+- ``amx``: the same kernel and layout, on AMX tiles from the number of rows calibrated per
+  shape (engine/models/linear.py: amx_min_rows; the calibration runs before the timing).
 
 Each layer's products are one compiled function, as the model's regions are, so every
 variant pays the same per-call costs. The shapes default to SmolLM2-135M's.
@@ -28,35 +29,41 @@ from pagoda.attention_backends import cpu_kernels
 from pagoda.engine.models import linear  # the packings, and the pagoda:: ops they run
 
 
-def _variants(args: argparse.Namespace) -> dict:
+def _variants(args: argparse.Namespace, weights: dict[str, torch.Tensor]) -> dict:
     """name -> (pack a [N, K] weight, pack the [2I, K] gate/up weight, one layer's products).
 
     Each layer is one compiled function, as in the model (engine/models/llama.py), so that
     SiLU(gate) * up is fused into one element-wise pass where it is not in the kernel and
-    every variant pays the same per-call costs.
+    every variant pays the same per-call costs. ``weights``: one layer's, to calibrate "amx" on.
     """
     inter, hidden = args.intermediate_size, args.hidden_size
     qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+    out_features = {"qkv": qkv, "o": hidden, "gate_up": 2 * inter, "down": hidden}
 
-    def layer_of(packing: str, fused_silu: bool):
+    def layer_of(packing: str, rows: dict[str, int]):
         def layer(x, attn, w_qkv, w_o, w_gate_up, w_down):
-            if fused_silu:
-                act = torch.ops.pagoda.blocked_silu_mul_linear(x, w_gate_up, inter)
+            if packing in linear.BLOCKED_LAYOUT:
+                act = torch.ops.pagoda.blocked_silu_mul_linear(x, w_gate_up, inter, rows["gate_up"])
             else:
                 gate, up = linear.packed_linear(x, w_gate_up, None, packing, 2 * inter).split(inter, dim=-1)
                 act = F.silu(gate) * up
             # NOTE: every result is returned, or the compiler drops the products it does not need.
-            return (linear.packed_linear(x, w_qkv, None, packing, qkv),
-                    linear.packed_linear(attn, w_o, None, packing, hidden),
-                    linear.packed_linear(act, w_down, None, packing, hidden))
+            return (linear.packed_linear(x, w_qkv, None, packing, qkv, rows["qkv"]),
+                    linear.packed_linear(attn, w_o, None, packing, hidden, rows["o"]),
+                    linear.packed_linear(act, w_down, None, packing, hidden, rows["down"]))
         return torch.compile(layer, dynamic=True)
 
     variants = {}
     for packing in filter(linear.packing_available, linear.PACKINGS):
         pack = functools.partial(linear.pack_weight, packing=packing)
-        variants[packing] = (pack, pack, layer_of(packing, fused_silu=False))
-        if packing == "blocked":
-            variants["blocked+silu"] = (pack, cpu_kernels.pack_silu_mul_weight, layer_of(packing, fused_silu=True))
+        pack_mlp = cpu_kernels.pack_silu_mul_weight if packing in linear.BLOCKED_LAYOUT else pack
+        rows = dict.fromkeys(out_features, 0)
+        if packing == "amx":
+            rows = {name: linear.amx_min_rows((pack_mlp if name == "gate_up" else pack)(w), out_features[name],
+                                              fused_silu_mul=name == "gate_up")
+                    for name, w in weights.items()}
+            print(f"amx: the tiles from {rows} rows")
+        variants[packing] = (pack, pack_mlp, layer_of(packing, rows))
     return variants
 
 
@@ -74,7 +81,7 @@ def run_linear_bench(args: argparse.Namespace) -> int:
     weights = [{name: torch.randn(shape, dtype=torch.bfloat16) * 0.02 for name, shape in shapes.items()}
                for _ in range(args.layers)]
     flop_per_row = 2 * sum(n * k for n, k in shapes.values()) * args.layers
-    variants = _variants(args)
+    variants = _variants(args, weights[0])
     if not variants:
         print("no bfloat16 packing is available on this machine (needs oneDNN or AVX512-BF16)")
         return 1

@@ -55,8 +55,9 @@ class EngineConfig:
         batch_invariant: Make every output independent of what it is batched with (and of
             chunked prefill, preemption and worker restarts): every kernel reduces in an
             order that does not depend on the batch. On the CPU in bfloat16 with Pagoda's
-            own matrix kernel (AVX512-BF16), eager, cpu_paged attention; it costs the
-            speed of oneDNN's AMX products and of compilation (docs/engine.md).
+            own matrix kernel (AMX tiles for every row where they run, else AVX512-BF16),
+            eager, cpu_paged attention; it costs compilation and, without AMX, the
+            vectors' speed on large batches (docs/engine.md).
         reasoning_parser: The reasoning family of the model's output (``deepseek_r1``,
             ``qwen3``): a structured-output grammar then applies only after the thinking
             ends, and the server returns the thinking as ``reasoning_content``.

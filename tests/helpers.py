@@ -167,8 +167,12 @@ def dense_attention(q, k, v):
 
 
 def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32, device="cpu",
-             num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
-    """Fills caches for the context, runs one mixed step, returns (output, reference) on the CPU."""
+             num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, shared_blocks=0):
+    """Fills caches for the context, runs one mixed step, returns (output, reference) on the CPU.
+
+    With ``shared_blocks``, every request starts with the same blocks, holding the same keys
+    and values (a prefix the prefix cache shares).
+    """
     gen = torch.Generator().manual_seed(seed)
     backend = get_attention_backend(backend_name, torch.device(device))(num_heads, num_kv_heads, head_dim,
                                                                         head_dim**-0.5)
@@ -178,13 +182,21 @@ def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch
                 torch.zeros(value_shape, dtype=dtype, device=device))
     # Scatter each request's blocks over the pool in a shuffled order.
     perm = torch.randperm(num_blocks, generator=gen).tolist()
+    shared, perm = perm[:shared_blocks], perm[shared_blocks:]
+    shared_tokens = shared_blocks * block_size
+    shared_k = torch.randn(shared_tokens, num_kv_heads, head_dim, generator=gen, dtype=dtype)
+    shared_v = torch.randn(shared_tokens, num_kv_heads, head_dim, generator=gen, dtype=dtype)
     tables, full_k, full_v = [], [], []
     for s in seq_lens:
-        n = -(-s // block_size)
-        tables.append(perm[:n])
+        assert s > shared_tokens
+        n = -(-s // block_size) - shared_blocks
+        tables.append(shared + perm[:n])
         perm = perm[n:]
-        full_k.append(torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype))
-        full_v.append(torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype))
+        k = torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype)
+        v = torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype)
+        k[:shared_tokens], v[:shared_tokens] = shared_k, shared_v
+        full_k.append(k)
+        full_v.append(v)
     # Context tokens (all but the step's queries) are already in the cache.
     for table, k, v, s, q in zip(tables, full_k, full_v, seq_lens, query_lens):
         if s > q:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.engine.models.linear import packing_available
+from pagoda.engine.models.linear import BLOCKED_LAYOUT, PACKING_ENV, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available("blocked"),
                                 reason="batch invariance needs Pagoda's blocked kernel (AVX512-BF16)")
@@ -26,7 +26,11 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_outputs_do_not_depend_on_the_batch_chunking_or_preemption(tiny_llama_dir):
+# NOTE: both invariant paths of the kernel where the machine has them: AMX tiles for every row
+# (Intel from Sapphire Rapids), AVX512-BF16 vectors (everywhere the kernel runs).
+@pytest.mark.parametrize("packing", [packing for packing in BLOCKED_LAYOUT if packing_available(packing)])
+def test_outputs_do_not_depend_on_the_batch_chunking_or_preemption(tiny_llama_dir, packing, monkeypatch):
+    monkeypatch.setenv(PACKING_ENV, packing)
     options = dict(dtype="bfloat16", batch_invariant=True, max_model_len=256, max_num_batched_tokens=48)
     with LLM(str(tiny_llama_dir), **options) as llm:
         alone = [tokens(llm.generate([p], [sp]))[0] for p, sp in zip(PROMPTS, PARAMS)]

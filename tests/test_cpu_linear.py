@@ -7,10 +7,15 @@ import torch.nn.functional as F
 
 from pagoda.attention_backends import cpu_kernels
 from pagoda import LLM, SamplingParams
+from pagoda.engine.models import linear
 from pagoda.engine.models.linear import PACKING_ENV, GateUpLinear, Linear, choose_packing
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.packed_linear_available(),
                                   reason="needs the CPU kernels and a CPU with AVX512-BF16")
+# NOTE: the AMX path runs where a tile product ran (Intel Xeon from Sapphire Rapids); on
+# AMD Zen these tests skip and the AVX512 path's tests above cover the kernel.
+needs_amx = pytest.mark.skipif(not cpu_kernels.packed_linear_amx_available(),
+                               reason="needs a CPU whose AMX tiles run")
 
 
 def reference(x, weight, bias):
@@ -75,14 +80,34 @@ def test_packing_choice_and_its_override(monkeypatch):
     assert choose_packing(cpu, torch.float32) is None
     assert choose_packing(torch.device("cuda"), torch.bfloat16) is None
     automatic = choose_packing(cpu, torch.bfloat16)
-    assert automatic in ("blocked", "onednn", None)
+    assert automatic in ("amx", "blocked", "onednn", None)
     if cpu_kernels.packed_linear_available() and " amx_bf16" not in cpu_kernels.cpu_flags():
         assert automatic == "blocked"
     monkeypatch.setenv(PACKING_ENV, "none")
     assert choose_packing(cpu, torch.bfloat16) is None
     monkeypatch.setenv(PACKING_ENV, "fastest")
-    with pytest.raises(ValueError, match="blocked, onednn or none"):
+    with pytest.raises(ValueError, match="amx, blocked, onednn or none"):
         choose_packing(cpu, torch.bfloat16)
+    monkeypatch.setenv(PACKING_ENV, "amx")
+    if cpu_kernels.packed_linear_amx_available():
+        assert choose_packing(cpu, torch.bfloat16) == "amx"
+    else:
+        with pytest.raises(ValueError, match="not available"):
+            choose_packing(cpu, torch.bfloat16)
+
+
+def test_the_tiles_are_chosen_where_they_run_and_never_for_batch_invariance(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(PACKING_ENV, raising=False)
+    if cpu_kernels.packed_linear_amx_available():
+        assert choose_packing(cpu, torch.bfloat16) == "amx"
+    if cpu_kernels.packed_linear_available():
+        invariant = "amx" if cpu_kernels.packed_linear_amx_available() else "blocked"
+        assert choose_packing(cpu, torch.bfloat16, batch_invariant=True) == invariant
+        monkeypatch.setenv(PACKING_ENV, "onednn")  # not invariant: not taken
+        assert choose_packing(cpu, torch.bfloat16, batch_invariant=True) == invariant
+        monkeypatch.setenv(PACKING_ENV, "blocked")
+        assert choose_packing(cpu, torch.bfloat16, batch_invariant=True) == "blocked"
 
 
 @needs_kernel
@@ -92,12 +117,13 @@ def test_bfloat16_generation_with_the_kernel_matches_unpacked_weights(tiny_qwen2
     prompts = [[3, 17, 99, 5, 42, 8], [7, 7, 300, 12]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = {}
-    for packing in ("blocked", "none"):
+    packings = ["blocked", "none"] + (["amx"] if cpu_kernels.packed_linear_amx_available() else [])
+    for packing in packings:
         monkeypatch.setenv(PACKING_ENV, packing)
         with LLM(str(tiny_qwen2_dir), dtype="bfloat16", max_model_len=64, num_kv_blocks=32,
                  enforce_eager=True) as llm:
             results[packing] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert results["blocked"] == results["none"]
+    assert all(results[packing] == results["none"] for packing in packings)
 
 
 @needs_kernel
@@ -143,3 +169,100 @@ def test_gate_up_module_packed_for_the_kernel_matches_the_unpacked_one():
         out = layer(x)
     assert out.shape == (11, 72)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2**-6, atol=2e-2)
+
+
+# -- the AMX path (csrc/packed_linear.c: the tiles from amx_min_rows rows) ------------------
+
+
+@needs_amx
+@pytest.mark.parametrize("out_features,in_features", [(192, 64), (100, 96), (33, 32), (3072, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 32, 33, 64, 100])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_path_matches_float32_within_rounding(out_features, in_features, rows, with_bias):
+    # Rows across the 16-row tiles and the 32-row blocks (a partial last block from padded
+    # rows), features across half-groups and the N tail.
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
+    out = cpu_kernels.packed_linear(x, cpu_kernels.pack_linear_weight(weight), bias, out_features, amx_min_rows=1)
+    expected, bound = reference(x, weight, bias)
+    assert out.shape == (rows, out_features)
+    assert ((out.float() - expected).abs() <= bound).all()
+
+
+@needs_amx
+@pytest.mark.parametrize("in_features", [64, 50])
+def test_amx_path_reads_strided_rows_and_leaves_other_k_to_the_vectors(in_features):
+    # K = 50 is no multiple of 32: the call runs on the vectors, bit-identical to amx off.
+    weight = torch.randn(96, in_features).to(torch.bfloat16)
+    wide = torch.randn(40, 130).to(torch.bfloat16)
+    x = wide[:, 10 : 10 + in_features]
+    packed = cpu_kernels.pack_linear_weight(weight)
+    tiles = cpu_kernels.packed_linear(x, packed, None, 96, amx_min_rows=1)
+    assert torch.equal(tiles, cpu_kernels.packed_linear(x.contiguous(), packed, None, 96, amx_min_rows=1))
+    vectors = cpu_kernels.packed_linear(x, packed, None, 96)
+    if in_features % 32:
+        assert torch.equal(tiles, vectors)
+    torch.testing.assert_close(tiles.float(), vectors.float(), rtol=2**-7, atol=1e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("intermediate,in_features", [(1536, 576), (40, 64), (64, 32)])
+@pytest.mark.parametrize("rows", [1, 16, 33, 70])
+def test_amx_fused_silu_mul_matches_the_amx_product_then_torch_silu_mul(intermediate, in_features, rows):
+    gen = torch.Generator().manual_seed(rows * 1000 + intermediate + in_features)
+    weight = torch.randn(2 * intermediate, in_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    out = cpu_kernels.packed_silu_mul_linear(x, cpu_kernels.pack_silu_mul_weight(weight), intermediate,
+                                             amx_min_rows=1)
+    gate, up = cpu_kernels.packed_linear(x, cpu_kernels.pack_linear_weight(weight), None, 2 * intermediate,
+                                         amx_min_rows=1).split(intermediate, dim=-1)
+    expected = (F.silu(gate) * up).float()
+    assert ((out.float() - expected).abs() <= expected.abs() * 2.0**-7).all()
+    assert (out.float() == expected).float().mean() > 0.99
+
+
+@needs_amx
+def test_on_the_tiles_a_rows_result_does_not_depend_on_its_batch():
+    # With the tiles for every row (batch_invariant), each output is the same chain of tile
+    # products over K in 16-row tiles or 32-row blocks, whatever rows share them.
+    weight = torch.randn(3072, 576).to(torch.bfloat16)
+    x = torch.randn(70, 576).to(torch.bfloat16)
+    packed = cpu_kernels.pack_linear_weight(weight)
+    fused = cpu_kernels.pack_silu_mul_weight(weight)
+    batched = cpu_kernels.packed_linear(x, packed, None, 3072, amx_min_rows=1)
+    batched_mlp = cpu_kernels.packed_silu_mul_linear(x, fused, 1536, amx_min_rows=1)
+    for rows in (slice(0, 1), slice(5, 6), slice(16, 33), slice(40, 70), slice(69, 70)):
+        assert torch.equal(cpu_kernels.packed_linear(x[rows], packed, None, 3072, amx_min_rows=1), batched[rows])
+        assert torch.equal(cpu_kernels.packed_silu_mul_linear(x[rows], fused, 1536, amx_min_rows=1),
+                           batched_mlp[rows])
+
+
+@needs_amx
+def test_amx_threshold_is_measured_once_per_shape_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(linear, "_calibration_file", lambda: str(tmp_path / "rows.json"))
+    monkeypatch.setattr(linear, "_amx_rows", {})
+    packed = cpu_kernels.pack_linear_weight(torch.randn(256, 128).to(torch.bfloat16))
+    rows = linear.amx_min_rows(packed, 256)
+    assert rows in linear.CALIBRATION_ROWS
+    assert (tmp_path / "rows.json").exists()
+    # A later start (an empty cache in memory) reads the number without timing anything.
+    monkeypatch.setattr(linear, "_amx_rows", {})
+    monkeypatch.setattr(linear, "_time", lambda fn, repeats=5: pytest.fail("measured again"))
+    assert linear.amx_min_rows(packed, 256) == rows
+
+
+@needs_amx
+def test_modules_packed_for_amx_match_the_unpacked_ones():
+    layer = Linear(192, 136, bias=True).to(torch.bfloat16)
+    mlp = GateUpLinear(192, 2 * 72, bias=False).to(torch.bfloat16)
+    x = torch.randn(40, 192).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = layer(x), mlp(x)
+        layer.pack("amx")
+        mlp.pack("amx")
+        out = layer(x), mlp(x)
+    assert layer.amx_min_rows in linear.CALIBRATION_ROWS and mlp.amx_min_rows in linear.CALIBRATION_ROWS
+    torch.testing.assert_close(out[0].float(), expected[0].float(), rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(out[1].float(), expected[1].float(), rtol=2**-6, atol=2e-2)

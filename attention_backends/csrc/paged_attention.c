@@ -125,6 +125,7 @@ DEFINE_WRITE_KV(paged_write_kv_f32, float)
         T *dst = out + (row * num_heads + kh * group + g) * head_dim;                                      \
         const float inv = l[g] > 0 ? 1.0f / l[g] : 0.0f;                                                   \
         for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE(acc[g][d] * inv);                            \
+        if (lse) lse[row * num_heads + kh * group + g] = l[g] > 0 ? m[g] + logf(l[g]) : -INFINITY;         \
     }
 
 /* The request whose query rows hold row: query_start is sorted, so a binary search. */
@@ -230,10 +231,13 @@ static inline __attribute__((always_inline)) void end_values_pass(float *l, cons
     for (int64_t r = 0; r < rows; r++) l[r] += _mm512_reduce_add_ps(lsum[r]);
 }
 
-/* The tile's result: each row's accumulators over its softmax sum. */
+/* The tile's result: each row's accumulators over its softmax sum, and the log of that sum
+ * (over scaled scores: m + log l, for merging with attention over other keys). */
 static inline __attribute__((always_inline)) void store_rows(
-        float *out, __m512 acc[][FAST_MAX_CHUNKS], const float *l, int64_t rows, int64_t chunks, int64_t head_dim) {
+        float *out, float *lse, __m512 acc[][FAST_MAX_CHUNKS], const float *m, const float *l, int64_t rows,
+        int64_t chunks, int64_t head_dim) {
     for (int64_t r = 0; r < rows; r++) {
+        lse[r] = l[r] > 0 ? m[r] + logf(l[r]) : -INFINITY;
         const __m512 inv = _mm512_set1_ps(l[r] > 0 ? 1.0f / l[r] : 0.0f);
         for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + r * head_dim + c * 16, _mm512_mul_ps(acc[r][c], inv));
     }
@@ -246,8 +250,8 @@ static inline __attribute__((always_inline)) void store_rows(
 #define FAST_TASK(T, LOAD16)                                                                               \
 static inline __attribute__((always_inline)) void NAME_FAST_##T(                                           \
         const T *qsrc, int64_t q_token_stride, const T *key_cache, const T *value_cache, const int32_t *table, \
-        int64_t first_pos, int64_t ntok, float *out, int64_t group, int64_t tq, int64_t head_dim,         \
-        int64_t block_stride, int64_t kh, float scale, int64_t bs) {                                      \
+        int64_t first_pos, int64_t ntok, float *out, float *lse, int64_t group, int64_t tq,              \
+        int64_t head_dim, int64_t block_stride, int64_t kh, float scale, int64_t bs) {                    \
     const int64_t chunks = head_dim / 16, rows = group * tq;                                               \
     const int64_t len = first_pos + ntok; /* keys the tile's last token sees */                           \
     float q[FAST_MAX_ROWS][128];                                                                           \
@@ -330,7 +334,7 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
         }                                                                                                  \
         end_values_pass(l, lsum, rows);                                                                    \
     }                                                                                                      \
-    store_rows(out, acc, l, rows, chunks, head_dim);                                                       \
+    store_rows(out, lse, acc, m, l, rows, chunks, head_dim);                                                       \
 }
 
 #define NAME_FAST_float fast_task_f32
@@ -351,7 +355,7 @@ static inline __m512i pair_rows(const uint16_t *a, const uint16_t *b, __m512i in
 
 static inline __attribute__((always_inline)) void fast_task_bf16(
         const uint16_t *qsrc, int64_t q_token_stride, const uint16_t *key_cache, const uint16_t *value_cache,
-        const int32_t *table, int64_t first_pos, int64_t ntok, float *out, int64_t group, int64_t tq,
+        const int32_t *table, int64_t first_pos, int64_t ntok, float *out, float *lse, int64_t group, int64_t tq,
         int64_t head_dim, int64_t block_stride, int64_t kh, float scale, int64_t bs) {
     const int64_t chunks = head_dim / 16, rows = group * tq;
     const int64_t len = first_pos + ntok;
@@ -445,7 +449,7 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
         }
         end_values_pass(l, lsum, rows);
     }
-    store_rows(out, acc, l, rows, chunks, head_dim);
+    store_rows(out, lse, acc, m, l, rows, chunks, head_dim);
 }
 #else
 #define NAME_FAST_uint16_t fast_task_bf16
@@ -462,8 +466,8 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
  * compiler unrolls its loops and keeps the accumulators in registers. */
 #define FAST_CASE(FAST, G, TQ, D)                                                                          \
     case ((G) * 100 + (TQ)) * 1000 + (D):                                                                  \
-        FAST(qsrc, q_token_stride, key_cache, value_cache, table, first_pos, ntok, result, G, TQ, D,       \
-             block_stride, kh, scale, block_size);                                                         \
+        FAST(qsrc, q_token_stride, key_cache, value_cache, table, first_pos, ntok, result, tile_lse, G, TQ, \
+             D, block_stride, kh, scale, block_size);                                                      \
         break;
 
 #define FAST_PATH(T, STORE, FAST)                                                                          \
@@ -484,7 +488,7 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
             _Pragma("omp parallel for schedule(dynamic, 1) collapse(2)")                                    \
             for (int64_t tile = 0; tile < num_tiles; tile++) {                                             \
                 for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                            \
-                    float result[FAST_MAX_ROWS * 128];                                                     \
+                    float result[FAST_MAX_ROWS * 128], tile_lse[FAST_MAX_ROWS];                            \
                     const int64_t i = tile_req[tile], row = tile_row[tile];                                \
                     const int64_t end = query_start[i + 1];                                                \
                     const int64_t ntok = end - row < tq ? end - row : tq;                                  \
@@ -501,12 +505,16 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
                         FAST_CASE(FAST, 8, 1, 128) FAST_CASE(FAST, 1, 4, 128) FAST_CASE(FAST, 2, 2, 128)   \
                         default:                                                                           \
                             FAST(qsrc, q_token_stride, key_cache, value_cache, table, first_pos, ntok,     \
-                                 result, group, tile_tq, head_dim, block_stride, kh, scale, block_size);   \
+                                 result, tile_lse, group, tile_tq, head_dim, block_stride, kh, scale,      \
+                                 block_size);                                                              \
                     }                                                                                      \
                     for (int64_t j = 0; j < ntok; j++) {                                                   \
                         T *dst = out + ((row + j) * num_heads + kh * group) * head_dim;                    \
                         const float *src = result + j * group * head_dim;                                  \
                         for (int64_t e = 0; e < group * head_dim; e++) dst[e] = STORE(src[e]);             \
+                        if (lse)                                                                           \
+                            for (int64_t g = 0; g < group; g++)                                            \
+                                lse[(row + j) * num_heads + kh * group + g] = tile_lse[j * group + g];     \
                     }                                                                                      \
                 }                                                                                          \
             }                                                                                              \
@@ -521,8 +529,8 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
 #define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, FAST)                                                 \
 void NAME(const T *query, const T *key_cache, const T *value_cache, const int32_t *block_tables,            \
           int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start, T *out,           \
-          int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,   \
-          float scale) {                                                                                    \
+          float *lse, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,           \
+          int64_t block_size, float scale) {                                                                \
     const int64_t group = num_heads / num_kv_heads;                                                        \
     const int64_t block_stride = num_kv_heads * block_size * head_dim;                                     \
     FAST_PATH(T, STORE, FAST)                                                                              \

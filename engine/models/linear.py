@@ -1,20 +1,27 @@
 """Linear layers whose weights are repacked once after loading, for bfloat16 on the CPU.
 
-Two packings, chosen per machine by :func:`choose_packing`:
+Three packings, chosen per machine by :func:`choose_packing`:
 
-- ``"blocked"``: Pagoda's own kernel (attention_backends/csrc/packed_linear.c) on CPUs
-  with AVX512-BF16 and no AMX. Weights in groups of 64 output features, input features
-  paired, read once per tile of rows. It is the faster of the two for every batch size
-  measured on this machine (docs/benchmarks.md), most of all for small batches (decode),
-  which oneDNN runs at about half the memory bandwidth.
-- ``"onednn"``: oneDNN's blocked layout and its matrix products, elsewhere (AMX runs
-  prefills faster through oneDNN, and CPUs without AVX512-BF16 have no use for the
-  kernel).
+- ``"amx"``: Pagoda's own kernel (attention_backends/csrc/packed_linear.c) with AMX tiles
+  (TDPBF16PS) for products of many rows and AVX512-BF16 for few, on CPUs where a tile
+  product runs (proved by running one, not by the CPU's flags). The number of rows from
+  which the tiles win is measured per weight shape when the weights are packed
+  (:func:`amx_min_rows`: a few milliseconds a shape, kept on disk per CPU and kernel
+  build). It beats oneDNN from 1 to 512 rows (docs/benchmarks.md), most of all at decode
+  sizes.
+- ``"blocked"``: the same kernel and layout with AVX512-BF16 only, on CPUs without AMX,
+  and wherever batch invariance is asked for (the tiles sum in another order than the
+  vectors). Weights in groups of 64 output features, input features paired, read once per
+  tile of rows. On AVX512-BF16 CPUs without AMX it is faster than oneDNN at every batch size
+  measured, most of all for small batches (decode).
+- ``"onednn"``: oneDNN's blocked layout and its matrix products, elsewhere (CPUs without
+  AVX512-BF16 have no use for the kernel).
 
-``PAGODA_CPU_LINEAR=blocked|onednn|none`` overrides the choice (for A/B measurements).
+``PAGODA_CPU_LINEAR=amx|blocked|onednn|none`` overrides the choice (for A/B measurements).
 
 Each packing is an opaque op (``pagoda::blocked_linear``, ``pagoda::onednn_linear``, and
-``pagoda::blocked_silu_mul_linear`` for :class:`GateUpLinear`) to torch.compile. NOTE:
+``pagoda::blocked_silu_mul_linear`` for :class:`GateUpLinear`; "amx" runs the blocked ops
+with a row count from which they use the tiles) to torch.compile. NOTE:
 defined with torch.library.Library, not @torch.library.custom_op, whose calls from compiled
 code cost more (measured on one token: a compiled layer region 286 -> 270 µs, a single
 stream's forward 18.0-18.7 -> 17.5-18.4 ms).
@@ -23,7 +30,11 @@ stream's forward 18.0-18.7 -> 17.5-18.4 ms).
 from __future__ import annotations
 
 import functools
+import json
+import logging
 import os
+import tempfile
+import time
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +42,16 @@ from torch import nn
 
 from pagoda.attention_backends import cpu_kernels
 
+logger = logging.getLogger(__name__)
+
 PACKING_ENV = "PAGODA_CPU_LINEAR"
-PACKINGS = ("blocked", "onednn")
+PACKINGS = ("amx", "blocked", "onednn")
+BLOCKED_LAYOUT = ("amx", "blocked")  # the packings with csrc/packed_linear.c's layout and kernel
 
 _library = torch.library.Library("pagoda", "FRAGMENT")
-_library.define("blocked_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor")
+_library.define("blocked_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, int amx_min_rows) -> Tensor")
 _library.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_library.define("blocked_silu_mul_linear(Tensor x, Tensor weight, int intermediate_size) -> Tensor")
+_library.define("blocked_silu_mul_linear(Tensor x, Tensor weight, int intermediate_size, int amx_min_rows) -> Tensor")
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -50,7 +64,7 @@ _library.impl("blocked_silu_mul_linear", cpu_kernels.packed_silu_mul_linear, "Co
 
 
 @torch.library.register_fake("pagoda::blocked_linear")
-def _(x, weight, bias, out_features):
+def _(x, weight, bias, out_features, amx_min_rows):
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -60,7 +74,7 @@ def _(x, weight, bias):
 
 
 @torch.library.register_fake("pagoda::blocked_silu_mul_linear")
-def _(x, weight, intermediate_size):
+def _(x, weight, intermediate_size, amx_min_rows):
     return x.new_empty(x.shape[0], intermediate_size)
 
 
@@ -73,6 +87,8 @@ def packing_available(packing: str) -> bool:
     """Whether this machine can run ``packing`` (one of PACKINGS)."""
     if packing == "blocked":
         return cpu_kernels.packed_linear_available()
+    if packing == "amx":
+        return cpu_kernels.packed_linear_amx_available()
     # NOTE: oneDNN's bfloat16 products need AVX512-BW/VL/DQ or AVX-NE-CONVERT, as oneDNN
     # itself reports them (ONEDNN_MAX_CPU_ISA lowers it); without them the reorder raises.
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -82,9 +98,11 @@ def packing_available(packing: str) -> bool:
 def choose_packing(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> str | None:
     """The packing for linear weights on this machine, or None to keep them as loaded.
 
-    With ``batch_invariant``, the blocked kernel, whose every output row is summed in the
-    same order whatever the number of rows (oneDNN's small-batch products round
-    differently from its large-batch ones).
+    With ``batch_invariant``, Pagoda's kernel, whose every output row is summed in the same
+    order whatever the number of rows: on AMX tiles for every row where they run ("amx",
+    packed with ``batch_invariant`` so that no row count switches to the vectors), else
+    with AVX512-BF16 ("blocked"). oneDNN's small-batch products round differently from its
+    large-batch ones.
 
     Raises:
         ValueError: PAGODA_CPU_LINEAR names an unknown packing, or one this machine lacks;
@@ -95,7 +113,10 @@ def choose_packing(device: torch.device, dtype: torch.dtype, batch_invariant: bo
             raise ValueError("batch_invariant needs bfloat16 on a CPU with AVX512-BF16 (Pagoda's blocked matrix "
                              f"kernel); this is {device.type} in {str(dtype).removeprefix('torch.')}"
                              + ("" if packing_available("blocked") else ", without the kernel"))
-        return "blocked"
+        requested = os.environ.get(PACKING_ENV)
+        if requested in BLOCKED_LAYOUT and packing_available(requested):
+            return requested  # NOTE: both are invariant; the override picks one to test it
+        return "amx" if packing_available("amx") else "blocked"
     if device.type != "cpu" or dtype != torch.bfloat16:
         return None
     requested = os.environ.get(PACKING_ENV)
@@ -107,6 +128,9 @@ def choose_packing(device: torch.device, dtype: torch.dtype, batch_invariant: bo
         if not packing_available(requested):
             raise ValueError(f"{PACKING_ENV}={requested}: not available on this machine")
         return requested
+    if packing_available("amx"):
+        return "amx"
+    # NOTE: a CPU that lists AMX but whose tiles did not run: oneDNN decides for itself.
     if not _has_amx() and packing_available("blocked"):
         return "blocked"
     return "onednn" if packing_available("onednn") else None
@@ -115,32 +139,115 @@ def choose_packing(device: torch.device, dtype: torch.dtype, batch_invariant: bo
 def pack_weight(weight: torch.Tensor, packing: str) -> torch.Tensor:
     """A [out, in] weight repacked for ``packing``."""
     with torch.no_grad():
-        if packing == "blocked":
+        if packing in BLOCKED_LAYOUT:
             return cpu_kernels.pack_linear_weight(weight.detach())
         # NOTE: 64 is oneDNN's batch-size hint; the layout it picks was the same for 1 and 64.
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packing: str,
-                  out_features: int) -> torch.Tensor:
-    """x @ W.T + bias for a weight from pack_weight(W, packing)."""
-    if packing == "blocked":
-        return torch.ops.pagoda.blocked_linear(x, weight, bias, out_features)
+                  out_features: int, amx_min_rows: int = 0) -> torch.Tensor:
+    """x @ W.T + bias for a weight from pack_weight(W, packing); ``amx_min_rows`` (the
+    "amx" packing's, from :func:`amx_min_rows`) is where the tiles take over."""
+    if packing in BLOCKED_LAYOUT:
+        return torch.ops.pagoda.blocked_linear(x, weight, bias, out_features, amx_min_rows)
     return torch.ops.pagoda.onednn_linear(x, weight, bias)
+
+
+# -- where the tiles take over ---------------------------------------------------------------
+
+CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+_amx_rows: dict[str, int] = {}
+calibration_seconds = 0.0  # spent measuring in this process (reported at start-up)
+
+
+def _calibration_file() -> str:
+    """Where measured thresholds are kept: beside the kernel library they were measured with
+    (its name is a hash of the source, the compiler and the CPU's flags)."""
+    return str(cpu_kernels.library_path().with_suffix(".amx_rows.json"))
+
+
+def _time(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def amx_min_rows(weight: torch.Tensor, out_features: int, fused_silu_mul: bool = False) -> int:
+    """The fewest rows from which ``weight`` (packed for "amx") is multiplied faster on AMX
+    tiles than with AVX512-BF16, measured on this weight: the smallest of CALIBRATION_ROWS
+    from which the tiles win at every larger one tried (past them: the last, where the
+    tiles always win by far). Measured once per weight shape and kept on disk (a later start
+    reads the number); a few milliseconds a shape.
+    """
+    k = weight.shape[1] * 2
+    key = f"{out_features}x{k}" + ("+silu_mul" if fused_silu_mul else "")
+    if key in _amx_rows:
+        return _amx_rows[key]
+    path = _calibration_file()
+    try:
+        with open(path) as f:
+            _amx_rows.update(json.load(f))
+    except (OSError, ValueError):
+        pass
+    if key in _amx_rows:
+        return _amx_rows[key]
+    global calibration_seconds
+    start = time.perf_counter()
+    op = torch.ops.pagoda.blocked_silu_mul_linear if fused_silu_mul else torch.ops.pagoda.blocked_linear
+    args = (out_features // 2,) if fused_silu_mul else (None, out_features)
+    x = torch.randn(CALIBRATION_ROWS[-1], k, dtype=torch.bfloat16)
+    wins = [_time(lambda: op(x[:rows], weight, *args, rows)) < _time(lambda: op(x[:rows], weight, *args, 0))
+            for rows in CALIBRATION_ROWS]
+    rows = CALIBRATION_ROWS[-1]
+    for candidate, win in zip(reversed(CALIBRATION_ROWS), reversed(wins)):
+        if not win:
+            break
+        rows = candidate
+    _amx_rows[key] = rows
+    calibration_seconds += time.perf_counter() - start
+    # NOTE: written to a temporary file and renamed, so that workers starting together never
+    # read half a file; the last writer's measurements win.
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as f:
+            json.dump(_amx_rows, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.info("could not keep the AMX calibration in %s: %s", path, exc)
+    return rows
+
+
+def describe_amx_rows(model: nn.Module) -> str:
+    """The range of amx_min_rows over a model's packed layers, e.g. "2-4"."""
+    rows = sorted({module.amx_min_rows for module in model.modules() if getattr(module, "packing", None) == "amx"})
+    if not rows:
+        return "-"
+    return str(rows[0]) if rows[0] == rows[-1] else f"{rows[0]}-{rows[-1]}"
 
 
 class Linear(nn.Linear):
     """nn.Linear whose weight can be repacked (see choose_packing) after loading."""
 
     packing: str | None = None
+    amx_min_rows: int = 0
 
-    def pack(self, packing: str) -> None:
+    def pack(self, packing: str, batch_invariant: bool = False) -> None:
+        """Repacks the weight for ``packing``; "amx" measures where the tiles take over, or
+        with ``batch_invariant`` takes them for every row (each row's sums then run in one
+        order whatever the batch)."""
         self.weight = nn.Parameter(pack_weight(self.weight, packing), requires_grad=False)
         self.packing = packing
+        if packing == "amx":
+            self.amx_min_rows = 1 if batch_invariant else amx_min_rows(self.weight, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packing is not None:
-            return packed_linear(x, self.weight, self.bias, self.packing, self.out_features)
+            return packed_linear(x, self.weight, self.bias, self.packing, self.out_features, self.amx_min_rows)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -152,17 +259,20 @@ class GateUpLinear(Linear):
     twice as wide as the result never goes to memory (csrc/packed_linear.c).
     """
 
-    def pack(self, packing: str) -> None:
-        if packing != "blocked":
-            return super().pack(packing)
+    def pack(self, packing: str, batch_invariant: bool = False) -> None:
+        if packing not in BLOCKED_LAYOUT:
+            return super().pack(packing, batch_invariant)
         assert self.bias is None, "the fused kernel has no bias"
         with torch.no_grad():
             self.weight = nn.Parameter(cpu_kernels.pack_silu_mul_weight(self.weight.detach()), requires_grad=False)
         self.packing = packing
+        if packing == "amx":
+            self.amx_min_rows = 1 if batch_invariant else amx_min_rows(self.weight, self.out_features,
+                                                                       fused_silu_mul=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         intermediate_size = self.out_features // 2
-        if self.packing == "blocked":
-            return torch.ops.pagoda.blocked_silu_mul_linear(x, self.weight, intermediate_size)
+        if self.packing in BLOCKED_LAYOUT:
+            return torch.ops.pagoda.blocked_silu_mul_linear(x, self.weight, intermediate_size, self.amx_min_rows)
         gate, up = super().forward(x).split(intermediate_size, dim=-1)
         return F.silu(gate) * up

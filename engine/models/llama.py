@@ -34,7 +34,7 @@ from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata
 from pagoda.engine.tensor_parallel import even_split, head_share
 from pagoda.engine.worker.distributed import TensorParallelGroup
 from pagoda.engine.model_config import ModelConfig
-from pagoda.engine.models.linear import GateUpLinear, Linear, pack_weight, packed_linear
+from pagoda.engine.models.linear import GateUpLinear, Linear, amx_min_rows, pack_weight, packed_linear
 from pagoda.engine.models.rope import compute_inv_freq
 
 
@@ -247,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         self._vocab_shares = [b - a for a, b in (even_split(config.vocab_size, r, tp.world_size)
                                                  for r in range(tp.world_size))]
         self._regions = (before_first_attention, between_attentions, after_last_attention)
-        self._packed_lm_head: tuple[torch.Tensor, str] | None = None
+        self._packed_lm_head: tuple[torch.Tensor, str, int] | None = None
         # An untied LM head's weight as loaded, once the head is packed (break_bfloat16_ties).
         self._unpacked_lm_head: torch.Tensor | None = None
 
@@ -261,16 +261,20 @@ class LlamaForCausalLM(nn.Module):
         self._regions = tuple(torch.compile(fn, dynamic=True, options={"size_asserts": False})
                               for fn in self._regions)
 
-    def pack_weights(self, packing: str) -> None:
+    def pack_weights(self, packing: str, batch_invariant: bool = False) -> None:
         """Repacks every linear weight (and a tied LM head) for ``packing``; see
-        engine/models/linear.py."""
+        engine/models/linear.py (Linear.pack)."""
         if self.lm_head is not None and not self.tp.is_parallel:
             self._unpacked_lm_head = self.lm_head.weight  # NOTE: kept for break_bfloat16_ties
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(packing)
+                module.pack(packing, batch_invariant)
         if self.lm_head is None:
-            self._packed_lm_head = (pack_weight(self.embed_tokens.weight, packing), packing)
+            weight = pack_weight(self.embed_tokens.weight, packing)
+            rows = 0
+            if packing == "amx":
+                rows = 1 if batch_invariant else amx_min_rows(weight, self.embed_tokens.num_embeddings)
+            self._packed_lm_head = (weight, packing, rows)
 
     def forward(
         self,
@@ -300,8 +304,8 @@ class LlamaForCausalLM(nn.Module):
                 break_bfloat16_ties).
         """
         if self._packed_lm_head is not None:
-            weight, packing = self._packed_lm_head
-            logits = packed_linear(hidden, weight, None, packing, self.embed_tokens.num_embeddings)
+            weight, packing, rows = self._packed_lm_head
+            logits = packed_linear(hidden, weight, None, packing, self.embed_tokens.num_embeddings, rows)
         elif self.lm_head is not None:
             logits = self.lm_head(hidden)
         else:

@@ -22,7 +22,8 @@ from pagoda.engine.worker.distributed import init_tensor_parallel
 from pagoda.engine.worker.input_batch import InputBatch
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
 from pagoda.engine.model_loader import load_weights
-from pagoda.engine.models.linear import choose_packing
+from pagoda.engine.models import linear
+from pagoda.engine.models.linear import choose_packing, describe_amx_rows
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pagoda.engine.platform import resolve_device, resolve_dtype
 from pagoda.engine.worker.sampler import Sampler
@@ -71,9 +72,12 @@ class ModelRunner:
         model.load_weights(load_weights(init.model_dir))
         packing = choose_packing(self.device, self.dtype, config.batch_invariant)
         if packing is not None:
-            model.pack_weights(packing)
+            model.pack_weights(packing, config.batch_invariant)
         progress(f"weights loaded in {time.perf_counter() - start:.1f} s"
-                 + (f", packed for the {packing} matrix kernel" if packing else ""))
+                 + (f", packed for the {packing} matrix kernel" if packing else "")
+                 + (f" (AMX tiles from {describe_amx_rows(model)} rows; measured in "
+                    f"{linear.calibration_seconds * 1e3:.0f} ms)" if packing == "amx" and not config.batch_invariant
+                    else ""))
         self.model = model.eval()
         key_shape, value_shape = backend.kv_cache_shapes(init.num_blocks, self.block_size)
         self.kv_caches = [
