@@ -107,8 +107,8 @@ def test_a_step_takes_the_cascade_only_past_its_thresholds():
     thresholds = cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS
     assert cpu_paged.find_shared_prefix(metadata_of(tables, [520] * 32, [1] * 32), *thresholds).tokens == 512
     assert cpu_paged.find_shared_prefix(metadata_of(tables[:31], [520] * 31, [1] * 31), *thresholds) is None
-    assert cpu_paged.find_shared_prefix(metadata_of([t[:31] + [99] for t in tables], [520] * 32, [1] * 32),
-                                        *thresholds) is None
+    one_apart = tables[:31] + [tables[31][:31] + [99, 131]]  # shares 31 blocks: 496 tokens
+    assert cpu_paged.find_shared_prefix(metadata_of(one_apart, [520] * 32, [1] * 32), *thresholds) is None
 
 
 def test_the_thresholds_come_from_the_environment_of_the_worker():
