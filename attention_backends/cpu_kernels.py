@@ -27,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "paged_attention.c", _CSRC / "packed_linear.c")
+SOURCES = (_CSRC / "paged_attention.c", _CSRC / "packed_linear.c", _CSRC / "shared_prefix_attention.c")
 HEADERS = (_CSRC / "avx512_exp.h",)
 DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
 # NOTE: never -ffast-math: linking with it turns on flush-to-zero for the whole process
@@ -136,6 +136,9 @@ def load() -> ctypes.CDLL:
     lib.packed_linear_bf16.restype = None
     lib.packed_silu_mul_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, i64]
     lib.packed_silu_mul_linear_bf16.restype = None
+    lib.shared_prefix_attention_bf16.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64,
+                                                 ctypes.c_float, pointer, pointer, pointer]
+    lib.shared_prefix_attention_bf16.restype = ctypes.c_int
     for name in ("packed_linear_available", "amx_probe"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
@@ -222,6 +225,37 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
        block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(),
        None if lse is None else lse.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale)
     return (out, lse) if return_lse else out
+
+
+def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            blocks: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
+                            scale: float) -> torch.Tensor | None:
+    """Every query row against the keys of ``blocks`` (a prefix all the step's requests share
+    and all its rows come after), merged with each row's attention over its own keys, on
+    AMX tiles (csrc/shared_prefix_attention.c).
+
+    Args:
+        query: [num_tokens, num_heads, head_dim] bfloat16, contiguous.
+        key_cache, value_cache: As for paged_attention.
+        blocks: int32 [n] the prefix's block ids.
+        own_out, own_lse: paged_attention's output and log-sum-exp over each row's own keys.
+        scale: Softmax scale.
+
+    Returns:
+        [num_tokens, num_heads, head_dim] bfloat16, or None where the kernel does not run
+        (only call it where packed_linear_amx_available(); head_dim 64 or 128).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_kv_heads, _, block_size = key_cache.shape
+    assert query.dtype == key_cache.dtype == value_cache.dtype == own_out.dtype == torch.bfloat16
+    assert query.is_contiguous() and own_out.is_contiguous() and own_lse.is_contiguous()
+    assert blocks.dtype == torch.int32 and blocks.is_contiguous() and own_lse.dtype == torch.float32
+    out = torch.empty_like(query)
+    failed = _kernel("shared_prefix_attention_bf16")(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), blocks.data_ptr(), blocks.shape[0],
+        block_size, num_tokens, num_heads, num_kv_heads, head_dim, scale, own_out.data_ptr(), own_lse.data_ptr(),
+        out.data_ptr())
+    return None if failed else out
 
 
 # -- the bfloat16 linear layer (csrc/packed_linear.c) ---------------------------------------

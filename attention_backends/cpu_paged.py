@@ -32,11 +32,31 @@ from pagoda.attention_backends import cpu_kernels
 from pagoda.attention_backends.base import AttentionMetadata
 from pagoda.attention_backends.torch_sdpa import TorchSdpaAttentionBackend, SdpaStepData
 
-# NOTE: from measurements (docs/benchmarks.md, cascade attention): below these the kernel
-# alone is as fast, and the split costs a gather and a merge per layer. The variables are read
-# where the worker starts (PAGODA_CASCADE_MIN_REQUESTS=0 turns the cascade off).
-CASCADE_MIN_REQUESTS = int(os.environ.get("PAGODA_CASCADE_MIN_REQUESTS", 32)) or 10**9
-CASCADE_MIN_TOKENS = int(os.environ.get("PAGODA_CASCADE_MIN_TOKENS", 512))
+# The (requests, shared tokens) from which a step takes the cascade, by measurement
+# (docs/benchmarks.md, cascade attention): with the shared part on AMX tiles, and by torch's
+# flash attention (float32, or a CPU without AMX), whose per-call costs are higher. Below
+# them the kernel alone is as fast.
+CASCADE_ON_TILES = (8, 256)
+CASCADE_BY_TORCH = (32, 512)
+# NOTE: read where the worker starts; they replace both pairs above (for experiments and
+# tests; PAGODA_CASCADE_MIN_REQUESTS=0 turns the cascade off).
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+CASCADE_MIN_REQUESTS = _env_int("PAGODA_CASCADE_MIN_REQUESTS")
+CASCADE_MIN_TOKENS = _env_int("PAGODA_CASCADE_MIN_TOKENS")
+
+
+def cascade_thresholds(on_tiles: bool) -> tuple[int, int]:
+    """The (requests, shared tokens) from which a step takes the cascade."""
+    requests, tokens = CASCADE_ON_TILES if on_tiles else CASCADE_BY_TORCH
+    if CASCADE_MIN_REQUESTS is not None:
+        requests = CASCADE_MIN_REQUESTS or 10**9  # 0: never
+    if CASCADE_MIN_TOKENS is not None:
+        tokens = CASCADE_MIN_TOKENS
+    return requests, tokens
 
 
 @dataclass(slots=True)
@@ -44,7 +64,7 @@ class SharedPrefix:
     """The blocks every request of a step starts with, and the rest of each request.
 
     Attributes:
-        blocks: int64 [n] the shared blocks' ids.
+        blocks: int32 [n] the shared blocks' ids.
         tokens: Their tokens (n * block_size): every query row of the step comes after them.
         suffix_tables: The block tables from the first block after them (a view).
         suffix_seq_lens: int32 [num_reqs] each request's context after them.
@@ -74,7 +94,7 @@ def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_token
     if blocks * block_size < min_tokens:
         return None
     tokens = blocks * block_size
-    return SharedPrefix(blocks=tables[0, :blocks].long(), tokens=tokens,
+    return SharedPrefix(blocks=tables[0, :blocks].contiguous(), tokens=tokens,
                         suffix_tables=metadata.block_tables[: metadata.num_reqs, blocks:],
                         suffix_seq_lens=metadata.seq_lens_tensor - tokens)
 
@@ -95,6 +115,12 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
     name = "cpu_paged"
     keys_transposed = True
 
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        # The shared part of cascade attention on AMX tiles where they run (bfloat16), else
+        # by torch's flash attention.
+        self.shared_prefix_on_tiles = cpu_kernels.available() and cpu_kernels.packed_linear_amx_available()
+
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
         return device.type == "cpu" and cpu_kernels.available()
@@ -109,7 +135,9 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         # NOTE: the kernels need nothing beyond the metadata and a shared prefix, if any;
         # torch_sdpa's view of the step is built only if a dtype without kernels asks for
         # it (see forward).
-        metadata.backend_data = find_shared_prefix(metadata, CASCADE_MIN_REQUESTS, CASCADE_MIN_TOKENS)
+        # NOTE: with the thresholds of the tiles where they run: forward() holds a step that
+        # the torch path takes (float32) to its own.
+        metadata.backend_data = find_shared_prefix(metadata, *cascade_thresholds(self.shared_prefix_on_tiles))
 
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         key_cache, value_cache = kv_cache
@@ -127,12 +155,22 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         query = query.contiguous()
         shared: SharedPrefix | None = metadata.backend_data
+        on_tiles = query.dtype == torch.bfloat16 and self.shared_prefix_on_tiles
+        if shared is not None and not on_tiles:
+            requests, tokens = cascade_thresholds(on_tiles=False)
+            if metadata.num_reqs < requests or shared.tokens < tokens:
+                shared = None
         if shared is None:
             return cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                                metadata.seq_lens_tensor, metadata.query_start_loc, self.scale)
         own, own_lse = cpu_kernels.paged_attention(query, key_cache, value_cache, shared.suffix_tables,
                                                    shared.suffix_seq_lens, metadata.query_start_loc, self.scale,
                                                    return_lse=True)
+        if on_tiles:
+            out = cpu_kernels.shared_prefix_attention(query, key_cache, value_cache, shared.blocks, own, own_lse,
+                                                      self.scale)
+            if out is not None:
+                return out
         common, common_lse = self._attend_shared(query, key_cache, value_cache, shared)
         return merge_attention(common, common_lse, own, own_lse)
 
@@ -147,8 +185,9 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         num_tokens, num_heads, head_dim = query.shape
         kv_heads, group = self.num_kv_heads, num_heads // self.num_kv_heads
         # [blocks, kv, head_dim, block_size] (keys transposed) -> [1, kv, tokens, head_dim]
-        keys = key_cache[shared.blocks].permute(1, 0, 3, 2).reshape(1, kv_heads, shared.tokens, head_dim)
-        values = value_cache[shared.blocks].transpose(0, 1).reshape(1, kv_heads, shared.tokens, head_dim)
+        blocks = shared.blocks.long()
+        keys = key_cache[blocks].permute(1, 0, 3, 2).reshape(1, kv_heads, shared.tokens, head_dim)
+        values = value_cache[blocks].transpose(0, 1).reshape(1, kv_heads, shared.tokens, head_dim)
         rows = query.view(num_tokens, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, -1, head_dim)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(rows, keys, values, 0.0, False,
                                                                              scale=self.scale)

@@ -88,11 +88,22 @@ CASES = [
 ]
 
 
+# The shared part in bfloat16: on AMX tiles (csrc/shared_prefix_attention.c) where they run,
+# and by torch's flash attention everywhere (float32 always takes that one).
+PATHS = [(torch.float32, "torch"), (torch.bfloat16, "torch")]
+if cpu_kernels.packed_linear_amx_available():
+    PATHS.append((torch.bfloat16, "tiles"))
+
+
 @pytest.mark.parametrize("shared_blocks,seq_lens,query_lens", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [1, 3])
-def test_cascade_matches_naive(always_cascade, shared_blocks, seq_lens, query_lens, dtype, group):
-    shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=64, shared_blocks=shared_blocks, seed=5, dtype=dtype)
+@pytest.mark.parametrize("dtype,shared_path", PATHS)
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (2, 128)])
+def test_cascade_matches_naive(always_cascade, monkeypatch, shared_blocks, seq_lens, query_lens, dtype, group,
+                               head_dim, shared_path):
+    if shared_path == "torch":
+        monkeypatch.setattr(cpu_kernels, "packed_linear_amx_available", lambda: False)
+    shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, shared_blocks=shared_blocks, seed=5,
+                 dtype=dtype)
     naive, reference = run_step("naive", 16, seq_lens, query_lens, **shape)
     out, _ = run_step("cpu_paged", 16, seq_lens, query_lens, **shape)
     tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -102,9 +113,11 @@ def test_cascade_matches_naive(always_cascade, shared_blocks, seq_lens, query_le
 
 
 def test_a_step_takes_the_cascade_only_past_its_thresholds():
-    # The thresholds as shipped: 32 requests over 512 shared tokens.
+    # The thresholds as shipped: on the tiles 8 requests over 256 shared tokens, by torch 32 over 512.
+    assert cpu_paged.cascade_thresholds(on_tiles=True) == (8, 256)
+    assert cpu_paged.cascade_thresholds(on_tiles=False) == (32, 512)
     tables = [list(range(32)) + [100 + i] for i in range(32)]
-    thresholds = cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS
+    thresholds = cpu_paged.cascade_thresholds(on_tiles=False)
     assert cpu_paged.find_shared_prefix(metadata_of(tables, [520] * 32, [1] * 32), *thresholds).tokens == 512
     assert cpu_paged.find_shared_prefix(metadata_of(tables[:31], [520] * 31, [1] * 31), *thresholds) is None
     one_apart = tables[:31] + [tables[31][:31] + [99, 131]]  # shares 31 blocks: 496 tokens
@@ -112,10 +125,11 @@ def test_a_step_takes_the_cascade_only_past_its_thresholds():
 
 
 def test_the_thresholds_come_from_the_environment_of_the_worker():
-    code = "from pagoda.attention_backends import cpu_paged as c; print(c.CASCADE_MIN_REQUESTS, c.CASCADE_MIN_TOKENS)"
+    code = ("from pagoda.attention_backends import cpu_paged as c; "
+            "print(*c.cascade_thresholds(True), *c.cascade_thresholds(False))")
     env = dict(os.environ, PAGODA_CASCADE_MIN_REQUESTS="3", PAGODA_CASCADE_MIN_TOKENS="48")
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.split() == ["3", "48"]
+                          check=True).stdout.split() == ["3", "48", "3", "48"]
     env["PAGODA_CASCADE_MIN_REQUESTS"] = "0"  # off
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True).stdout.split()[0] == str(10**9)

@@ -172,8 +172,8 @@ static void configure_tiles(void) {
 }
 
 /* 1 once Linux lets this process use the tiles' state (asked once; without it the first tile
- * instruction faults). */
-static int amx_permitted(void) {
+ * instruction faults). Also used by shared_prefix_attention.c. */
+int pagoda_amx_permitted(void) {
     static int permitted = -1;
     if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return permitted;
@@ -182,7 +182,7 @@ static int amx_permitted(void) {
 /* 1 if the AMX bfloat16 path runs here: permission, then one TDPBF16PS in a forked child (a
  * fault there kills only the child). */
 int amx_probe(void) {
-    if (!amx_permitted()) return 0;
+    if (!pagoda_amx_permitted()) return 0;
     const pid_t pid = fork();
     if (pid < 0) return 0;
     if (pid == 0) {
@@ -408,7 +408,7 @@ static uint16_t *padded_tail(const uint16_t *x, int64_t M, int64_t ldx, int64_t 
 }
 
 static int use_amx(int64_t M, int64_t K, int64_t amx_min_rows) {
-    return amx_min_rows > 0 && M >= amx_min_rows && K % 32 == 0 && amx_permitted();
+    return amx_min_rows > 0 && M >= amx_min_rows && K % 32 == 0 && pagoda_amx_permitted();
 }
 #else
 int amx_probe(void) { return 0; }
