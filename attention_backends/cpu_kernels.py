@@ -27,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "paged_attention.c", _CSRC / "packed_linear.c", _CSRC / "shared_prefix_attention.c")
+SOURCES = (_CSRC / "paged_attention.c", _CSRC / "packed_linear.c", _CSRC / "tile_attention.c")
 HEADERS = (_CSRC / "avx512_exp.h",)
 DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
 # NOTE: never -ffast-math: linking with it turns on flush-to-zero for the whole process
@@ -125,8 +125,8 @@ def load() -> ctypes.CDLL:
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in ("paged_attention_bf16", "paged_attention_f32"):
         fn = getattr(lib, name)
-        fn.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, pointer, i64, i64, i64, i64,
-                       i64, ctypes.c_float]
+        fn.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, pointer, pointer, i64, i64,
+                       i64, i64, i64, ctypes.c_float]
         fn.restype = None
     for name in ("paged_write_kv_bf16", "paged_write_kv_f32"):
         fn = getattr(lib, name)
@@ -139,6 +139,9 @@ def load() -> ctypes.CDLL:
     lib.shared_prefix_attention_bf16.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64,
                                                  ctypes.c_float, pointer, pointer, pointer]
     lib.shared_prefix_attention_bf16.restype = ctypes.c_int
+    lib.prefill_attention_bf16.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, i64,
+                                           i64, i64, i64, i64, ctypes.c_float, pointer]
+    lib.prefill_attention_bf16.restype = ctypes.c_int
     for name in ("packed_linear_available", "amx_probe"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
@@ -189,7 +192,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, return_lse: bool = False,
+                    skip: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of every query row over its request's paged context.
 
     Request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]``, the last of its
@@ -207,6 +211,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         scale: Softmax scale.
         return_lse: Also return each row's log-sum-exp of its scaled scores (float32
             [num_tokens, num_heads]), to merge with attention over other keys.
+        skip: None, or bool [num_reqs]: requests whose rows another kernel computes (their
+            output rows are left unwritten).
 
     Returns:
         [num_tokens, num_heads, head_dim] in the query's dtype (and the log-sum-exp).
@@ -221,9 +227,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     assert block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
     out = torch.empty_like(query)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32) if return_lse else None
+    if skip is not None:
+        assert skip.dtype == torch.bool and skip.shape == (num_reqs,) and skip.is_contiguous()
     fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
        block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(),
-       None if lse is None else lse.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale)
+       None if lse is None else lse.data_ptr(), None if skip is None else skip.data_ptr(), num_reqs, num_heads,
+       num_kv_heads, head_dim, block_size, scale)
     return (out, lse) if return_lse else out
 
 
@@ -232,7 +241,7 @@ def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
                             scale: float) -> torch.Tensor | None:
     """Every query row against the keys of ``blocks`` (a prefix all the step's requests share
     and all its rows come after), merged with each row's attention over its own keys, on
-    AMX tiles (csrc/shared_prefix_attention.c).
+    AMX tiles (csrc/tile_attention.c).
 
     Args:
         query: [num_tokens, num_heads, head_dim] bfloat16, contiguous.
@@ -256,6 +265,35 @@ def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         block_size, num_tokens, num_heads, num_kv_heads, head_dim, scale, own_out.data_ptr(), own_lse.data_ptr(),
         out.data_ptr())
     return None if failed else out
+
+
+def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      requests: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
+    """The causal attention of the listed requests' query rows (prefill chunks) over their
+    contexts, on AMX tiles (csrc/tile_attention.c), written into their rows of ``out``.
+
+    Args:
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc: As for
+            paged_attention (bfloat16).
+        requests: int32 [n] the requests to compute.
+        scale: Softmax scale.
+        out: [num_tokens, num_heads, head_dim] bfloat16, contiguous.
+
+    Returns:
+        Whether it ran (False where the kernel does not: only call it where
+        packed_linear_amx_available(); head_dim 64 or 128).
+    """
+    _, num_heads, head_dim = query.shape
+    _, num_kv_heads, _, block_size = key_cache.shape
+    assert query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16
+    assert query.is_contiguous() and out.is_contiguous() and block_tables.stride(1) == 1
+    assert requests.dtype == torch.int32 and requests.is_contiguous()
+    failed = _kernel("prefill_attention_bf16")(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), requests.data_ptr(),
+        requests.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr())
+    return not failed
 
 
 # -- the bfloat16 linear layer (csrc/packed_linear.c) ---------------------------------------

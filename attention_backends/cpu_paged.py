@@ -99,6 +99,42 @@ def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_token
                         suffix_seq_lens=metadata.seq_lens_tensor - tokens)
 
 
+# Prefill chunks of at least this many tokens go to the tiles (csrc/tile_attention.c) in
+# bfloat16 where they run (measured: attention-backends.md, "Prefill chunks on AMX tiles");
+# PAGODA_PREFILL_TILES_MIN_TOKENS replaces it where the worker starts (0: never).
+PREFILL_ON_TILES_MIN_TOKENS = _env_int("PAGODA_PREFILL_TILES_MIN_TOKENS")
+if PREFILL_ON_TILES_MIN_TOKENS is None:
+    PREFILL_ON_TILES_MIN_TOKENS = 16
+elif PREFILL_ON_TILES_MIN_TOKENS == 0:
+    PREFILL_ON_TILES_MIN_TOKENS = 10**9
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What cpu_paged derives from a step's metadata once for all layers.
+
+    Attributes:
+        shared: The prefix every request shares, where the cascade pays.
+        tile_requests: int32 [n] the requests whose rows the prefill tiles compute (None: none).
+        skip: bool [num_reqs] the same requests, for the paged kernel to leave alone.
+    """
+
+    shared: SharedPrefix | None
+    tile_requests: torch.Tensor | None = None
+    skip: torch.Tensor | None = None
+
+
+def plan_prefill_on_tiles(metadata: AttentionMetadata, min_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The requests whose chunks have at least ``min_tokens`` query tokens (and a mask of them),
+    or None."""
+    chosen = [i for i, tokens in enumerate(metadata.query_lens) if tokens >= min_tokens]
+    if not chosen:
+        return None
+    skip = torch.zeros(metadata.num_reqs, dtype=torch.bool)
+    skip[chosen] = True
+    return torch.tensor(chosen, dtype=torch.int32), skip
+
+
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                     lse_b: torch.Tensor) -> torch.Tensor:
     """Attention over two disjoint sets of keys combined into attention over both: each part
@@ -117,9 +153,9 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        # The shared part of cascade attention on AMX tiles where they run (bfloat16), else
-        # by torch's flash attention.
-        self.shared_prefix_on_tiles = cpu_kernels.available() and cpu_kernels.packed_linear_amx_available()
+        # Prefill chunks and the shared part of cascade attention on AMX tiles where they run
+        # (bfloat16); else the kernel and torch's flash attention.
+        self.amx_tiles = cpu_kernels.available() and cpu_kernels.packed_linear_amx_available()
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
@@ -132,12 +168,17 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         return "its CPU kernels could not be built (a C compiler is needed; see the log)"
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        # NOTE: the kernels need nothing beyond the metadata and a shared prefix, if any;
-        # torch_sdpa's view of the step is built only if a dtype without kernels asks for
-        # it (see forward).
+        # NOTE: the kernels need nothing beyond the metadata, a shared prefix if any and the
+        # requests for the prefill tiles; torch_sdpa's view of the step is built only if a
+        # dtype without kernels asks for it (see forward).
         # NOTE: with the thresholds of the tiles where they run: forward() holds a step that
         # the torch path takes (float32) to its own.
-        metadata.backend_data = find_shared_prefix(metadata, *cascade_thresholds(self.shared_prefix_on_tiles))
+        plan = StepPlan(find_shared_prefix(metadata, *cascade_thresholds(self.amx_tiles)))
+        if self.amx_tiles and plan.shared is None:
+            chosen = plan_prefill_on_tiles(metadata, PREFILL_ON_TILES_MIN_TOKENS)
+            if chosen is not None:
+                plan.tile_requests, plan.skip = chosen
+        metadata.backend_data = plan
 
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         key_cache, value_cache = kv_cache
@@ -154,15 +195,25 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
             return super().forward(query, key, value, kv_cache, metadata)
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         query = query.contiguous()
-        shared: SharedPrefix | None = metadata.backend_data
-        on_tiles = query.dtype == torch.bfloat16 and self.shared_prefix_on_tiles
+        plan: StepPlan = metadata.backend_data
+        shared = plan.shared
+        on_tiles = query.dtype == torch.bfloat16 and self.amx_tiles
         if shared is not None and not on_tiles:
             requests, tokens = cascade_thresholds(on_tiles=False)
             if metadata.num_reqs < requests or shared.tokens < tokens:
                 shared = None
         if shared is None:
-            return cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
-                                               metadata.seq_lens_tensor, metadata.query_start_loc, self.scale)
+            tiles = on_tiles and plan.tile_requests is not None
+            out = cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
+                                              metadata.seq_lens_tensor, metadata.query_start_loc, self.scale,
+                                              skip=plan.skip if tiles else None)
+            if tiles and not cpu_kernels.prefill_attention(query, key_cache, value_cache, metadata.block_tables,
+                                                           metadata.seq_lens_tensor, metadata.query_start_loc,
+                                                           plan.tile_requests, self.scale, out):
+                # NOTE: the tiles could not run (no memory for their operands): every row by the kernel.
+                out = cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
+                                                  metadata.seq_lens_tensor, metadata.query_start_loc, self.scale)
+            return out
         own, own_lse = cpu_kernels.paged_attention(query, key_cache, value_cache, shared.suffix_tables,
                                                    shared.suffix_seq_lens, metadata.query_start_loc, self.scale,
                                                    return_lse=True)

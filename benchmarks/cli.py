@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 def add_bench_parser(sub) -> None:
+    from pagoda.benchmarks.cascade import add_cascade_bench_parser
     from pagoda.benchmarks.compare import add_compare_parser
     from pagoda.benchmarks.fairness import add_fairness_parser
     from pagoda.benchmarks.kv import add_kv_bench_parsers
@@ -21,3 +22,4 @@ def add_bench_parser(sub) -> None:
     add_overhead_parser(bench_sub)
     add_fairness_parser(bench_sub)
     add_linear_bench_parser(bench_sub)
+    add_cascade_bench_parser(bench_sub)

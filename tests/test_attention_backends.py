@@ -147,3 +147,22 @@ def test_backends_that_cannot_run_say_why():
     with pytest.raises(ValueError, match="CUDA"):
         get_attention_backend("flashinfer", torch.device("cpu"))
     assert "flashinfer" not in [get_attention_backend("auto", torch.device("cpu")).name]
+
+
+needs_amx_tiles = pytest.mark.skipif(
+    not __import__("pagoda.attention_backends.cpu_kernels", fromlist=["x"]).packed_linear_amx_available(),
+    reason="the prefill tiles run on CPUs whose AMX tiles run")
+
+
+@needs_amx_tiles
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (8, 64), (2, 128)])
+@pytest.mark.parametrize("min_tokens", [1, 16])
+def test_prefill_on_tiles_matches_naive(monkeypatch, block_size, group, head_dim, min_tokens):
+    # Chunks from scratch and over cached context, crossing the tiles' 64-key steps and 256-key
+    # partitions, beside decodes; with min_tokens 1 every row (decodes too) goes to the tiles.
+    from pagoda.attention_backends import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", min_tokens)
+    cases = ([300, 17, 600, 1, 70, 33], [300, 17, 40, 1, 1, 16])
+    backend_matches_naive("cpu_paged", block_size, group, head_dim, torch.bfloat16, cases=cases)

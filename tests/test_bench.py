@@ -99,3 +99,20 @@ def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llam
                  "--dtype", "float32", "--enforce-eager", "--output", str(output)]) == 0
     assert f"CPU: {cpu['model_name']}" in capsys.readouterr().out
     assert json.loads(output.read_text())[0] == {"engine": "machine", "event": "cpu", **cpu}
+
+
+def test_cascade_bench_times_the_kernel_against_the_cascade(capsys):
+    from pagoda.attention_backends import cpu_kernels, cpu_paged
+
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    thresholds = cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS
+    assert main(["bench", "cascade", "--cases", "2x32,9x256", "--own", "8", "--layers", "2", "--repeats", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["requests"], r["shared_tokens"]) for r in rows] == [(2, 32), (9, 256)]
+    assert all(r["kernel_ms"] > 0 and r["cascade_ms"] > 0 for r in rows)
+    # Whether the default thresholds take each case: 2 requests never; 9 over 256 on the tiles only.
+    on_tiles = cpu_kernels.packed_linear_amx_available()
+    assert [r["taken_by_default"] for r in rows] == [False, on_tiles]
+    assert {r["shared_part"] for r in rows} == {"tiles" if on_tiles else "torch"}
+    assert (cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS) == thresholds  # put back

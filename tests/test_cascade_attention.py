@@ -88,7 +88,7 @@ CASES = [
 ]
 
 
-# The shared part in bfloat16: on AMX tiles (csrc/shared_prefix_attention.c) where they run,
+# The shared part in bfloat16: on AMX tiles (csrc/tile_attention.c) where they run,
 # and by torch's flash attention everywhere (float32 always takes that one).
 PATHS = [(torch.float32, "torch"), (torch.bfloat16, "torch")]
 if cpu_kernels.packed_linear_amx_available():

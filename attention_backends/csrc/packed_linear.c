@@ -172,7 +172,7 @@ static void configure_tiles(void) {
 }
 
 /* 1 once Linux lets this process use the tiles' state (asked once; without it the first tile
- * instruction faults). Also used by shared_prefix_attention.c. */
+ * instruction faults). Also used by tile_attention.c. */
 int pagoda_amx_permitted(void) {
     static int permitted = -1;
     if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;

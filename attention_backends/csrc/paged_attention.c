@@ -12,6 +12,9 @@
  *   query_start:    [num_reqs + 1] int32: request i owns query rows query_start[i]..query_start[i+1],
  *                   the last of its seq_lens[i] positions (causal: a row at position p sees keys 0..p)
  *
+ * skip (NULL, or a byte per request) leaves the rows of the requests it marks to another
+ * kernel (tile_attention.c's prefill path): their output rows are not written.
+ *
  * A query row at position p is a decode over a context of p + 1 tokens, so one kernel serves
  * both. A task is a tile of consecutive query tokens of one request and one KV head: its rows
  * (tokens x the query heads sharing the KV head) walk the blocks once with a softmax in
@@ -479,6 +482,7 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
         if (tile_req != NULL) { /* else the generic path */                                                \
             int64_t num_tiles = 0;                                                                         \
             for (int64_t i = 0; i < num_reqs; i++) {                                                       \
+                if (skip && skip[i]) continue; /* another kernel's */                                      \
                 const int64_t step = query_start[i + 1] - query_start[i] == 1 ? 1 : tq;                    \
                 for (int64_t row = query_start[i]; row < query_start[i + 1]; row += step) {                \
                     tile_req[num_tiles] = (int32_t)i;                                                      \
@@ -529,8 +533,8 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
 #define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, FAST)                                                 \
 void NAME(const T *query, const T *key_cache, const T *value_cache, const int32_t *block_tables,            \
           int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start, T *out,           \
-          float *lse, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,           \
-          int64_t block_size, float scale) {                                                                \
+          float *lse, const uint8_t *skip, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,        \
+          int64_t head_dim, int64_t block_size, float scale) {                                              \
     const int64_t group = num_heads / num_kv_heads;                                                        \
     const int64_t block_stride = num_kv_heads * block_size * head_dim;                                     \
     FAST_PATH(T, STORE, FAST)                                                                              \
@@ -539,6 +543,7 @@ void NAME(const T *query, const T *key_cache, const T *value_cache, const int32_
     for (int64_t row = 0; row < num_rows; row++) {                                                         \
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                                    \
             const int64_t i = request_of_row(query_start, num_reqs, row);                                  \
+            if (skip && skip[i]) continue;                                                                 \
             const int32_t *table = block_tables + i * block_table_stride;                                  \
             const int64_t len = seq_lens[i] - (query_start[i + 1] - row) + 1;                              \
             if (block_size == 16) { TASK_BODY(T, LOAD, STORE, 16) }                                        \

@@ -1,0 +1,403 @@
+/*
+ * Attention on AMX tiles for query rows that come many to a set of keys: prefill chunks (a
+ * request's rows against its own context, causal) and cascade attention's shared part (every
+ * query row of a step against a prefix all its requests share, merged with each row's
+ * attention over its own keys).
+ *
+ * The paged kernel (paged_attention.c) works with vectors, a few query rows at a time: a
+ * 256-token prefill chunk reads its context once per tile of 2 tokens, and 64 requests over
+ * one 512-token prefix read it 64 times. Here the rows that belong to one KV head form one
+ * matrix (tokens x the query heads of the group), its keys another, and the scores and the
+ * weighted values are tile products (TDPBF16PS) of 16 rows against 64 keys at a time, with a
+ * float32 softmax between them.
+ *
+ * Layout (the cpu_paged backend's cache):
+ *   query, out, own_out:  [num_tokens, num_heads, head_dim] bfloat16
+ *   own_lse:              [num_tokens, num_heads] float32, the log-sum-exp of each row's scaled
+ *                         scores over its own keys (paged_attention's)
+ *   key cache:            [num_blocks, num_kv_heads, head_dim, block_size] (keys transposed)
+ *   value cache:          [num_blocks, num_kv_heads, block_size, head_dim]
+ *
+ * First the operands are repacked into tile layouts (in parallel): the keys as (dimension
+ * pair, key) pairs, 16 keys x 32 dimensions to a kilobyte in one piece (with a whole row of
+ * keys between pairs, a tile's rows were 4 KB multiples apart and fell into one L1 set); the
+ * values as (key pair, dimension) pairs; the queries of a KV head as one row-major matrix with
+ * row t * G + g = token t, head kv * G + g; all padded to whole tiles (padding keys masked,
+ * padding rows never stored). Then each task, a KV head and 16 query rows, walks the keys in
+ * partitions of 256: the partition's scores (4 tiles per 64 keys); each row's maximum over the
+ * partition, masked past the last key the row sees; probabilities rounded to bfloat16 (as the
+ * paged kernel and torch's flash attention round them); the weighted values with the float32
+ * accumulators held in tiles across the partition. Rescaling and horizontal reductions happen
+ * once a partition, as in the paged kernel.
+ *
+ * Each entry point returns 0, or 1 where it does not run (no AMX in this build or process,
+ * head_dim not 64 or 128, no memory): the caller then takes another path.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+
+#include "avx512_exp.h"
+
+int pagoda_amx_permitted(void); /* packed_linear.c: Linux lets this process use the tiles */
+
+#define KEYS 64           /* keys per step of a task */
+#define MIN_SCORE (-1e30f)
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void configure_tiles(void) {
+    struct tile_config config;
+    memset(&config, 0, sizeof(config));
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* One task: 16 rows (of a KV head's padded row matrix qp, D wide) against the keys of kb and
+ * vb (padded_keys of them), row r seeing keys 0..last[r], in partitions of up to PART keys. */
+#define PART 256
+static inline __attribute__((always_inline)) void attend_rows(
+        const uint16_t *qp, const uint16_t *kb, const uint16_t *vb, const int64_t *last, int64_t padded_keys,
+        const int64_t D, float scale, float (*acc)[128], float *m, float *l) {
+    float scores[16][PART] __attribute__((aligned(64)));
+    uint16_t probs[16][PART] __attribute__((aligned(64)));
+    for (int r = 0; r < 16; r++) {
+        m[r] = MIN_SCORE;
+        l[r] = 0;
+        for (int64_t d = 0; d < D; d++) acc[r][d] = 0;
+    }
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    const int64_t vstride = D * 2 * 2;
+    int64_t seen = 0; /* keys any row sees, rounded up to whole steps */
+    for (int r = 0; r < 16; r++) seen = last[r] + 1 > seen ? last[r] + 1 : seen;
+    seen = (seen + KEYS - 1) / KEYS * KEYS;
+    if (seen > padded_keys) seen = padded_keys;
+    for (int64_t p0 = 0; p0 < seen; p0 += PART) {
+        const int64_t width = seen - p0 < PART ? seen - p0 : PART; /* a multiple of KEYS */
+        /* scores: 16 rows x 64 keys at a time, over D in steps of 32 dimensions */
+        for (int64_t n = 0; n < width; n += KEYS) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t d = 0; d < D; d += 32) {
+                const uint16_t *k = kb + ((p0 + n) / 16 * (D / 2) + d / 2) * 32; /* keys n..n+15 */
+                const int64_t group = D / 2 * 32;                                  /* to the next 16 keys */
+                _tile_loadd(4, qp + d, D * 2);
+                _tile_loadd(5, k, 64);
+                _tile_loadd(6, k + group, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(5, k + 2 * group, 64);
+                _tile_loadd(6, k + 3 * group, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+            _tile_stored(0, &scores[0][n], sizeof(scores[0]));
+            _tile_stored(1, &scores[0][n + 16], sizeof(scores[0]));
+            _tile_stored(2, &scores[0][n + 32], sizeof(scores[0]));
+            _tile_stored(3, &scores[0][n + 48], sizeof(scores[0]));
+        }
+        /* the softmax over the partition, row by row */
+        for (int r = 0; r < 16; r++) {
+            const int64_t valid = last[r] + 1 - p0; /* keys of the partition the row sees */
+            __m512 vmax = _mm512_set1_ps(MIN_SCORE);
+            for (int64_t j = 0; j < width; j += 16) {
+                const int64_t visible = valid - j;
+                const __mmask16 mask = visible >= 16 ? (__mmask16)0xffff : visible <= 0 ? 0
+                                       : (__mmask16)((1u << visible) - 1u);
+                const __m512 s = _mm512_mask_blend_ps(mask, _mm512_set1_ps(MIN_SCORE),
+                                                      _mm512_mul_ps(_mm512_load_ps(&scores[r][j]), scale16));
+                _mm512_store_ps(&scores[r][j], s);
+                vmax = _mm512_max_ps(vmax, s);
+            }
+            const float new_max = fmaxf(m[r], _mm512_reduce_max_ps(vmax));
+            const __m512 mrow = _mm512_set1_ps(new_max);
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < width; j += 16) {
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(&scores[r][j]), mrow));
+                sum = _mm512_add_ps(sum, e);
+                _mm256_store_si256((__m256i *)&probs[r][j], (__m256i)_mm512_cvtneps_pbh(e));
+            }
+            if (new_max > m[r] && l[r] > 0) {
+                const float correction = expf(m[r] - new_max);
+                l[r] *= correction;
+                const __m512 c16 = _mm512_set1_ps(correction);
+                for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(&acc[r][d], _mm512_mul_ps(_mm512_load_ps(&acc[r][d]), c16));
+            }
+            m[r] = new_max;
+            l[r] += _mm512_reduce_add_ps(sum);
+        }
+        /* acc += probabilities x values: 64 dimensions (4 tiles) at a time, held over the partition */
+        for (int64_t c = 0; c < D; c += 64) {
+            _tile_loadd(0, &acc[0][c], sizeof(acc[0]));
+            _tile_loadd(1, &acc[0][c + 16], sizeof(acc[0]));
+            _tile_loadd(2, &acc[0][c + 32], sizeof(acc[0]));
+            _tile_loadd(3, &acc[0][c + 48], sizeof(acc[0]));
+            for (int64_t t = 0; t < width; t += 32) {
+                const uint16_t *v = vb + ((p0 + t) / 2 * D + c) * 2;
+                _tile_loadd(4, &probs[0][t], sizeof(probs[0]));
+                _tile_loadd(5, v, vstride);
+                _tile_loadd(6, v + 32, vstride);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(5, v + 64, vstride);
+                _tile_loadd(6, v + 96, vstride);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+            _tile_stored(0, &acc[0][c], sizeof(acc[0]));
+            _tile_stored(1, &acc[0][c + 16], sizeof(acc[0]));
+            _tile_stored(2, &acc[0][c + 32], sizeof(acc[0]));
+            _tile_stored(3, &acc[0][c + 48], sizeof(acc[0]));
+        }
+    }
+}
+
+/* The keys of `blocks` (the first `keys` tokens of them) for one KV head in the scores'
+ * tile layout: [padded_keys/16][D/2][16][2], zero past `keys`. */
+static void pack_keys(uint16_t *dst, const uint16_t *key_cache, const int32_t *blocks, int64_t keys,
+                      int64_t padded_keys, int64_t block_size, int64_t block_stride, int64_t h, int64_t D,
+                      __m512i interleave) {
+    memset(dst + keys / 16 * (D / 2) * 32, 0, (padded_keys / 16 - keys / 16) * D * 32);
+    for (int64_t b = 0; b * block_size < keys; b++) {
+        const uint16_t *k = key_cache + (int64_t)blocks[b] * block_stride + h * D * block_size;
+        const int64_t n = keys - b * block_size < block_size ? keys - b * block_size : block_size;
+        for (int64_t dp = 0; dp < D / 2; dp++) {
+            const uint16_t *even = k + 2 * dp * block_size, *odd = even + block_size;
+            int64_t t = 0;
+            if (block_size % 16 == 0)
+                for (; t + 16 <= n; t += 16)
+                    _mm512_storeu_si512(dst + ((b * block_size + t) / 16 * (D / 2) + dp) * 32,
+                                        _mm512_permutex2var_epi16(
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(even + t))), interleave,
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(odd + t)))));
+            for (; t < n; t++) {
+                const int64_t key = b * block_size + t;
+                uint16_t *pair = dst + (key / 16 * (D / 2) + dp) * 32 + key % 16 * 2;
+                pair[0] = even[t], pair[1] = odd[t];
+            }
+        }
+    }
+}
+
+/* The values of `blocks` (the first `keys` tokens) for one KV head as [padded_keys/2][D][2]. */
+static void pack_values(uint16_t *dst, const uint16_t *value_cache, const int32_t *blocks, int64_t keys,
+                        int64_t padded_keys, int64_t block_size, int64_t block_stride, int64_t h, int64_t D,
+                        __m512i interleave) {
+    for (int64_t kp = 0; kp < padded_keys / 2; kp++) {
+        uint16_t *pair = dst + kp * D * 2;
+        const int64_t first = 2 * kp, second = first + 1;
+        if (second >= keys) { /* padding (and an odd last key beside a zero) */
+            memset(pair, 0, D * 4);
+            if (first < keys)
+                for (int64_t d = 0; d < D; d++)
+                    pair[2 * d] = value_cache[(int64_t)blocks[first / block_size] * block_stride
+                                              + (h * block_size + first % block_size) * D + d];
+            continue;
+        }
+        const uint16_t *v0 = value_cache + (int64_t)blocks[first / block_size] * block_stride
+                             + (h * block_size + first % block_size) * D;
+        const uint16_t *v1 = value_cache + (int64_t)blocks[second / block_size] * block_stride
+                             + (h * block_size + second % block_size) * D;
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_si512(pair + 2 * d, _mm512_permutex2var_epi16(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + d))), interleave,
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v1 + d)))));
+    }
+}
+
+/* Query rows t * G + g (tokens first..first+tokens-1) of KV head h as [padded_rows][D], zero padded. */
+static void pack_queries(uint16_t *dst, const uint16_t *query, int64_t first, int64_t tokens, int64_t padded_rows,
+                         int64_t num_heads, int64_t G, int64_t h, int64_t D) {
+    for (int64_t r = 0; r < padded_rows; r++) {
+        if (r < tokens * G) memcpy(dst + r * D, query + ((first + r / G) * num_heads + h * G + r % G) * D, D * 2);
+        else memset(dst + r * D, 0, D * 2);
+    }
+}
+
+static __m512i pair_interleave(void) {
+    uint16_t pattern[32];
+    for (int i = 0; i < 16; i++) pattern[2 * i] = (uint16_t)i, pattern[2 * i + 1] = (uint16_t)(32 + i);
+    return _mm512_loadu_si512(pattern);
+}
+
+/* A row's result into out (bfloat16): acc / l, or with own_out/own_lse, merged with the row's
+ * attention over its own keys by each part's share of the softmax's sum. */
+static inline void store_row(uint16_t *out, const float *acc, float m, float l, const uint16_t *own_out,
+                             const float *own_lse, int64_t D) {
+    __m512 a = _mm512_set1_ps(1.0f / l), b = _mm512_setzero_ps();
+    if (own_out) {
+        const float shared_lse = m + logf(l), own = *own_lse, top = fmaxf(shared_lse, own);
+        const float ws = expf(shared_lse - top), wo = expf(own - top), total = ws + wo;
+        a = _mm512_set1_ps(ws / total / l);
+        b = _mm512_set1_ps(wo / total);
+    }
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 merged = _mm512_mul_ps(_mm512_load_ps(acc + d), a);
+        if (own_out)
+            merged = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(own_out + d))), 16)), b, merged);
+        _mm256_storeu_si256((__m256i *)(out + d), (__m256i)_mm512_cvtneps_pbh(merged));
+    }
+}
+
+static inline void attend(const uint16_t *qp, const uint16_t *kb, const uint16_t *vb, const int64_t *last,
+                          int64_t padded_keys, int64_t D, float scale, float (*acc)[128], float *m, float *l) {
+    if (D == 64) attend_rows(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
+    else attend_rows(qp, kb, vb, last, padded_keys, 128, scale, acc, m, l);
+}
+
+int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                                 const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                                 const uint16_t *own_out, const float *own_lse, uint16_t *out) {
+    const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads;
+    if ((D != 64 && D != 128) || !pagoda_amx_permitted()) return 1;
+    const int64_t keys = num_blocks * block_size, padded_keys = (keys + KEYS - 1) / KEYS * KEYS;
+    const int64_t rows = num_tokens * G, padded_rows = (rows + 15) / 16 * 16;
+    const int64_t block_stride = KV * D * block_size;
+    uint16_t *kb = aligned_alloc(64, (size_t)(2 * KV * D * padded_keys * 2 + KV * padded_rows * D * 2));
+    if (!kb) return 1;
+    uint16_t *vb = kb + KV * D * padded_keys, *qp = vb + KV * padded_keys * D;
+    const __m512i interleave = pair_interleave();
+    #pragma omp parallel for schedule(static)
+    for (int64_t job = 0; job < 3 * KV; job++) {
+        const int64_t h = job % KV;
+        if (job < KV) pack_keys(kb + h * D * padded_keys, key_cache, blocks, keys, padded_keys, block_size, block_stride, h, D, interleave);
+        else if (job < 2 * KV) pack_values(vb + h * padded_keys * D, value_cache, blocks, keys, padded_keys, block_size, block_stride, h, D, interleave);
+        else pack_queries(qp + h * padded_rows * D, query, 0, num_tokens, padded_rows, num_heads, G, h, D);
+    }
+    const int64_t tasks_per_head = padded_rows / 16;
+    #pragma omp parallel
+    {
+        configure_tiles();
+        float acc[16][128] __attribute__((aligned(64)));
+        float m[16], l[16];
+        int64_t last[16];
+        for (int r = 0; r < 16; r++) last[r] = keys - 1; /* every row sees every shared key */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < KV * tasks_per_head; task++) {
+            const int64_t h = task / tasks_per_head, r0 = task % tasks_per_head * 16;
+            attend(qp + (h * padded_rows + r0) * D, kb + h * D * padded_keys, vb + h * padded_keys * D, last,
+                   padded_keys, D, scale, acc, m, l);
+            for (int64_t i = 0; i < 16 && r0 + i < rows; i++) {
+                const int64_t r = r0 + i, at = (r / G) * num_heads + h * G + r % G;
+                store_row(out + at * D, acc[i], m[i], l[i], own_out + at * D, own_lse + at, D);
+            }
+        }
+        _tile_release();
+    }
+    free(kb);
+    return 0;
+}
+
+/* The causal attention of the query rows of the requests listed in `requests` (prefill chunks:
+ * request i owns rows query_start[i]..query_start[i+1], the last of its seq_lens[i] tokens)
+ * over their contexts, into out. */
+int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                           const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
+                           const int32_t *query_start, const int32_t *requests, int64_t num_listed,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                           uint16_t *out) {
+    const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads;
+    if ((D != 64 && D != 128) || !pagoda_amx_permitted() || num_listed == 0) return num_listed ? 1 : 0;
+    const int64_t block_stride = KV * D * block_size;
+    /* per listed request: its padded keys and rows, and where its packed operands start */
+    int64_t *plan = malloc(sizeof(int64_t) * 4 * (num_listed + 1));
+    if (!plan) return 1;
+    int64_t *padded_keys = plan, *padded_rows = plan + num_listed, *offset = plan + 2 * num_listed;
+    int64_t *first_task = plan + 3 * num_listed; /* num_listed + 1 entries */
+    int64_t total = 0, tasks = 0;
+    for (int64_t j = 0; j < num_listed; j++) {
+        const int64_t i = requests[j], tokens = query_start[i + 1] - query_start[i];
+        padded_keys[j] = (seq_lens[i] + KEYS - 1) / KEYS * KEYS;
+        padded_rows[j] = (tokens * G + 15) / 16 * 16;
+        offset[j] = total;
+        total += KV * (2 * D * padded_keys[j] + padded_rows[j] * D);
+        first_task[j] = tasks;
+        tasks += KV * padded_rows[j] / 16;
+    }
+    first_task[num_listed] = tasks;
+    uint16_t *work = aligned_alloc(64, (size_t)(total * 2 + 63) / 64 * 64);
+    if (!work) {
+        free(plan);
+        return 1;
+    }
+    const __m512i interleave = pair_interleave();
+    /* per request: keys [kv][...], then values [kv][...], then queries [kv][...] */
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t job = 0; job < 3 * KV * num_listed; job++) {
+        const int64_t j = job / (3 * KV), part = job % (3 * KV) / KV, h = job % KV, i = requests[j];
+        const int32_t *table = block_tables + i * block_table_stride;
+        uint16_t *base = work + offset[j];
+        const int64_t keys = seq_lens[i], pk = padded_keys[j], pr = padded_rows[j];
+        if (part == 0) pack_keys(base + h * D * pk, key_cache, table, keys, pk, block_size, block_stride, h, D, interleave);
+        else if (part == 1) pack_values(base + KV * D * pk + h * pk * D, value_cache, table, keys, pk, block_size, block_stride, h, D, interleave);
+        else pack_queries(base + 2 * KV * D * pk + h * pr * D, query, query_start[i], query_start[i + 1] - query_start[i],
+                          pr, num_heads, G, h, D);
+    }
+    #pragma omp parallel
+    {
+        configure_tiles();
+        float acc[16][128] __attribute__((aligned(64)));
+        float m[16], l[16];
+        int64_t last[16];
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t j = 0;
+            while (first_task[j + 1] <= task) j++;
+            const int64_t i = requests[j], pk = padded_keys[j], pr = padded_rows[j];
+            const int64_t per_head = pr / 16, h = (task - first_task[j]) / per_head;
+            const int64_t r0 = (task - first_task[j]) % per_head * 16;
+            const int64_t tokens = query_start[i + 1] - query_start[i], start = seq_lens[i] - tokens;
+            for (int r = 0; r < 16; r++) { /* row r0 + r is token (r0 + r) / G, at start + that */
+                const int64_t token = (r0 + r) / G < tokens ? (r0 + r) / G : tokens - 1;
+                last[r] = start + token;
+            }
+            const uint16_t *base = work + offset[j];
+            attend(base + 2 * KV * D * pk + (h * pr + r0) * D, base + h * D * pk, base + KV * D * pk + h * pk * D,
+                   last, pk, D, scale, acc, m, l);
+            for (int64_t k = 0; k < 16 && r0 + k < tokens * G; k++) {
+                const int64_t r = r0 + k, at = (query_start[i] + r / G) * num_heads + h * G + r % G;
+                store_row(out + at * D, acc[k], m[k], l[k], NULL, NULL, D);
+            }
+        }
+        _tile_release();
+    }
+    free(work);
+    free(plan);
+    return 0;
+}
+#else
+int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                                 const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                                 const uint16_t *own_out, const float *own_lse, uint16_t *out) {
+    (void)query, (void)key_cache, (void)value_cache, (void)blocks, (void)num_blocks, (void)block_size;
+    (void)num_tokens, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)scale, (void)own_out;
+    (void)own_lse, (void)out;
+    return 1;
+}
+
+int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                           const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
+                           const int32_t *query_start, const int32_t *requests, int64_t num_listed,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                           uint16_t *out) {
+    (void)query, (void)key_cache, (void)value_cache, (void)block_tables, (void)block_table_stride, (void)seq_lens;
+    (void)query_start, (void)requests, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size;
+    (void)scale, (void)out;
+    return num_listed ? 1 : 0;
+}
+#endif
