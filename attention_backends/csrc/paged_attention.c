@@ -155,7 +155,10 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
 /* Prefetches into L2 the 16 keys (or values) from key position nstart, elem bytes each: blocks
- * are scattered, so the hardware prefetcher cannot guess the next one. NOTE: into L2 (T1), not
+ * are scattered, so the hardware prefetcher cannot guess the next one. The keys pass of a
+ * partition also prefetches the values of the keys it reads, which the values pass then finds
+ * in L2 (a partition's values of one head are 32 KB in bfloat16): 64 decodes of 656 tokens
+ * over 30 layers from memory, 72.8 -> 64.2 ms. NOTE: into L2 (T1), not
  * L1: 32-64 lines asked of L1 at once wait for its few miss buffers; a 64-request decode's
  * attention over 30 layers at 320 tokens took 32-52 ms with T0 and 25-28 ms with T1. */
 static inline __attribute__((always_inline)) int64_t chunk_base(
@@ -286,6 +289,8 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
             if (start + 16 < len)                                                                          \
                 prefetch_keys16((const char *)key_cache, table, start + 16, bs, block_stride, kh, head_dim, \
                                 sizeof(T));                                                                \
+            prefetch_values16((const char *)value_cache, table, start, bs, block_stride, kh, head_dim,     \
+                              sizeof(T));                                                                  \
             /* NOTE: independent partial sums (two per row, or four for a single row): one chain  \
              * of head_dim dependent FMAs would be bound by their latency, not by the FMA units. */      \
             __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS], s2[FAST_MAX_ROWS], s3[FAST_MAX_ROWS];              \
@@ -392,6 +397,8 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
             if (start + 16 < len)
                 prefetch_keys16((const char *)key_cache, table, start + 16, bs, block_stride, kh, head_dim,
                                 sizeof(uint16_t));
+            prefetch_values16((const char *)value_cache, table, start, bs, block_stride, kh, head_dim,
+                              sizeof(uint16_t));
             /* NOTE: two partial sums per row when the tile has few rows: one chain of dependent
              * dot products would be bound by their latency, not by the units. */
             __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS];
