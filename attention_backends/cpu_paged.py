@@ -150,6 +150,10 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
 
     name = "cpu_paged"
     keys_transposed = True
+    # NOTE: set by the model runner for batch_invariant: each query row is then computed by
+    # the vector kernel alone, never on the prefill tiles or in a cascade (whether a row takes
+    # those depends on how its prompt is chunked and on what its step holds).
+    batch_invariant = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
@@ -173,6 +177,9 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         # dtype without kernels asks for it (see forward).
         # NOTE: with the thresholds of the tiles where they run: forward() holds a step that
         # the torch path takes (float32) to its own.
+        if self.batch_invariant:
+            metadata.backend_data = StepPlan(None)
+            return
         plan = StepPlan(find_shared_prefix(metadata, *cascade_thresholds(self.amx_tiles)))
         if self.amx_tiles and plan.shared is None:
             chosen = plan_prefill_on_tiles(metadata, PREFILL_ON_TILES_MIN_TOKENS)

@@ -151,3 +151,16 @@ def test_generation_over_a_shared_prefix_is_the_same_with_and_without_cascade(ti
             llm.generate([prompts[0]], params)  # the prefix into the cache: later requests share its blocks
             results[cascade] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert results[True] == results[False]
+
+
+def test_batch_invariance_keeps_every_row_on_the_vector_kernel(always_cascade):
+    # Whether a row would take the tiles or the cascade depends on its chunking and its step.
+    backend = cpu_paged.CpuPagedAttentionBackend(6, 2, 64, 0.125)
+    tables = [[7, 8, 9, 1], [7, 8, 9, 2]]
+    metadata = metadata_of(tables, [60, 60], [20, 1])
+    backend.prepare(metadata)
+    assert metadata.backend_data.shared is not None
+    backend.batch_invariant = True
+    backend.prepare(metadata)
+    plan = metadata.backend_data
+    assert plan.shared is None and plan.tile_requests is None and plan.skip is None

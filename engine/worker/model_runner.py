@@ -58,6 +58,8 @@ class ModelRunner:
         backend_cls = get_attention_backend(attention_backend, self.device)
         backend = backend_cls(heads.num_heads, heads.num_kv_heads, model_config.head_dim,
                               model_config.head_dim**-0.5)
+        if config.batch_invariant:
+            backend.batch_invariant = True  # cpu_paged: every row by the vector kernel alone
         self.attention_backend = backend
         # NOTE: built on the meta device so that no time goes into random init of weights
         # that the checkpoint overwrites anyway.
