@@ -176,7 +176,7 @@ def test_gate_up_module_packed_for_the_kernel_matches_the_unpacked_one():
 
 @needs_amx
 @pytest.mark.parametrize("out_features,in_features", [(192, 64), (100, 96), (33, 32), (3072, 576), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 32, 33, 64, 100])
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 32, 33, 64, 100, 150])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_path_matches_float32_within_rounding(out_features, in_features, rows, with_bias):
     # Rows across the 16-row tiles and the 32-row blocks (a partial last block from padded
@@ -209,7 +209,7 @@ def test_amx_path_reads_strided_rows_and_leaves_other_k_to_the_vectors(in_featur
 
 @needs_amx
 @pytest.mark.parametrize("intermediate,in_features", [(1536, 576), (40, 64), (64, 32)])
-@pytest.mark.parametrize("rows", [1, 16, 33, 70])
+@pytest.mark.parametrize("rows", [1, 16, 33, 70, 140])
 def test_amx_fused_silu_mul_matches_the_amx_product_then_torch_silu_mul(intermediate, in_features, rows):
     gen = torch.Generator().manual_seed(rows * 1000 + intermediate + in_features)
     weight = torch.randn(2 * intermediate, in_features, generator=gen).to(torch.bfloat16)
@@ -228,12 +228,13 @@ def test_on_the_tiles_a_rows_result_does_not_depend_on_its_batch():
     # With the tiles for every row (batch_invariant), each output is the same chain of tile
     # products over K in 16-row tiles or 32-row blocks, whatever rows share them.
     weight = torch.randn(3072, 576).to(torch.bfloat16)
-    x = torch.randn(70, 576).to(torch.bfloat16)
+    x = torch.randn(140, 576).to(torch.bfloat16)  # 32-row blocks (2 x 2 tiles) at this size
     packed = cpu_kernels.pack_linear_weight(weight)
     fused = cpu_kernels.pack_silu_mul_weight(weight)
     batched = cpu_kernels.packed_linear(x, packed, None, 3072, amx_min_rows=1)
     batched_mlp = cpu_kernels.packed_silu_mul_linear(x, fused, 1536, amx_min_rows=1)
-    for rows in (slice(0, 1), slice(5, 6), slice(16, 33), slice(40, 70), slice(69, 70)):
+    # 16-row tiles (1 x 4) from 48 to 127 rows, 32-row blocks below and above, padded tails
+    for rows in (slice(0, 1), slice(5, 6), slice(16, 33), slice(40, 110), slice(69, 70), slice(2, 140)):
         assert torch.equal(cpu_kernels.packed_linear(x[rows], packed, None, 3072, amx_min_rows=1), batched[rows])
         assert torch.equal(cpu_kernels.packed_silu_mul_linear(x[rows], fused, 1536, amx_min_rows=1),
                            batched_mlp[rows])

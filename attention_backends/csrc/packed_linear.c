@@ -343,12 +343,17 @@ static void amx_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *
     int64_t chunk = AMX_CHUNK_BYTES / (group_stride * (int64_t)sizeof(uint16_t)) * unit;
     if (chunk < 2) chunk = 2;
     float sums[2][32][64] __attribute__((aligned(64)));  /* one tile's being computed, the other's waiting */
+    /* NOTE: 32-row blocks (2 x 2 tiles) where they make one pass over the weight or many; from
+     * 48 to 127 rows, 16-row tiles against whole groups (1 x 4), whose first pass reads each
+     * 4 KB slice of the weight in one piece: 64 rows over 30 layers' weights, 24.9 -> 22.5 ms
+     * (oneDNN: 22.8-23.2). */
+    const int pairs = M < 48 || M >= 128;
     struct pending waiting = {0};
     int which = 0;
     for (int64_t c0 = first; c0 < end; c0 += chunk) {
         const int64_t c1 = c0 + chunk < end ? c0 + chunk : end;
         for (int64_t m = 0; m < M; m += 16) {
-            if (m + 32 <= M) { /* two blocks at once */
+            if (pairs && m + 32 <= M) { /* two blocks at once */
                 for (int64_t h = c0; h < c1;) {
                     const int64_t g = epilogue == SILU_MUL ? h : h / 2, half = epilogue == SILU_MUL ? 0 : h % 2;
                     const int whole = epilogue == SILU_MUL || (half == 0 && h + 1 < c1);
