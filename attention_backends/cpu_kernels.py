@@ -132,7 +132,7 @@ def load() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64]
         fn.restype = None
-    lib.packed_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, pointer, i64, i64]
+    lib.packed_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, pointer, i64, i64, i64]
     lib.packed_linear_bf16.restype = None
     lib.packed_silu_mul_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, i64]
     lib.packed_silu_mul_linear_bf16.restype = None
@@ -351,25 +351,26 @@ def _check_linear_input(x: torch.Tensor, weight: torch.Tensor, out_features: int
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                  amx_min_rows: int = 0) -> torch.Tensor:
+                  amx_min_rows: int = 0, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x @ W.T + bias for a 2-D bfloat16 x and a weight from pack_linear_weight.
 
     With ``amx_min_rows`` > 0, an x of at least that many rows is multiplied on AMX tiles
     (only pass it where packed_linear_amx_available(); the sums differ from the AVX512
-    path's by rounding).
+    path's by rounding). ``out_dtype`` float32 returns the float32 sums unrounded (logits).
 
     Returns:
-        [x rows, out_features] bfloat16.
+        [x rows, out_features] in out_dtype.
     """
     x = _check_linear_input(x, weight, out_features)
     m, k = x.shape
     if bias is not None:
         assert bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.shape == (out_features,)
-    out = torch.empty(m, out_features, dtype=torch.bfloat16)
+    assert out_dtype in (torch.bfloat16, torch.float32)
+    out = torch.empty(m, out_features, dtype=out_dtype)
     if m:
         _kernel("packed_linear_bf16")(x.data_ptr(), m, x.stride(0), weight.data_ptr(), out_features, k,
                                       None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
-                                      amx_min_rows)
+                                      amx_min_rows, int(out_dtype == torch.float32))
     return out
 
 

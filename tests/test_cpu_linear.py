@@ -267,3 +267,25 @@ def test_modules_packed_for_amx_match_the_unpacked_ones():
     assert layer.amx_min_rows in linear.CALIBRATION_ROWS and mlp.amx_min_rows in linear.CALIBRATION_ROWS
     torch.testing.assert_close(out[0].float(), expected[0].float(), rtol=2**-7, atol=1e-2)
     torch.testing.assert_close(out[1].float(), expected[1].float(), rtol=2**-6, atol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 40, 130])
+@pytest.mark.parametrize("tiles", [False, True])
+def test_float32_output_is_the_sums_before_rounding(rows, tiles):
+    # The LM head's logits (engine/models/linear.py: logits_linear): the very sums that the
+    # bfloat16 output rounds, so two candidates a bfloat16 step apart no longer tie.
+    if tiles and not cpu_kernels.packed_linear_amx_available():
+        pytest.skip("needs a CPU whose AMX tiles run")
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(1000, 576, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(1000, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    packed = cpu_kernels.pack_linear_weight(weight)
+    amx = 1 if tiles else 0
+    sums = cpu_kernels.packed_linear(x, packed, bias, 1000, amx, out_dtype=torch.float32)
+    rounded = cpu_kernels.packed_linear(x, packed, bias, 1000, amx)
+    assert sums.dtype == torch.float32 and torch.equal(sums.to(torch.bfloat16), rounded)
+    expected, _ = reference(x, weight, bias)
+    torch.testing.assert_close(sums, expected, rtol=1e-5, atol=1e-4)
+    assert (sums != sums.to(torch.bfloat16).float()).any()  # not rounded

@@ -154,6 +154,19 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.pagoda.onednn_linear(x, weight, bias)
 
 
+def logits_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packing: str,
+                  out_features: int, amx_min_rows: int = 0) -> torch.Tensor:
+    """An LM head's product: with Pagoda's kernel ("amx", "blocked"), the float32 sums as they
+    are, never rounded to bfloat16 (at bfloat16's resolution near candidates tie: the default
+    model's answer to "What is the capital of France?" went astray on such a tie); with
+    oneDNN, in x's dtype (the caller then breaks bfloat16 ties, llama.break_bfloat16_ties).
+    """
+    if packing in BLOCKED_LAYOUT:
+        return cpu_kernels.packed_linear(x if x.is_contiguous() else x.contiguous(), weight, bias, out_features,
+                                         amx_min_rows, out_dtype=torch.float32)
+    return packed_linear(x, weight, bias, packing, out_features, amx_min_rows)
+
+
 # -- where the tiles take over ---------------------------------------------------------------
 
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -248,6 +261,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packing is not None:
             return packed_linear(x, self.weight, self.bias, self.packing, self.out_features, self.amx_min_rows)
+        return F.linear(x, self.weight, self.bias)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The product as an LM head's (see logits_linear): float32 where the kernel runs."""
+        if self.packing is not None:
+            return logits_linear(x, self.weight, self.bias, self.packing, self.out_features, self.amx_min_rows)
         return F.linear(x, self.weight, self.bias)
 
 

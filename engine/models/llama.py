@@ -34,7 +34,8 @@ from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata
 from pagoda.engine.tensor_parallel import even_split, head_share
 from pagoda.engine.worker.distributed import TensorParallelGroup
 from pagoda.engine.model_config import ModelConfig
-from pagoda.engine.models.linear import GateUpLinear, Linear, amx_min_rows, pack_weight, packed_linear
+from pagoda.engine.models.linear import (BLOCKED_LAYOUT, GateUpLinear, Linear, amx_min_rows, logits_linear,
+                                          pack_weight)
 from pagoda.engine.models.rope import compute_inv_freq
 
 
@@ -264,8 +265,9 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, packing: str, batch_invariant: bool = False) -> None:
         """Repacks every linear weight (and a tied LM head) for ``packing``; see
         engine/models/linear.py (Linear.pack)."""
-        if self.lm_head is not None and not self.tp.is_parallel:
-            self._unpacked_lm_head = self.lm_head.weight  # NOTE: kept for break_bfloat16_ties
+        if self.lm_head is not None and not self.tp.is_parallel and packing not in BLOCKED_LAYOUT:
+            # NOTE: kept for break_bfloat16_ties (Pagoda's kernel gives float32 logits instead).
+            self._unpacked_lm_head = self.lm_head.weight
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(packing, batch_invariant)
@@ -294,20 +296,21 @@ class LlamaForCausalLM(nn.Module):
         return last(layers[-1], self.norm, attn, residual)
 
     def compute_logits(self, hidden: torch.Tensor, greedy_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[rows, vocab] logits in the model's dtype (the sampler upcasts where it must),
-        gathered from every tensor-parallel rank's share of the vocabulary.
+        """[rows, vocab] logits, gathered from every tensor-parallel rank's share of the
+        vocabulary: float32 sums where Pagoda's CPU kernel runs the LM head (never rounded
+        to bfloat16), else in the model's dtype (the sampler upcasts where it must).
 
         Args:
             hidden: The final hidden states of the rows that sample.
-            greedy_rows: Rows sampled greedily, if any; in bfloat16 their top candidates
-                get float32 sums, and the logits come back in float32 (see
-                break_bfloat16_ties).
+            greedy_rows: Rows sampled greedily, if any; where the logits come out in
+                bfloat16, their top candidates get float32 sums, and the logits come back
+                in float32 (see break_bfloat16_ties).
         """
         if self._packed_lm_head is not None:
             weight, packing, rows = self._packed_lm_head
-            logits = packed_linear(hidden, weight, None, packing, self.embed_tokens.num_embeddings, rows)
+            logits = logits_linear(hidden, weight, None, packing, self.embed_tokens.num_embeddings, rows)
         elif self.lm_head is not None:
-            logits = self.lm_head(hidden)
+            logits = self.lm_head.logits(hidden)
         else:
             logits = F.linear(hidden, self.embed_tokens.weight)
         # NOTE: not under tensor parallelism, where each rank holds a share of the vocabulary.
