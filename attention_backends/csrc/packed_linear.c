@@ -55,6 +55,8 @@
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include "amx_tiles.h"
 #endif
 
 #include "avx512_exp.h"
@@ -161,21 +163,8 @@ int packed_linear_available(void) { return 1; }
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Tiles 0-3: float32 sums of 16 rows x 16 features; 4 and 7: 16 rows x 32 inputs of x; 5, 6:
- * 16 input pairs x 16 features of the weight. */
-static void configure_tiles(void) {
-    struct tile_config config;
-    memset(&config, 0, sizeof(config));
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
-}
+/* Tiles (amx_tiles.h) 0-3: float32 sums of 16 rows x 16 features; 4 and 7: 16 rows x 32 inputs
+ * of x; 5, 6: 16 input pairs x 16 features of the weight. */
 
 /* 1 once Linux lets this process use the tiles' state (asked once; without it the first tile
  * instruction faults). Also used by tile_attention.c. */
@@ -421,8 +410,12 @@ static uint16_t *padded_tail(const uint16_t *x, int64_t M, int64_t ldx, int64_t 
     return tail;
 }
 
-static int use_amx(int64_t M, int64_t K, int64_t amx_min_rows) {
-    return amx_min_rows > 0 && M >= amx_min_rows && K % 32 == 0 && pagoda_amx_permitted();
+/* Whether this call runs on the tiles (and then *tail: x's last rows padded, see padded_tail). */
+static int use_amx(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, int64_t amx_min_rows, uint16_t **tail) {
+    *tail = NULL;
+    if (!(amx_min_rows > 0 && M >= amx_min_rows && K % 32 == 0 && pagoda_amx_permitted())) return 0;
+    *tail = padded_tail(x, M, ldx, K);
+    return !(M % 16 && !*tail); /* no memory for the padded rows: the vectors */
 }
 #else
 int amx_probe(void) { return 0; }
@@ -433,19 +426,16 @@ void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_
     /* NOTE: with out_f32, y holds float32 rows ldy floats apart; the tiles below count in
      * bfloat16 elements, so its pointers advance by twice as many. */
     const enum epilogue plain = out_f32 ? PLAIN_F32 : PLAIN;
+    (void)plain;
     if (out_f32) ldy *= 2;
     const int64_t halves = (N + GROUP / 2 - 1) / (GROUP / 2);
     const int64_t group_stride = (K + 1) / 2 * 2 * GROUP;
     int amx = 0;
     uint16_t *tail = NULL;
 #ifdef HAVE_AMX
-    amx = use_amx(M, K, amx_min_rows);
-    if (amx) {
-        tail = padded_tail(x, M, ldx, K);
-        if (M % 16 && !tail) amx = 0;
-    }
+    amx = use_amx(x, M, ldx, K, amx_min_rows, &tail);
 #endif
-    (void)amx_min_rows;
+    (void)amx_min_rows, (void)amx;
     /* NOTE: below about 64k multiply-adds the threads' start-up costs more than they save. */
     #pragma omp parallel if (M * N * K >= 65536)
     {
@@ -484,13 +474,9 @@ void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, cons
     int amx = 0;
     uint16_t *tail = NULL;
 #ifdef HAVE_AMX
-    amx = use_amx(M, K, amx_min_rows);
-    if (amx) {
-        tail = padded_tail(x, M, ldx, K);
-        if (M % 16 && !tail) amx = 0;
-    }
+    amx = use_amx(x, M, ldx, K, amx_min_rows, &tail);
 #endif
-    (void)amx_min_rows;
+    (void)amx_min_rows, (void)amx;
     #pragma omp parallel if (M * I * K >= 32768)
     {
         const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();

@@ -44,24 +44,10 @@
 
 #include "avx512_exp.h"
 
-int pagoda_amx_permitted(void); /* packed_linear.c: Linux lets this process use the tiles */
+#include "amx_tiles.h"
 
 #define KEYS 64           /* keys per step of a task */
 #define MIN_SCORE (-1e30f)
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-static void configure_tiles(void) {
-    struct tile_config config;
-    memset(&config, 0, sizeof(config));
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
-}
 
 /* One task: 16 rows (of a KV head's padded row matrix qp, D wide) against the keys of kb and
  * vb (padded_keys of them), row r seeing keys 0..last[r], in partitions of up to PART keys. */
