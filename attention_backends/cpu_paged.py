@@ -8,14 +8,18 @@ query tokens, and each tile reads its context once. The step's new keys and valu
 written into their slots by the same library. Keys are stored transposed within each
 block so the kernel computes a block's scores with vector lanes over the block's tokens.
 
+On CPUs whose AMX tiles run, bfloat16 prefill chunks of PREFILL_ON_TILES_MIN_TOKENS or more
+go to csrc/tile_attention.c instead: a request's rows of a KV head as one matrix against its
+context, tile products of 16 rows by 64 keys.
+
 Cascade attention: when every request of a step starts with the same blocks (a system
 prompt or few-shot prefix that the prefix cache shares) and enough requests share enough of
-them, the shared keys are attended once for all the step's query rows together, as one
-flash-attention product per KV head (torch's CPU flash attention: the rows of every request
-against one matrix of keys), and each request's own keys by the kernel; the two parts merge
-by their log-sum-exp. The kernel alone would read the shared blocks once per request (64
-requests over a 512-token prefix: 64 passes over the same keys). One level, as vLLM's GPU
-cascade: a step whose requests do not all share the prefix runs as before.
+them, the shared keys are attended once for all the step's query rows together (on the AMX
+tiles where they run, else by torch's CPU flash attention: the rows of every request against
+one matrix of keys), and each request's own keys by the kernel; the two parts merge by their
+log-sum-exp. The kernel alone would read the shared blocks once per request (64 requests over
+a 512-token prefix: 64 passes over the same keys). One level, as vLLM's GPU cascade: a step
+whose requests do not all share the prefix runs as before.
 
 Dtypes: bfloat16 and float32 use the kernels; other dtypes (float16) fall back to
 torch_sdpa's torch code on the same layout.
@@ -30,7 +34,13 @@ import torch
 
 from pagoda.attention_backends import cpu_kernels
 from pagoda.attention_backends.base import AttentionMetadata
-from pagoda.attention_backends.torch_sdpa import TorchSdpaAttentionBackend, SdpaStepData
+from pagoda.attention_backends.torch_sdpa import SdpaStepData, TorchSdpaAttentionBackend
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
 
 # The (requests, shared tokens) from which a step takes the cascade, by measurement
 # (docs/benchmarks.md, cascade attention): with the shared part on AMX tiles, and by torch's
@@ -40,11 +50,6 @@ CASCADE_ON_TILES = (8, 256)
 CASCADE_BY_TORCH = (32, 512)
 # NOTE: read where the worker starts; they replace both pairs above (for experiments and
 # tests; PAGODA_CASCADE_MIN_REQUESTS=0 turns the cascade off).
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
-
-
 CASCADE_MIN_REQUESTS = _env_int("PAGODA_CASCADE_MIN_REQUESTS")
 CASCADE_MIN_TOKENS = _env_int("PAGODA_CASCADE_MIN_TOKENS")
 
