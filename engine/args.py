@@ -8,6 +8,7 @@ from dataclasses import fields
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.reasoning import REASONING_PARSERS
+from pagoda.engine.sampling_params import POOLING_METHODS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, default=default, choices=list(REASONING_PARSERS),
                                 help="the model's thinking format: reasoning_content apart from content, and "
                                      "structured outputs applied after the thinking")
+        elif f.name == "pooling":
+            parser.add_argument(flag, default=default, choices=list(POOLING_METHODS),
+                                help="how /v1/embeddings pools the prompt's final hidden states (default last)")
         elif isinstance(default, str) or f.name == "model":
             parser.add_argument(flag, default=default)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from pagoda.engine.reasoning import REASONING_PARSERS
+from pagoda.engine.sampling_params import POOLING_METHODS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
@@ -58,6 +59,10 @@ class EngineConfig:
             own matrix kernel (AMX tiles for every row where they run, else AVX512-BF16),
             eager, cpu_paged attention; it costs compilation and, without AMX, the
             vectors' speed on large batches (docs/engine.md).
+        pooling: How an embedding (``LLM.embed``, ``/v1/embeddings``) pools the prompt's
+            final hidden states: "last" token (decoder embedding models), "mean" or
+            "cls" (the first token).
+        normalize_embeddings: Scale each embedding to unit length (L2).
         reasoning_parser: The reasoning family of the model's output (``deepseek_r1``,
             ``qwen3``): a structured-output grammar then applies only after the thinking
             ends, and the server returns the thinking as ``reasoning_content``.
@@ -91,6 +96,8 @@ class EngineConfig:
     plugins: tuple[str, ...] = ()
     reasoning_parser: str | None = None
     batch_invariant: bool = False
+    pooling: str = "last"
+    normalize_embeddings: bool = True
 
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")
@@ -128,6 +135,8 @@ class EngineConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")
+        if self.pooling not in POOLING_METHODS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}; got {self.pooling!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
 

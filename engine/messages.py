@@ -112,12 +112,42 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """Logprobs of one sampled token: its own, then the top ones (most likely first)."""
+    """Logprobs of one token (sampled, or of the prompt): its own, then the top ones (most
+    likely first); a prompt token's rank among the vocabulary (1: the likeliest) too."""
 
     token_id: int
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprobsChunk:
+    """The prompt logprobs one step computed for one request: prompt tokens
+    ``start .. start + len(token_ids) - 1``, each scored from the positions before it.
+
+    Attributes:
+        start: Position in the prompt of the first token scored (at least 1).
+        token_ids: ``[n]`` the prompt tokens scored.
+        logprobs: ``[n]`` float32 their logprobs.
+        ranks: ``[n]`` their ranks (1: the likeliest token).
+        top_token_ids: ``[n, k]`` the top k tokens at each position.
+        top_logprobs: ``[n, k]`` float32 their logprobs.
+    """
+
+    start: int
+    token_ids: Any
+    logprobs: Any
+    ranks: Any
+    top_token_ids: Any
+    top_logprobs: Any
+
+    def entries(self, skip: int = 0) -> list[TokenLogprobs]:
+        """One TokenLogprobs per token scored, from the ``skip``-th on."""
+        ids, values, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+        top_ids, top_values = self.top_token_ids.tolist(), self.top_logprobs.tolist()
+        return [TokenLogprobs(ids[i], values[i], top_ids[i], top_values[i], ranks[i]) for i in range(skip, len(ids))]
 
 
 @dataclass(slots=True)
@@ -129,6 +159,10 @@ class RunnerOutput:
         sampled: Request id to the token sampled for it; requests in the middle of a
             chunked prefill sample nothing.
         logprobs: Request id to logprobs, for requests that asked.
+        prompt_logprobs: Request id to the prompt logprobs this step computed, for
+            requests that asked (every prefill chunk of theirs sends some).
+        embeddings: Request id to its pooled float32 hidden state (not normalised), for
+            embedding requests whose prompt this step finished.
         error: Set when the step failed; every request in it is failed.
         compute_seconds: Time the worker spent on the step.
         idle_seconds: Time the worker waited for the step after answering the one before.
@@ -137,6 +171,8 @@ class RunnerOutput:
     step_id: int
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    embeddings: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     compute_seconds: float = 0.0
     idle_seconds: float = 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.engine.messages import TokenLogprobs
 
@@ -69,6 +70,11 @@ class RequestOutput:
         outputs: One CompletionOutput per sample.
         finished: Whether every sample has finished.
         metrics: Timings of the request (of its first sample when n > 1).
+        prompt_logprobs: Per prompt token, its logprobs (the first token's is None), when
+            the request asked for them; a DELTA stream hands them out once, with the
+            first output after the whole prompt has run.
+        embedding: An embedding request's pooled final hidden states (float32 numpy, not
+            normalised), once its prompt has run.
     """
 
     request_id: str
@@ -77,3 +83,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: Any = None

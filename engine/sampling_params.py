@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 # violation to a 400 naming the field.
 MAX_LOGPROBS = 20
 MAX_N = 128
+#: How an embedding pools a prompt's final hidden states into one vector.
+POOLING_METHODS = ("last", "mean", "cls")
 
 
 @dataclass(slots=True)
@@ -31,10 +33,18 @@ class SamplingParams:
         ignore_eos: Keep generating past EOS.
         logprobs: Number of top logprobs returned per token (None: none; 0: only the
             sampled token's).
+        prompt_logprobs: Number of top logprobs returned per prompt token (None: none; 0:
+            only the prompt token's own). Each prompt token after the first is scored from
+            the positions before it; the first has none. Such a request computes its whole
+            prompt (no prefix-cache hits) and scores it during prefill.
         skip_special_tokens: Leave special tokens out of the detokenized text.
         include_stop_str_in_output: Keep a matched stop string in the text.
         structured_outputs: Constrain the output to a JSON schema, a regex, a choice or a
             grammar (see StructuredOutputsParams; a dict of its fields is taken too).
+        pooling: Set by the embedding paths (``LLM.embed``, ``/v1/embeddings``): the request
+            also returns its prompt's final hidden states pooled into one vector ("last":
+            the last token's, "mean": the average, "cls": the first token's). Mean and cls
+            compute the whole prompt (no prefix-cache hits).
     """
 
     n: int = 1
@@ -52,9 +62,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -83,6 +95,18 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and not isinstance(self.prompt_logprobs, bool)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        _check(self.pooling in (None, *POOLING_METHODS), "pooling",
+               f"must be one of {', '.join(POOLING_METHODS)}, got {self.pooling!r}")
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt position must run in this request (prefix-cache hits skip
+        positions whose scores or hidden states it needs)."""
+        return self.prompt_logprobs is not None or self.pooling in ("mean", "cls")
 
     @property
     def is_greedy(self) -> bool:

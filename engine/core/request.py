@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pagoda.engine.messages import TokenLogprobs
 from pagoda.engine.outputs import RequestMetrics
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.plugins.views import RequestView
@@ -63,6 +64,10 @@ class Request:
         kv_retention: Eviction priority of its cached blocks (higher is kept longer)
             for eviction policies that use it.
         client: Who sent it (the server's client key), for per-client policies.
+        prompt_logprobs: Per prompt token, its logprobs as computed so far (the first
+            token's is None), when the request asked for them.
+        embedding: Its prompt's pooled final hidden states (float32 numpy, not
+            normalised) once computed, for an embedding request.
         view: The read-only view plugins see.
     """
 
@@ -88,6 +93,8 @@ class Request:
         "matcher",
         "reasoning_end",
         "client",
+        "prompt_logprobs",
+        "embedding",
     )
 
     def __init__(
@@ -130,6 +137,11 @@ class Request:
         # The token ids that end the model's thinking while its grammar waits for them
         # (--reasoning-parser); None once the grammar applies.
         self.reasoning_end: tuple[int, ...] | None = None
+        # Per prompt token, its logprobs as far as computed (the first token has none).
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            None if sampling_params.prompt_logprobs is None else [None])
+        # The pooled hidden state of an embedding request, once its prompt has run.
+        self.embedding = None
 
     @property
     def num_tokens(self) -> int:

@@ -265,7 +265,11 @@ class Scheduler:
         computed_blocks: list = []
         num_hit = 0
         swapped = kv.is_swapped(request_id)
-        if not swapped and request.num_computed_tokens == 0:
+        # NOTE: a request that scores its prompt or pools every position of it needs each
+        # position's hidden state, which the cache does not keep: it recomputes them.
+        queries_cache = (not swapped and request.num_computed_tokens == 0
+                         and not request.sampling_params.computes_whole_prompt)
+        if queries_cache:
             computed_blocks, num_hit = kv.get_computed_blocks(request)
         num_new = request.num_tokens - request.num_computed_tokens - num_hit
         if request.pending_forks:
@@ -281,7 +285,7 @@ class Scheduler:
         allocation = kv.allocate_slots(request, num_new, computed_blocks)
         if allocation is None:
             return "memory"
-        if computed_blocks or request.num_computed_tokens == 0:
+        if queries_cache:
             self.stats.prefix_cache_queries += request.num_tokens
             self.stats.prefix_cache_hits += num_hit
         if request.metrics.first_scheduled_time is None:
@@ -396,6 +400,8 @@ class Scheduler:
         sampled = runner_output.sampled
         all_logprobs = runner_output.logprobs
         requests = self.requests
+        if runner_output.prompt_logprobs or runner_output.embeddings:
+            self._take_prompt_results(runner_output, scheduled)
         max_model_len = self.max_model_len
         for request_id, request in scheduled.items():
             token_id = sampled.get(request_id)
@@ -442,6 +448,26 @@ class Scheduler:
         return updates
 
     # -- internals --------------------------------------------------------------------
+
+    def _take_prompt_results(self, runner_output: RunnerOutput, scheduled: dict[str, Request]) -> None:
+        """Appends a step's prompt logprobs to the requests that asked, and keeps embeddings.
+
+        A prompt computed again (after a preemption by recompute) is scored again: what
+        the request has already is not appended twice.
+        """
+        requests = self.requests
+        for request_id, chunk in runner_output.prompt_logprobs.items():
+            request = scheduled.get(request_id)
+            if request is None or requests.get(request_id) is not request:
+                continue
+            have = request.prompt_logprobs
+            skip = len(have) - chunk.start
+            if 0 <= skip < len(chunk.token_ids):
+                have.extend(chunk.entries(skip))
+        for request_id, embedding in runner_output.embeddings.items():
+            request = scheduled.get(request_id)
+            if request is not None and requests.get(request_id) is request:
+                request.embedding = embedding
 
     def _num_tokens_to_run(self, request: Request) -> int:
         if request.pending_forks:
@@ -496,6 +522,8 @@ class Scheduler:
         mode = self.preemption_mode
         if self._unschedule(request):
             mode = "recompute"  # its copy-on-write copy never ran: there is nothing whole to swap
+        elif request.sampling_params.pooling is not None and not request.output_token_ids:
+            mode = "recompute"  # the worker's running sum (or first position) of its pooling goes with its row
         elif mode == "auto":
             view = KVCacheView(block_size=kv.block_size, num_free_blocks=kv.get_num_free_blocks(),
                                num_free_cpu_blocks=kv.num_free_cpu_blocks,

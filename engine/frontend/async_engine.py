@@ -273,6 +273,8 @@ class AsyncEngine:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) is larger than max_num_seqs ({self.config.max_num_seqs}): "
                              "the samples of one request must be able to run together")
+        if params.pooling is not None and params.n != 1:
+            raise ValueError("an embedding request has one sample (n must be 1)")
         matchers, reasoning_end = [None] * params.n, None
         if params.structured_outputs is not None:
             matchers = self._grammars().matchers(params.structured_outputs, params.n)

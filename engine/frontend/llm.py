@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import numpy as np
+
 from pagoda.engine.frontend.data_parallel import create_engine
+from pagoda.engine.frontend.embedding import embedding_of, embedding_params
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.frontend.output_processor import OutputKind
 from pagoda.engine.outputs import RequestOutput
@@ -90,6 +93,24 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         return self._loop.run_until_complete(self._run(prompts, params_list, priorities))
+
+    def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[np.ndarray]:
+        """One embedding per prompt: its final hidden states pooled as the engine's
+        ``pooling`` says (last token by default), unit length unless
+        ``normalize_embeddings=False``.
+
+        Returns:
+            One float32 vector of the model's hidden size per prompt, in order.
+
+        Raises:
+            ValueError: A prompt is invalid (empty, or too long for max_model_len).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = embedding_params(self.config)
+        outputs = self._loop.run_until_complete(self._run(prompts, [params] * len(prompts), [0] * len(prompts)))
+        return [embedding_of(output, self.config) for output in outputs]
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -111,7 +111,8 @@ class RequestStream:
     something to read (for FINAL streams: only when every sample has finished).
     """
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "samples", "event", "error", "num_finished", "kind")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "samples", "event", "error", "num_finished", "kind",
+                 "prompt_logprobs_sent")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  kind: OutputKind = OutputKind.CUMULATIVE) -> None:
@@ -123,6 +124,7 @@ class RequestStream:
         self.error: BaseException | None = None
         self.num_finished = 0
         self.kind = kind
+        self.prompt_logprobs_sent = False
 
     @property
     def finished(self) -> bool:
@@ -134,8 +136,16 @@ class RequestStream:
 
     def take(self) -> RequestOutput:
         """The output to hand to the consumer now, in the stream's kind."""
-        metrics = self.samples[0].request.metrics
+        first = self.samples[0].request
+        metrics = first.metrics
+        # NOTE: the first sample runs the prompt (n > 1 samples fork from it after).
+        prompt_logprobs = first.prompt_logprobs
+        if prompt_logprobs is not None and len(prompt_logprobs) < len(self.prompt_token_ids):
+            prompt_logprobs = None  # still being computed
         if self.kind is OutputKind.DELTA:
+            if self.prompt_logprobs_sent:
+                prompt_logprobs = None
+            self.prompt_logprobs_sent = self.prompt_logprobs_sent or prompt_logprobs is not None
             outputs = [sample.take_delta() for sample in self.samples]
         elif self.kind is OutputKind.FINAL:
             outputs = [sample.output for sample in self.samples]
@@ -146,7 +156,8 @@ class RequestStream:
                                logprobs=None if s.output.logprobs is None else list(s.output.logprobs))
                        for s in self.samples]
             metrics = replace(metrics, events=list(metrics.events))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, metrics)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, metrics,
+                             prompt_logprobs, first.embedding)
 
 
 class OutputProcessor:

@@ -17,7 +17,7 @@ import torch
 
 from pagoda.engine.messages import NewRequestData
 from pagoda.engine.worker.sampling_metadata import SamplingMetadata, greedy_temperature, mix_seed
-from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.sampling_params import POOLING_METHODS, SamplingParams
 
 
 class InputBatch:
@@ -61,6 +61,14 @@ class InputBatch:
         self.has_penalty = np.zeros(max_num_reqs, dtype=bool)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        # Prompt scoring: top logprobs per prompt token (-1: none) and the pooling of
+        # embedding requests (0: none, else 1 + its index in POOLING_METHODS); the count of
+        # rows using either, so that a batch without them checks nothing more.
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
+        self.pooling = np.zeros(max_num_reqs, dtype=np.int8)
+        self.num_scoring_rows = 0
+        # Mean pooling: the float32 sum of the prompt's final hidden states so far, by row.
+        self.pooled_sums: dict[int, torch.Tensor] = {}
         # [rows, vocab] output token counts and prompt-token masks, for the penalties.
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
@@ -101,6 +109,10 @@ class InputBatch:
         self.has_penalty[row] = has_penalty
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.min_tokens[row] = p.min_tokens
+        self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.pooling[row] = 0 if p.pooling is None else 1 + POOLING_METHODS.index(p.pooling)
+        if p.prompt_logprobs is not None or p.pooling is not None:
+            self.num_scoring_rows += 1
         if has_penalty:
             self._init_penalty_state(row, prompt, output)
         return row
@@ -111,6 +123,11 @@ class InputBatch:
             return
         self.req_ids[row] = None
         self.params[row] = None
+        if self.num_prompt_logprobs[row] >= 0 or self.pooling[row]:
+            self.num_scoring_rows -= 1
+            self.num_prompt_logprobs[row] = -1
+            self.pooling[row] = 0
+            self.pooled_sums.pop(row, None)
         self._free_rows.append(row)
 
     def set_block_ids(self, row: int, block_ids: list[int]) -> None:

@@ -26,6 +26,7 @@ from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pagoda.engine.platform import resolve_device, resolve_dtype
+from pagoda.engine.worker.prompt_scoring import score_prompts
 from pagoda.engine.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -201,6 +202,9 @@ class ModelRunner:
         hidden = self.model(torch.from_numpy(input_ids).to(device, torch.long),
                             torch.from_numpy(positions).to(device, torch.long), self.kv_caches, metadata)
         batch.num_computed_tokens[rows] = seq_lens
+        if batch.num_scoring_rows:
+            score_prompts(self.model, batch, out if self.tp.rank == 0 else None, hidden, rows, computed, query_lens,
+                          query_start)
 
         # Only requests whose known tokens are all computed sample; the rest are in the
         # middle of a chunked prefill.
