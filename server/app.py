@@ -35,6 +35,7 @@ from pagoda.server.errors import APIError, bad_request, error_middleware
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Body, parse_messages
 from pagoda.server.responses import TokenStrings
+from pagoda.server.embeddings import embeddings
 from pagoda.server.serving import chat_completions, completions, read_json
 from pagoda.server.state import STATE_KEY, ServerState, load_chat_template, served_model_names
 from pagoda.server.tracing import Tracing, build_tracer_provider
@@ -345,6 +346,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     app.on_shutdown.append(drain)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_post("/tokenize", tokenize)

@@ -65,13 +65,13 @@ class Limits:
                 f"{self.max_prompt_chars} (its maximum context length times its longest token). Shorten it.",
                 param, code="context_length_exceeded")
 
-    def check_sequences(self, num_sequences: int) -> None:
-        """400 for a request with more sequences (prompts x n) than one may have."""
+    def check_sequences(self, num_sequences: int, param: str = "n") -> None:
+        """400 for a request with more sequences (prompts x n, or inputs) than one may have."""
         if num_sequences > self.max_sequences_per_request:
             raise bad_request(
-                f"This request asks for {num_sequences} sequences (prompts x n); at most "
+                f"This request asks for {num_sequences} sequences (prompts x n, or inputs); at most "
                 f"{self.max_sequences_per_request} are allowed per request (--max-sequences-per-request).",
-                "n", code="too_many_sequences")
+                param, code="too_many_sequences")
 
     def check_tokens(self, num_tokens: int, param: str) -> None:
         """400 for a request that asks for more tokens than one may."""

@@ -78,6 +78,10 @@ class GenerateRequest:
         chat_template_kwargs: Chat: extra variables for the template.
         structured_param: The field that gave ``params.structured_outputs`` (for errors).
         tools: Chat: the tools and tool_choice (None without tools).
+        prompt_logprobs: Top logprobs per prompt token asked by the ``prompt_logprobs``
+            field (vLLM's): returned in vLLM's shape, apart from echo's.
+        score_only: Completions with ``max_tokens: 0`` and echo: the prompt (and its
+            logprobs) only; the one token the engine samples is dropped.
     """
 
     model: str | None
@@ -100,6 +104,54 @@ class GenerateRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     structured_param: str | None = None
     tools: ToolRequest | None = None
+    prompt_logprobs: int | None = None
+    score_only: bool = False
+
+
+EMBEDDING_FIELDS = frozenset(("input", "model", "encoding_format", "dimensions", "user", "add_special_tokens",
+                              "priority"))
+
+
+@dataclass(slots=True)
+class EmbeddingRequest:
+    """A validated /v1/embeddings request.
+
+    Attributes:
+        model: The requested model name (None: the server's default).
+        inputs: The texts or token-id lists to embed, in order.
+        encoding_format: "float" (JSON numbers) or "base64" (little-endian float32 bytes).
+        dimensions: Length asked for each vector (None: the model's hidden size).
+        add_special_tokens: Let the tokenizer add BOS etc. to a text input.
+        priority: Scheduling priority (lower runs first) for the priority policy.
+    """
+
+    model: str | None
+    inputs: list[str | list[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+
+
+def parse_embedding(body: Any, config: ServerConfig) -> EmbeddingRequest:
+    """Validates a /v1/embeddings body.
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
+    b = _check_fields(body, EMBEDDING_FIELDS)
+    value = body.get("input")
+    if isinstance(value, list) and not value:
+        raise bad_request("'input' must not be an empty list", "input")
+    inputs = _parse_prompts(value, config, "input")
+    encoding_format = b.str_("encoding_format", "float")
+    if encoding_format not in ("float", "base64"):
+        raise bad_request(f"'encoding_format' must be 'float' or 'base64', got {encoding_format!r}",
+                          "encoding_format")
+    b.str_("user")
+    return EmbeddingRequest(model=b.str_("model"), inputs=inputs, encoding_format=encoding_format,
+                            dimensions=b.int_("dimensions", None, 1),
+                            add_special_tokens=b.bool_("add_special_tokens", True), priority=b.int_("priority", 0))
 
 
 class Body:
@@ -170,8 +222,23 @@ def parse_completion(body: Any, config: ServerConfig) -> GenerateRequest:
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' is not supported by this server unless it equals n", "best_of",
                           code="unsupported_parameter")
-    request = _parse_common(b, config, logprobs, b.int_("max_tokens", None), default_max_tokens=16)
+    echo = b.bool_("echo", False)
+    if echo and (n > 1 or (best_of or 1) > 1):
+        raise bad_request("'echo' needs n = 1 (and no best_of): the prompt and its logprobs would be repeated "
+                          "in every choice", "echo")
+    max_tokens = b.int_("max_tokens", None)
+    score_only = max_tokens == 0
+    if score_only:
+        if not echo:
+            raise bad_request("'max_tokens' must be >= 1 (0, scoring the prompt only, needs 'echo': true)",
+                              "max_tokens")
+        max_tokens = 1  # NOTE: the engine samples one token; the answer drops it
+    request = _parse_common(b, config, logprobs, max_tokens, default_max_tokens=16)
     request.prompts = prompts
+    request.score_only = score_only
+    if echo and logprobs is not None:
+        # The echoed prompt's tokens get logprobs too, computed during its prefill.
+        request.params.prompt_logprobs = max(logprobs, request.params.prompt_logprobs or 0)
     return request
 
 
@@ -255,7 +322,10 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
         include_usage = Body(options).bool_("include_usage", False)
         continuous_usage = Body(options).bool_("continuous_usage_stats", False)
     b.unsupported("logit_bias")
-    b.unsupported("prompt_logprobs")
+    prompt_logprobs = b.int_("prompt_logprobs", None, 0, config.max_logprobs)
+    if prompt_logprobs is not None and stream:
+        raise bad_request("'prompt_logprobs' is not available when 'stream' is true (with 'echo' and 'logprobs', "
+                          "completions stream the prompt's logprobs in the first chunk)", "prompt_logprobs")
     structured, structured_param = _parse_structured(b)
     stop = _parse_stop(b.get("stop"), config)
     stop_token_ids = b.get("stop_token_ids")
@@ -264,9 +334,6 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
                                                   for t in stop_token_ids)):
         raise bad_request("'stop_token_ids' must be a list of integers", "stop_token_ids")
     echo = b.bool_("echo", False)
-    if echo and logprobs is not None and "prompt" in b.body:
-        raise bad_request("'echo' with 'logprobs' is not supported (prompt logprobs are not implemented)", "echo",
-                          code="unsupported_parameter")
     priority = b.int_("priority", 0)
     kv_retention = b.int_("kv_retention", 0)
     cache_salt = b.str_("cache_salt")
@@ -294,6 +361,7 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
             stop_token_ids=stop_token_ids or [],
             ignore_eos=b.bool_("ignore_eos", False),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=b.bool_("skip_special_tokens", True),
             include_stop_str_in_output=b.bool_("include_stop_str_in_output", False),
             structured_outputs=structured,
@@ -306,6 +374,7 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
         continuous_usage=continuous_usage, logprobs=logprobs, echo=echo,
         add_special_tokens=b.bool_("add_special_tokens", add_special_tokens), priority=priority,
         cache_salt=cache_salt, kv_retention=kv_retention, structured_param=structured_param,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -364,13 +433,14 @@ def _parse_stop(stop: Any, config: ServerConfig) -> list[str]:
     return stop
 
 
-def _parse_prompts(prompt: Any, config: ServerConfig) -> list[str | list[int]]:
+def _parse_prompts(prompt: Any, config: ServerConfig, name: str = "prompt") -> list[str | list[int]]:
+    """Completions' ``prompt`` (or embeddings' ``input``): one or more texts or token-id lists."""
     def is_ids(value: Any) -> bool:
         return isinstance(value, list) and bool(value) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value)
 
     if prompt is None:
-        raise bad_request("'prompt' is required", "prompt")
+        raise bad_request(f"'{name}' is required", name)
     if isinstance(prompt, str):
         prompts = [prompt]
     elif is_ids(prompt):
@@ -380,12 +450,12 @@ def _parse_prompts(prompt: Any, config: ServerConfig) -> list[str | list[int]]:
     elif isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
         prompts = list(prompt)
     else:
-        raise bad_request("'prompt' must be a string, a list of strings, a list of token ids, or a list of "
-                          "lists of token ids (none empty)", "prompt")
+        raise bad_request(f"'{name}' must be a string, a list of strings, a list of token ids, or a list of "
+                          "lists of token ids (none empty)", name)
     if any(p == "" for p in prompts):
-        raise bad_request("'prompt' must not be empty", "prompt")
+        raise bad_request(f"'{name}' must not be empty", name)
     if len(prompts) > config.max_prompts:
-        raise bad_request(f"'prompt' has {len(prompts)} prompts; at most {config.max_prompts} are allowed", "prompt")
+        raise bad_request(f"'{name}' has {len(prompts)} inputs; at most {config.max_prompts} are allowed", name)
     return prompts
 
 

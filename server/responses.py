@@ -40,24 +40,54 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
     }
 
 
-def completion_logprobs(entries: list[TokenLogprobs], token_str: TokenStrings, text_offset: int) -> dict[str, Any]:
+def completion_logprobs(entries: list[TokenLogprobs], token_str: TokenStrings, text_offset: int,
+                        num_top: int | None = None) -> dict[str, Any]:
     """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset.
 
-    Each ``top_logprobs`` entry holds the top tokens plus the sampled one, as vLLM does.
+    Each ``top_logprobs`` entry holds the top tokens (at most ``num_top``) plus the token
+    itself, as vLLM does; an entry without a logprob (the first prompt token's, echoed)
+    has null for both.
     """
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
         text = token_str(entry.token_id)
         tokens.append(text)
         token_logprobs.append(entry.logprob)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if entry.logprob is None:
+            top.append(None)
+            continue
         alternatives: dict[str, float] = {}
-        for t, lp in zip(entry.top_token_ids, entry.top_logprobs):
+        for t, lp in zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top]):
             alternatives.setdefault(token_str(t), lp)  # NOTE: ids may share a string; the likelier one wins
         alternatives[text] = entry.logprob
         top.append(alternatives)
-        offsets.append(text_offset)
-        text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def echoed_prompt_logprobs(prompt_token_ids: list[int],
+                           prompt_logprobs: list[TokenLogprobs | None]) -> list[TokenLogprobs]:
+    """The entries of an echoed prompt, the first token's without a logprob."""
+    return [TokenLogprobs(prompt_token_ids[0], None, [], []), *prompt_logprobs[1:]]
+
+
+def vllm_prompt_logprobs(prompt_logprobs: list[TokenLogprobs | None], token_str: TokenStrings,
+                         num_top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """The ``prompt_logprobs`` field as vLLM returns it: per prompt token (null for the
+    first), its own and the top ``num_top`` tokens by id, each with logprob, rank and text."""
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for entry in prompt_logprobs:
+        if entry is None:
+            result.append(None)
+            continue
+        position = {str(t): {"logprob": lp, "rank": rank, "decoded_token": token_str(t)}
+                    for rank, (t, lp) in enumerate(zip(entry.top_token_ids[:num_top],
+                                                       entry.top_logprobs[:num_top]), start=1)}
+        position[str(entry.token_id)] = {"logprob": entry.logprob, "rank": entry.rank,
+                                         "decoded_token": token_str(entry.token_id)}
+        result.append(position)
+    return result
 
 
 def chat_logprobs(entries: list[TokenLogprobs], token_str: TokenStrings, num_top: int) -> dict[str, Any]:
@@ -92,6 +122,8 @@ class ChoiceState:
         num_content_chars: Content sent so far (parsed answers).
         calls: Tool calls sent so far.
         logprobs: Logprobs entries not yet sent (parsed answers send them with the next chunk).
+        prompt_entries: Completions with echo and logprobs: the echoed prompt's entries,
+            sent with the prefix.
     """
 
     prefix: str = ""
@@ -102,6 +134,7 @@ class ChoiceState:
     num_content_chars: int = 0
     calls: list[SentCall] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_entries: list[TokenLogprobs] | None = None
 
 
 class ChoiceBuilder:
@@ -125,12 +158,19 @@ class ChoiceBuilder:
         self.reasoning = reasoning if chat else None
         self.parses = self.tools is not None or self.reasoning is not None
 
-    def _logprobs(self, entries: list[TokenLogprobs] | None, text_offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, entries: list[TokenLogprobs] | None, text_offset: int,
+                  prompt: list[TokenLogprobs] | None = None) -> dict[str, Any] | None:
+        """The choice's logprobs object (completions: an echoed prompt's entries first,
+        from offset 0, then the output's from ``text_offset``)."""
         if self.num_logprobs is None or entries is None:
             return None
         if self.chat:
             return chat_logprobs(entries, self.token_str, self.num_logprobs)
-        return completion_logprobs(entries, self.token_str, text_offset)
+        result = completion_logprobs(entries, self.token_str, text_offset, self.num_logprobs)
+        if prompt:
+            echoed = completion_logprobs(prompt, self.token_str, 0, self.num_logprobs)
+            result = {key: echoed[key] + result[key] for key in result}
+        return result
 
     def _parse(self, text: str, final: bool) -> tuple[str | None, Parsed]:
         """(reasoning, content and tool calls) of an answer so far."""
@@ -139,10 +179,11 @@ class ChoiceBuilder:
             reasoning, text = self.reasoning.split(text, final)
         return reasoning, self.tools.parse(text, final) if self.tools is not None else Parsed(text)
 
-    def whole(self, index: int, output: CompletionOutput, prefix: str = "") -> dict[str, Any]:
-        """A non-streamed choice."""
+    def whole(self, index: int, output: CompletionOutput, prefix: str = "",
+              prompt_entries: list[TokenLogprobs] | None = None) -> dict[str, Any]:
+        """A non-streamed choice (``prompt_entries``: an echoed prompt's logprobs)."""
         text = prefix + output.text
-        logprobs = self._logprobs(output.logprobs, len(prefix))
+        logprobs = self._logprobs(output.logprobs, len(prefix), prompt_entries)
         choice: dict[str, Any] = {"index": index}
         finish = output.finish_reason
         if not self.chat:
@@ -235,8 +276,9 @@ class ChoiceBuilder:
         finish = output.finish_reason if output.finished and not state.finished else None
         if not text and not entries and finish is None and not state.prefix:
             return None
+        prompt = state.prompt_entries if state.prefix else None
         text = state.prefix + text
-        logprobs = self._logprobs(entries, state.text_offset) if entries else None
+        logprobs = self._logprobs(entries or [], state.text_offset, prompt) if entries or prompt else None
         if entries:
             state.text_offset += sum(len(self.token_str(e.token_id)) for e in entries)
         state.prefix = ""

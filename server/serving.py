@@ -18,6 +18,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import orjson
@@ -30,7 +31,8 @@ from pagoda.engine.exceptions import AdmissionPluginFailed, EngineDeadError, Req
 from pagoda.server.errors import APIError, bad_request, from_value_error
 from pagoda.server.metrics import RequestTracker
 from pagoda.server.protocol import GenerateRequest, parse_chat, parse_completion
-from pagoda.server.responses import ChoiceBuilder, ChoiceState, usage
+from pagoda.server.responses import (ChoiceBuilder, ChoiceState, echoed_prompt_logprobs, usage,
+                                     vllm_prompt_logprobs)
 from pagoda.server.state import STATE_KEY, ServerState
 from pagoda.server.streaming import merge, open_sse, send_done, send_event
 from pagoda.server.tools import check_template_renders_tools
@@ -72,17 +74,18 @@ async def read_json(request: web.Request) -> Any:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
-    return await _handle(request, chat=False)
+    return await serve_tracked(request, "text_completion", partial(_generate, chat=False))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    return await _handle(request, chat=True)
+    return await serve_tracked(request, "chat", partial(_generate, chat=True))
 
 
-async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
+async def serve_tracked(request: web.Request, operation: str, handler) -> web.StreamResponse:
+    """Runs an engine endpoint's ``handler(request, state, span, client)`` under the
+    per-client connection count and a trace span named ``operation``."""
     state = request.app[STATE_KEY]
-    operation = "chat" if chat else "text_completion"
     span = state.tracing.start(request, operation) if state.tracing is not None else RequestSpan()
     status, error = 500, None
     task = asyncio.current_task()
@@ -93,7 +96,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         span.end(exc.status, exc.message)
         raise
     try:
-        response = await _generate(request, state, chat, span, key)
+        response = await handler(request, state, span, key)
         status = response.status
         return response
     except APIError as exc:
@@ -120,8 +123,8 @@ def client_key(request: web.Request, header: str | None = None) -> str:
     return "addr:" + (request.remote or "unknown")
 
 
-async def _generate(request: web.Request, state: ServerState, chat: bool, span: RequestSpan,
-                    client: str) -> web.StreamResponse:
+async def _generate(request: web.Request, state: ServerState, span: RequestSpan, client: str, *,
+                    chat: bool) -> web.StreamResponse:
     config, engine = state.config, state.engine
     body = await read_json(request)
     gen = parse_chat(body, config) if chat else parse_completion(body, config)
@@ -286,6 +289,8 @@ def _engine_error(exc: Exception) -> APIError:
 
 def _finish(job: _Job, out: RequestOutput, gen: GenerateRequest, span: RequestSpan) -> None:
     """Takes one output of a job (a delta when streaming, else the final one)."""
+    if gen.score_only:
+        _drop_generated(out)
     job.latest = out
     if not job.num_tokens:
         job.num_tokens = [0] * len(out.outputs)
@@ -300,6 +305,24 @@ def _finish(job: _Job, out: RequestOutput, gen: GenerateRequest, span: RequestSp
         span.add_output(out, sum(job.num_tokens), job.finish_reasons)
 
 
+def _drop_generated(out: RequestOutput) -> None:
+    """Scoring only (max_tokens 0): the one token the engine sampled is left out."""
+    for o in out.outputs:
+        o.text, o.token_ids = "", []
+        if o.logprobs is not None:
+            o.logprobs = []
+        if o.finish_reason is not None:
+            o.finish_reason, o.stop_reason = "length", None
+
+
+def _echoed_entries(gen: GenerateRequest, job: _Job, out: RequestOutput) -> list | None:
+    """An echoed prompt's logprobs entries, when the request asked for logprobs."""
+    # NOTE: chat echoes the last message, not the prompt: its logprobs are the output's only.
+    if not gen.echo or gen.logprobs is None or not gen.prompts or out.prompt_logprobs is None:
+        return None
+    return echoed_prompt_logprobs(job.prompt_token_ids, out.prompt_logprobs)
+
+
 async def _collect(state: ServerState, gen: GenerateRequest, jobs: list[_Job], builder: ChoiceBuilder,
                    head: dict[str, Any], span: RequestSpan) -> web.Response:
     engine = state.engine
@@ -310,9 +333,17 @@ async def _collect(state: ServerState, gen: GenerateRequest, jobs: list[_Job], b
     except (EngineDeadError, StepError) as exc:
         raise _engine_error(exc) from None
     n = gen.params.n
-    choices = [builder.whole(index * n + o.index, o, job.echo)
+    choices = [builder.whole(index * n + o.index, o, job.echo, _echoed_entries(gen, job, job.final))
                for index, job in enumerate(jobs) for o in job.final.outputs]
     payload = {**head, "choices": choices, "usage": _usage(jobs)}
+    if gen.prompt_logprobs is not None:
+        asked = [vllm_prompt_logprobs(job.final.prompt_logprobs, state.token_str, gen.prompt_logprobs)
+                 for job in jobs]
+        if builder.chat:
+            payload["prompt_logprobs"] = asked[0]
+        else:
+            for choice in choices:
+                choice["prompt_logprobs"] = asked[choice["index"] // n]
     return web.Response(body=orjson.dumps(payload), content_type="application/json",
                         headers={"X-Request-Id": head["id"]})
 
@@ -337,8 +368,11 @@ async def _stream(request: web.Request, state: ServerState, gen: GenerateRequest
         async with aclosing(merge([engine.stream_outputs(job.stream) for job in jobs])) as outputs:
             async for index, out in outputs:
                 _finish(jobs[index], out, gen, span)
+                echoed = _echoed_entries(gen, jobs[index], out)
                 for o in out.outputs:
                     choice_index = index * n + o.index
+                    if echoed is not None:
+                        states[choice_index].prompt_entries = echoed
                     for choice in builder.deltas(choice_index, o, states[choice_index]):
                         await send(choice)
     except (EngineDeadError, StepError) as exc:
