@@ -116,3 +116,28 @@ def test_cascade_bench_times_the_kernel_against_the_cascade(capsys):
     assert [r["taken_by_default"] for r in rows] == [False, on_tiles]
     assert {r["shared_part"] for r in rows} == {"tiles" if on_tiles else "torch"}
     assert (cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS) == thresholds  # put back
+
+
+def test_scoring_bench_reports_each_mode_against_prefill(capsys, tmp_path, tiny_llama_dir):
+    output = tmp_path / "scoring.json"
+    assert main(["bench", "scoring", "--model", str(tiny_llama_dir), "--num-requests", "4", "--input-len", "24",
+                 "--runs", "1", "--num-top", "2", "--dtype", "float32", "--enforce-eager", "--output",
+                 str(output)]) == 0
+    out = capsys.readouterr().out
+    assert "CPU:" in out and "vs prefill" in out
+    modes = json.loads(output.read_text())["modes"]
+    assert set(modes) == {"prefill", "embed", "prompt_logprobs"}
+    assert modes["prefill"]["ratio_to_prefill"] == 1.0
+    assert all(m["prompt_tokens_per_s"] > 0 for m in modes.values())
+
+
+def test_serve_bench_scenarios_and_its_clear_error_without_vllms_client(capsys):
+    from pagoda.benchmarks.serve import parse_scenario
+
+    assert parse_scenario("concurrency:32") == ("concurrency:32", ["--max-concurrency", "32", "--request-rate", "inf"])
+    assert parse_scenario("rate:2.5") == ("rate:2.5", ["--request-rate", "2.5"])
+    for bad in ("concurrency:x", "rate:fast", "burst:3"):
+        with pytest.raises(ValueError):
+            parse_scenario(bad)
+    assert main(["bench", "serve", "--peer", "none"]) == 2
+    assert "--vllm-python" in capsys.readouterr().err
