@@ -13,6 +13,7 @@ def add_bench_parser(sub) -> None:
     from pagoda.benchmarks.plugins import add_plugins_bench_parser
     from pagoda.benchmarks.scoring import add_scoring_bench_parser
     from pagoda.benchmarks.serve import add_serve_bench_parser
+    from pagoda.benchmarks.speculative import add_speculative_bench_parser
     from pagoda.benchmarks.throughput import add_throughput_parser
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -27,3 +28,4 @@ def add_bench_parser(sub) -> None:
     add_cascade_bench_parser(bench_sub)
     add_scoring_bench_parser(bench_sub)
     add_serve_bench_parser(bench_sub)
+    add_speculative_bench_parser(bench_sub)

@@ -26,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, default=default, choices=list(REASONING_PARSERS),
                                 help="the model's thinking format: reasoning_content apart from content, and "
                                      "structured outputs applied after the thinking")
+        elif f.name == "speculative_config":
+            parser.add_argument(flag, default=None, metavar="JSON",
+                                help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
         elif f.name == "pooling":
             parser.add_argument(flag, default=default, choices=list(POOLING_METHODS),
                                 help="how /v1/embeddings pools the prompt's final hidden states (default last)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pagoda.engine.speculative import SpeculativeConfig
 from pagoda.engine.reasoning import REASONING_PARSERS
 from pagoda.engine.sampling_params import POOLING_METHODS
 
@@ -63,6 +64,9 @@ class EngineConfig:
             final hidden states: "last" token (decoder embedding models), "mean" or
             "cls" (the first token).
         normalize_embeddings: Scale each embedding to unit length (L2).
+        speculative_config: Speculative decoding (vLLM's ``--speculative-config``): a
+            SpeculativeConfig, a dict of its fields or their JSON text, e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 4}``; None: off.
         reasoning_parser: The reasoning family of the model's output (``deepseek_r1``,
             ``qwen3``): a structured-output grammar then applies only after the thinking
             ends, and the server returns the thinking as ``reasoning_content``.
@@ -98,6 +102,7 @@ class EngineConfig:
     batch_invariant: bool = False
     pooling: str = "last"
     normalize_embeddings: bool = True
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")
@@ -137,6 +142,7 @@ class EngineConfig:
                              f"got {self.reasoning_parser!r}")
         if self.pooling not in POOLING_METHODS:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}; got {self.pooling!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
 

@@ -78,6 +78,8 @@ class SchedulerOutput:
             the rows of ``grammar_bitmask``.
         grammar_bitmask: ``[len(grammar_request_ids), ceil(vocab / 32)]`` int32: bit i of
             word w allows token 32 w + i (None when no structured request samples).
+        spec_token_ids: Speculative decoding: the drafts of requests that run their last
+            known token plus drafts this step (counted in num_scheduled_tokens).
 
     The worker applies them in this order: drop finished, swap out, swap in, copy,
     then runs the step.
@@ -94,6 +96,7 @@ class SchedulerOutput:
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
     grammar_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -163,6 +166,9 @@ class RunnerOutput:
             requests that asked (every prefill chunk of theirs sends some).
         embeddings: Request id to its pooled float32 hidden state (not normalised), for
             embedding requests whose prompt this step finished.
+        spec_sampled: Requests that ran drafts: the drafts accepted, then the token
+            sampled after them (they are not in ``sampled``).
+        spec_logprobs: Their logprobs, one per token of ``spec_sampled``, if asked.
         error: Set when the step failed; every request in it is failed.
         compute_seconds: Time the worker spent on the step.
         idle_seconds: Time the worker waited for the step after answering the one before.
@@ -173,6 +179,8 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     embeddings: dict[str, Any] = field(default_factory=dict)
+    spec_sampled: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     error: str | None = None
     compute_seconds: float = 0.0
     idle_seconds: float = 0.0

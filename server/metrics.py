@@ -83,6 +83,15 @@ class _EngineCollector:
                    "preemption included (Pagoda's own).", labels, stats.num_prefill_tokens_computed)
             sample(counter, "generation_tokens", "Number of generation tokens processed.", labels,
                    stats.num_generation_tokens)
+            if scheduler.speculative is not None:
+                sample(counter, "spec_decode_num_drafts", "Number of spec decoding drafts.", labels, stats.num_drafts)
+                sample(counter, "spec_decode_num_draft_tokens", "Number of draft tokens.", labels,
+                       stats.num_draft_tokens)
+                sample(counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels,
+                       stats.num_accepted_tokens)
+                for position, accepted in enumerate(stats.accepted_per_position):
+                    sample(counter, "spec_decode_num_accepted_tokens_per_pos",
+                           "Accepted tokens per draft position.", [*labels, str(position)], accepted, ("position",))
             grammars = engine.grammar_compiler
             sample(counter, "structured_output_requests", "Requests with a structured-output constraint (Pagoda's own).",
                    labels, grammars.num_requests if grammars else 0)

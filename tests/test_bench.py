@@ -141,3 +141,14 @@ def test_serve_bench_scenarios_and_its_clear_error_without_vllms_client(capsys):
             parse_scenario(bad)
     assert main(["bench", "serve", "--peer", "none"]) == 2
     assert "--vllm-python" in capsys.readouterr().err
+
+
+def test_speculative_bench_reports_both_engines(capsys, tmp_path, tiny_llama_dir):
+    output = tmp_path / "spec.json"
+    assert main(["bench", "speculative", "--model", str(tiny_llama_dir), "--workloads", "random-greedy",
+                 "--runs", "1", "--dtype", "float32", "--enforce-eager", "--output", str(output)]) == 0
+    assert "speed-up" in capsys.readouterr().out
+    result = json.loads(output.read_text())
+    for engine in ("without", "with"):
+        assert result[engine]["random-greedy"]["output_tokens_per_s"] > 0
+    assert result["without"]["random-greedy"]["draft_tokens"] == 0

@@ -95,6 +95,8 @@ class Request:
         "client",
         "prompt_logprobs",
         "embedding",
+        "num_drafts_in_flight",
+        "drafts",
     )
 
     def __init__(
@@ -142,6 +144,10 @@ class Request:
             None if sampling_params.prompt_logprobs is None else [None])
         # The pooled hidden state of an embedding request, once its prompt has run.
         self.embedding = None
+        # Speculative decoding: drafts the step in flight verifies, and the request's
+        # acceptance so far (a DraftTracker; None until it first proposes).
+        self.num_drafts_in_flight = 0
+        self.drafts = None
 
     @property
     def num_tokens(self) -> int:

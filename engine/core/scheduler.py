@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from pagoda.engine.core.kv_cache_manager import UNCHANGED, KVCacheManager, SlotAllocation
 from pagoda.engine.core.policy import Policy
 from pagoda.engine.core.request_queue import WaitingQueue
+from pagoda.engine.core.drafting import DraftTracker, propose_ngram
+from pagoda.engine.speculative import SpeculativeConfig
 from pagoda.engine.messages import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
 from pagoda.engine.core.request import Request, RequestStatus
 from pagoda.engine.reasoning import ends_with
@@ -48,6 +50,12 @@ class SchedulerStats:
     num_forks: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    #: Speculative decoding (vLLM's spec_decode counters): steps in which a request ran
+    #: drafts, the drafts, those accepted, and accepted ones by position in the draft.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -85,8 +93,10 @@ class Scheduler:
         preemption_mode: str = "auto",
         policy: Policy | None = None,
         bitmasks: BitmaskFiller | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.speculative = speculative
         self.bitmasks = bitmasks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -109,7 +119,8 @@ class Scheduler:
         # Within schedule(): the step's budget left and the running-walk position.
         self._budget = 0
         self._cursor = 0
-        self.stats = SchedulerStats()
+        self.stats = SchedulerStats(
+            accepted_per_position=[0] * (speculative.num_speculative_tokens if speculative else 0))
 
     # -- requests in and out ---------------------------------------------------------
 
@@ -186,9 +197,14 @@ class Scheduler:
             if num_new <= 0:
                 self._cursor += 1
                 continue
+            drafts = self._propose(request) if self.speculative is not None and num_new == 1 else None
+            if drafts:
+                num_new += len(drafts)
             allocation = self._allocate_or_preempt(request, num_new)
             if allocation is None:
                 continue  # the request preempted itself; the cursor already moved past it
+            if drafts:
+                out.spec_token_ids[request.request_id] = drafts
             if allocation is UNCHANGED and request.request_id in self._in_worker:
                 out.num_scheduled_tokens[request.request_id] = num_new  # the common decode
             else:
@@ -232,6 +248,7 @@ class Scheduler:
         # reused by a new request while a step holding the old one is still running.
         self._scheduled[out.step_id] = scheduled = {}
         structured: list[Request] = []
+        spec = out.spec_token_ids
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = scheduled[request_id] = requests[request_id]
             num_computed = request.num_computed_tokens
@@ -239,7 +256,11 @@ class Scheduler:
             if num_computed < num_prompt:
                 stats.num_prefill_tokens_computed += min(num_tokens, num_prompt - num_computed)
             num_computed = request.num_computed_tokens = num_computed + num_tokens
-            if num_computed == len(request.all_token_ids) + request.num_pending_tokens:
+            if spec and request_id in spec:
+                # Its drafts count as computed until the result says how many were wrong.
+                request.num_drafts_in_flight = len(spec[request_id])
+                request.num_pending_tokens += 1
+            elif num_computed == len(request.all_token_ids) + request.num_pending_tokens:
                 request.num_pending_tokens += 1
                 if request.matcher is not None and request.reasoning_end is None:
                     structured.append(request)
@@ -359,6 +380,7 @@ class Scheduler:
         for request in requests:
             request.num_computed_tokens = 0
             request.num_pending_tokens = 0
+            request.num_drafts_in_flight = 0
             if request.status == RequestStatus.RUNNING:
                 request.status = RequestStatus.PREEMPTED
                 request.record("preempted")
@@ -403,9 +425,15 @@ class Scheduler:
         if runner_output.prompt_logprobs or runner_output.embeddings:
             self._take_prompt_results(runner_output, scheduled)
         max_model_len = self.max_model_len
+        spec_sampled = runner_output.spec_sampled
         for request_id, request in scheduled.items():
             token_id = sampled.get(request_id)
             if token_id is None:
+                if spec_sampled and request_id in spec_sampled:
+                    update = self._take_verified(request, spec_sampled[request_id],
+                                                 runner_output.spec_logprobs.get(request_id), now)
+                    if update is not None:
+                        updates.append(update)
                 continue
             if requests.get(request_id) is not request:
                 continue  # finished (aborted, a stop string) while the step ran
@@ -433,7 +461,7 @@ class Scheduler:
                 self.finish_request(request_id, status)
                 update.finished = True
             updates.append(update)
-        self.stats.num_generation_tokens += len(updates)
+        self.stats.num_generation_tokens += sum(len(update.new_token_ids) for update in updates)
         kv = self.kv_cache_manager
         self.policy.step_finished(StepView(
             step_id=scheduler_output.step_id,
@@ -446,6 +474,89 @@ class Scheduler:
             client_of=lambda request_id: scheduled[request_id].client,
         ))
         return updates
+
+    # -- speculative decoding ----------------------------------------------------------
+
+    def _may_speculate(self, request: Request) -> bool:
+        """Whether drafts could run for a request: nothing changes its next token's
+        distribution with the tokens before it (penalties, min_tokens, a grammar), it is not
+        an embedding, and it is not about to fork."""
+        params = request.sampling_params
+        return (request.matcher is None and not request.pending_forks and params.pooling is None
+                and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+                and params.frequency_penalty == 0.0 and len(request.output_token_ids) >= params.min_tokens)
+
+    def _waits_for_drafts(self, request: Request) -> bool:
+        """Under async scheduling: a request that would propose waits for its token in
+        flight instead of running it ahead without drafts (unless its acceptance has paused
+        its proposals)."""
+        return (self.speculative is not None and (request.drafts is None or not request.drafts.pause)
+                and self._may_speculate(request))
+
+    def _propose(self, request: Request) -> list[int] | None:
+        """Drafts for a request about to run its last known token, or None.
+
+        Only plain decodes propose (see _may_speculate), with no token in flight, and with
+        room for every draft and the token after them (max_tokens, the context, the step's
+        budget).
+        """
+        config = self.speculative
+        if not self._may_speculate(request):
+            return None
+        if request.drafts is None:
+            request.drafts = DraftTracker()
+        if not request.drafts.should_propose():
+            return None
+        if request.num_pending_tokens or request.num_computed_tokens != len(request.all_token_ids) - 1:
+            return None
+        room = min(config.num_speculative_tokens, request.max_tokens - len(request.output_token_ids) - 1,
+                   self.max_model_len - len(request.all_token_ids) - 1, self._budget - 1)
+        if room <= 0:
+            return None
+        drafts = propose_ngram(request.all_token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max)
+        if not drafts:
+            request.drafts.record(config.num_speculative_tokens, 0, config)  # a miss: back off as from a reject
+        return drafts or None
+
+    def _take_verified(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+                       now: float) -> RequestUpdate | None:
+        """A speculating request's result: its accepted drafts and the token after them.
+
+        The drafts the worker rejected were counted as computed: the count goes back by
+        them (their K/V is overwritten by the tokens that take their places).
+        """
+        num_drafts = request.num_drafts_in_flight
+        num_accepted = len(token_ids) - 1
+        request.num_drafts_in_flight = 0
+        if request.num_computed_tokens > 0:  # zero: preempted by recompute since
+            request.num_computed_tokens -= num_drafts - num_accepted
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            stats.accepted_per_position[position] += 1
+        request.drafts.record(num_drafts, num_accepted, self.speculative)
+        request.num_pending_tokens -= 1
+        if self.requests.get(request.request_id) is not request:
+            return None  # finished (aborted, a stop string) while the step ran
+        metrics = request.metrics
+        metrics.last_token_time = now
+        update = RequestUpdate(request)
+        for i, token_id in enumerate(token_ids):
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            update.new_token_ids.append(token_id)
+            if logprobs is not None:
+                update.new_logprobs.append(logprobs[i])
+            status = request.check_stop()
+            if status is None and len(request.all_token_ids) >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH_CAPPED
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                update.finished = True
+                break
+        return update
 
     # -- internals --------------------------------------------------------------------
 
@@ -473,9 +584,10 @@ class Scheduler:
         if request.pending_forks:
             return request.num_prompt_tokens - 1 - request.num_computed_tokens
         num_pending = request.num_pending_tokens
-        if num_pending and request.matcher is not None:
-            # Its next mask (or whether its thinking has ended and a mask applies)
-            # depends on the token in flight: it waits for it.
+        if num_pending and (request.matcher is not None or request.num_drafts_in_flight
+                            or self._waits_for_drafts(request)):
+            # Its next mask (or whether its thinking has ended and a mask applies), or how
+            # many of its drafts hold, depends on the step in flight: it waits for it.
             return 0
         # NOTE: pending tokens count against the limits.
         num_with_pending = len(request.all_token_ids) + num_pending
@@ -555,6 +667,7 @@ class Scheduler:
         if out is None or request_id not in out.num_scheduled_tokens:
             return False
         self._budget += out.num_scheduled_tokens.pop(request_id)
+        out.spec_token_ids.pop(request_id, None)
         blocks = set(self.kv_cache_manager.get_block_ids(request_id))
         copies = [copy for copy in out.copy_blocks if copy[1] in blocks]
         for copy in copies:

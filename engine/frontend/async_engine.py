@@ -107,6 +107,7 @@ class AsyncEngine:
             preemption_mode=config.preemption_mode,
             policy=self.policy,
             bitmasks=BitmaskFiller(model_config.vocab_size),
+            speculative=config.speculative_config,
         )
         init = WorkerInit(config, model_dir, model_config, kv.num_blocks, kv.max_model_len, kv.num_cpu_blocks)
         self.core = EngineCore(config, scheduler, partial(create_executor, init, config), self.output_processor,

@@ -165,8 +165,14 @@ class InputBatch:
                 t = torch.from_numpy(token_ids[penalized]).to(self.device, torch.int64)
                 self.output_counts.index_put_((r, t), torch.ones_like(r, dtype=torch.float32), accumulate=True)
 
-    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """The sampler's view of ``rows``, gathered from the row arrays."""
+    def sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray | None = None) -> SamplingMetadata:
+        """The sampler's view of ``rows``, gathered from the row arrays.
+
+        Args:
+            rows: The batch row of each logits row (a speculating request's repeats).
+            offsets: Each logits row's output position past the row's known tokens (its
+                draft position; None: all 0), for the noise of seeded rows.
+        """
         device = self.device
         greedy = self.greedy[rows]
         all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
@@ -191,7 +197,8 @@ class InputBatch:
             if (min_p[random] > 0.0).any():
                 md.min_p = tensor(np.where(random, min_p, 0.0).astype(np.float32))
             md.seeded_rows = [
-                (i, mix_seed(p.seed, int(self.num_tokens[row] - self.num_prompt_tokens[row])))
+                (i, mix_seed(p.seed, int(self.num_tokens[row] - self.num_prompt_tokens[row])
+                             + (0 if offsets is None else int(offsets[i]))))
                 for i, row in enumerate(rows.tolist())
                 if not greedy[i] and (p := self.params[row]).seed is not None
             ]

@@ -186,6 +186,7 @@ class ModelRunner:
             rows, query_lens = rows[order], query_lens[order]
         computed = batch.num_computed_tokens[rows]
         seq_lens = computed + query_lens
+        num_drafts = self._drafts_of(rows, sched.spec_token_ids) if sched.spec_token_ids else None
 
         # The flattened batch: request i owns rows query_start[i]:query_start[i + 1].
         req_of_token = np.repeat(np.arange(len(rows)), query_lens)
@@ -207,42 +208,110 @@ class ModelRunner:
                           query_start)
 
         # Only requests whose known tokens are all computed sample; the rest are in the
-        # middle of a chunked prefill.
-        samples = seq_lens == batch.num_tokens[rows]
+        # middle of a chunked prefill. A request with drafts samples at each of them too.
+        known = batch.num_tokens[rows] if num_drafts is None else batch.num_tokens[rows] + num_drafts
+        samples = seq_lens == known
         if not samples.any():
             return out
         sample_rows = rows[samples]
-        last = torch.from_numpy(query_start[1:][samples].astype(np.int64) - 1).to(device)
-        md = batch.sampling_metadata(sample_rows) if self.tp.rank == 0 else None
+        ends = query_start[1:][samples].astype(np.int64)
+        offsets = None
+        if num_drafts is None:
+            logit_rows, last = sample_rows, ends - 1
+        else:
+            # Every position of a request with k drafts gives logits: its last k + 1 rows.
+            counts = num_drafts[samples] + 1
+            offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            logit_rows, last = np.repeat(sample_rows, counts), np.repeat(ends - counts, counts) + offsets
+        last = torch.from_numpy(last).to(device)
+        md = batch.sampling_metadata(logit_rows, offsets) if self.tp.rank == 0 else None
         greedy_rows = None
         if md is not None and not md.all_random:
-            greedy_rows = (torch.arange(len(sample_rows), device=device) if md.all_greedy
+            greedy_rows = (torch.arange(len(logit_rows), device=device) if md.all_greedy
                            else md.greedy_mask.nonzero().squeeze(1))
         logits = self.model.compute_logits(hidden[last], greedy_rows)
         if sched.grammar_bitmask is not None:
-            _mask_logits(logits, sample_rows, [row_of[r] for r in sched.grammar_request_ids], sched.grammar_bitmask)
+            _mask_logits(logits, logit_rows, [row_of[r] for r in sched.grammar_request_ids], sched.grammar_bitmask)
         # NOTE: rank 0 samples and every other rank takes its tokens, so all keep the same ids.
         if self.tp.rank == 0:
             result = self.sampler(logits, md)
             sampled = result.sampled_token_ids
         else:
-            sampled = torch.empty(len(sample_rows), dtype=torch.int64, device=device)
+            sampled = torch.empty(len(logit_rows), dtype=torch.int64, device=device)
         token_ids = self.tp.broadcast(sampled.to(torch.int64)).cpu().numpy()
-        batch.append_sampled(sample_rows, token_ids)
+        entries = self._logprob_entries(result, logit_rows) if self.tp.rank == 0 and result.logprobs is not None \
+            else None
+        if num_drafts is not None:
+            token_ids, entries = self._verify(out, sched.spec_token_ids, sample_rows, counts, token_ids, entries)
+            keep = counts == 1
+            sample_rows = sample_rows[keep]
+        if len(sample_rows):
+            batch.append_sampled(sample_rows, token_ids)
         if self.tp.rank != 0:
             return out
         request_ids = [batch.req_ids[row] for row in sample_rows.tolist()]
         out.sampled = dict(zip(request_ids, token_ids.tolist()))
-        if result.logprobs is not None:
-            logprobs = result.logprobs.tolist()
-            logprob_ids = result.logprob_token_ids.tolist()
-            for i, (request_id, row) in enumerate(zip(request_ids, sample_rows.tolist())):
-                num_top = int(batch.num_logprobs[row])
-                if num_top >= 0:
-                    out.logprobs[request_id] = TokenLogprobs(
-                        token_id=logprob_ids[i][0], logprob=logprobs[i][0],
-                        top_token_ids=logprob_ids[i][1 : 1 + num_top], top_logprobs=logprobs[i][1 : 1 + num_top])
+        if entries is not None:
+            out.logprobs = {request_id: entry for request_id, entry in zip(request_ids, entries) if entry is not None}
         return out
+
+    def _logprob_entries(self, result, logit_rows: np.ndarray) -> list[TokenLogprobs | None]:
+        """Each logits row's TokenLogprobs (None for rows of requests that did not ask)."""
+        logprobs = result.logprobs.tolist()
+        logprob_ids = result.logprob_token_ids.tolist()
+        entries: list[TokenLogprobs | None] = []
+        for i, row in enumerate(logit_rows.tolist()):
+            num_top = int(self.batch.num_logprobs[row])
+            entries.append(None if num_top < 0 else TokenLogprobs(
+                token_id=logprob_ids[i][0], logprob=logprobs[i][0],
+                top_token_ids=logprob_ids[i][1 : 1 + num_top], top_logprobs=logprobs[i][1 : 1 + num_top]))
+        return entries
+
+    def _drafts_of(self, rows: np.ndarray, spec: dict[str, list[int]]) -> np.ndarray:
+        """Writes each request's drafts after its known tokens; returns their counts by row."""
+        batch = self.batch
+        num_drafts = np.zeros(len(rows), dtype=batch.num_tokens.dtype)
+        index_of = {row: i for i, row in enumerate(rows.tolist())}
+        for request_id, drafts in spec.items():
+            row = batch.row_of.get(request_id)
+            if row is None or row not in index_of:
+                continue  # failed in an earlier step
+            start = batch.num_tokens[row]
+            batch.token_ids[row, start:start + len(drafts)] = drafts
+            num_drafts[index_of[row]] = len(drafts)
+        return num_drafts
+
+    def _verify(self, out: RunnerOutput, spec: dict[str, list[int]], sample_rows: np.ndarray, counts: np.ndarray,
+                token_ids: np.ndarray, entries: list | None) -> tuple[np.ndarray, list | None]:
+        """Keeps each speculating request's drafts up to the first that differs from the
+        token sampled at its position, and the sample there (into ``out.spec_sampled``);
+        returns the tokens and logprobs of the other requests.
+
+        Drafts are a function of the tokens before them, so a draft kept exactly when the
+        sample at its position equals it leaves the outputs distributed as without drafts
+        (engine/core/drafting.py). The drafts rejected leave the request's computed tokens.
+        """
+        batch = self.batch
+        starts = np.cumsum(counts) - counts
+        single = counts == 1
+        for i in np.flatnonzero(~single).tolist():
+            row, start, k = int(sample_rows[i]), int(starts[i]), int(counts[i]) - 1
+            request_id = batch.req_ids[row]
+            drafted = spec[request_id]
+            tokens = token_ids[start:start + k + 1].tolist()
+            accepted = 0
+            while accepted < k and tokens[accepted] == drafted[accepted]:
+                accepted += 1
+            kept = tokens[:accepted + 1]
+            position = batch.num_tokens[row]
+            batch.token_ids[row, position:position + len(kept)] = kept
+            batch.num_tokens[row] = position + len(kept)
+            batch.num_computed_tokens[row] -= k - accepted
+            out.spec_sampled[request_id] = kept
+            if entries is not None and entries[start] is not None:
+                out.spec_logprobs[request_id] = entries[start:start + len(kept)]
+        firsts = starts[single]
+        return token_ids[firsts], None if entries is None else [entries[j] for j in firsts.tolist()]
 
     def _metadata(self, query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
                   positions: np.ndarray, token_rows: np.ndarray | None = None) -> AttentionMetadata:

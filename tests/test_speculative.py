@@ -1,0 +1,236 @@
+"""Speculative decoding: prompt-lookup drafts, verified in the same step as other work.
+
+The engine's outputs must not change with speculation: greedy and seeded outputs are
+token-identical with and without it (whatever the drafts: all right, all wrong, or
+mixed), under chunked prefill, prefix hits, preemption and async scheduling; unseeded
+samples keep the target distribution (a chi-square test).
+
+Most tests choose the drafts themselves (an oracle that proposes the true continuation,
+or wrong tokens) by replacing the scheduler's proposer in this process: the model, the
+worker and the verification are the real ones. The n-gram proposer itself is tested apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import pagoda.engine.core.scheduler as scheduler_module
+from pagoda import LLM, SamplingParams
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.core.drafting import DraftTracker, propose_ngram
+from pagoda.engine.speculative import SpeculativeConfig
+
+PROMPTS = [list(range(100, 140)), [5, 6, 7, 8, 9, 10] * 5, [42, 17, 3000, 9]]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=11, ignore_eos=True)
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def test_ngram_proposer_takes_what_followed_the_latest_longest_match():
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 7, 1, 2, 3]
+    # [1, 2, 3] occurs at 0 and 5: the latest is followed by 5, 6, 7.
+    assert propose_ngram(tokens, 3, 2, 3) == [5, 6, 7]
+    assert propose_ngram(tokens, 2, 2, 3) == [5, 6]
+    assert propose_ngram([1, 2, 3, 1, 2], 4, 2, 4) == [3, 1, 2]  # up to the end of what is known
+    assert propose_ngram([1, 2, 3, 4], 3, 2, 4) == []  # nothing repeats
+    assert propose_ngram([7, 8, 9, 7], 3, 1, 1) == [8, 9, 7]  # n = 1
+    assert propose_ngram([5], 3, 1, 3) == []
+
+
+def test_a_request_that_keeps_rejecting_stops_proposing_for_a_while():
+    config = SpeculativeConfig(num_speculative_tokens=2, window=2, min_acceptance=0.5)
+    tracker = DraftTracker()
+    tracker.record(2, 0, config)
+    assert tracker.should_propose()
+    tracker.record(2, 0, config)  # 0 of 4 accepted: a pause of 4 steps
+    assert [tracker.should_propose() for _ in range(5)] == [False] * 4 + [True]
+    tracker.record(2, 2, config)
+    tracker.record(2, 2, config)  # all accepted: proposes every step
+    assert tracker.should_propose()
+
+
+def test_speculative_config_is_validated():
+    assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}') \
+        .speculative_config.num_speculative_tokens == 2
+    for bad, words in [({"method": "eagle"}, "method"), ({"method": "draft_model"}, "not supported yet"),
+                       ({"num_speculative_tokens": 0}, "positive"), ({"num_speculative_tokens": 17}, "at most 16"),
+                       ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceed"), ({"k": 3}, "unknown keys"),
+                       ("{not json", "JSON")]:
+        with pytest.raises(ValueError, match=words):
+            EngineConfig(speculative_config=bad)
+
+
+@pytest.fixture()
+def proposer(monkeypatch):
+    """Replaces the n-gram proposer; returns a setter: ``set(fn)`` with fn(token_ids, k) -> drafts."""
+    def install(fn):
+        monkeypatch.setattr(scheduler_module, "propose_ngram", lambda token_ids, k, lo, hi: fn(token_ids, k))
+    return install
+
+
+def oracle(references: list[list[int]], wrong_after: int | None = None):
+    """Proposes each request's true continuation (from a run without speculation); from the
+    ``wrong_after``-th draft on, a wrong token instead."""
+    def propose(token_ids, k):
+        for full in references:
+            n = len(token_ids)
+            if full[:n] == token_ids:
+                drafts = full[n:n + k]
+                if wrong_after is not None:
+                    drafts = [t if i < wrong_after else (t + 1) % 40000 for i, t in enumerate(drafts)]
+                return drafts
+        return []
+    return propose
+
+
+def generate(model_dir, params, speculative=None, **options):
+    with LLM(str(model_dir), dtype="float32", enforce_eager=True, speculative_config=speculative, **options) as llm:
+        outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        stats = llm.engine.scheduler.stats
+        kv = llm.engine.scheduler.kv_cache_manager
+        kv.check_invariants()
+        assert kv.get_num_free_blocks() == kv.num_blocks
+        return outputs, stats
+
+
+SETUPS = {
+    "default": {},
+    "chunked": dict(block_size=4, max_num_batched_tokens=8),
+    "async": dict(async_scheduling=True),
+    "preempted": dict(block_size=4, num_kv_blocks=30, max_model_len=64, max_num_batched_tokens=16),
+}
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_greedy_and_seeded_outputs_do_not_change_with_speculation(tiny_llama_dir, proposer, setup):
+    options = SETUPS[setup]
+    references = {params.temperature: generate(tiny_llama_dir, params, **options)[0] for params in (GREEDY, SEEDED)}
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, speculative_config=SPEC, **options) as llm:
+        stats, kv = llm.engine.scheduler.stats, llm.engine.scheduler.kv_cache_manager
+        for drafts, wrong_after in (("right", None), ("wrong", 0), ("mixed", 1)):
+            for params in (GREEDY, SEEDED):
+                reference = references[params.temperature]
+                proposer(oracle([p + o for p, o in zip(PROMPTS, reference)], wrong_after))
+                llm.reset_prefix_cache()
+                before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_steps,
+                          stats.num_preemptions)
+                got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+                assert got == reference, (drafts, params)
+                num_drafts, draft_tokens, accepted, steps, preemptions = (
+                    now - then for now, then in zip((stats.num_drafts, stats.num_draft_tokens,
+                                                     stats.num_accepted_tokens, stats.num_steps,
+                                                     stats.num_preemptions), before))
+                assert num_drafts > 0
+                if drafts == "right":
+                    assert accepted == draft_tokens
+                    assert steps < 20  # 24 tokens in far fewer steps
+                elif drafts == "wrong":
+                    assert accepted == 0
+                else:
+                    assert 0 < accepted < draft_tokens
+                if setup == "preempted":
+                    assert preemptions > 0
+                kv.check_invariants()
+                assert kv.get_num_free_blocks() == kv.num_blocks
+
+
+def test_speculation_with_prefix_hits_and_logprobs(tiny_llama_dir, proposer):
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True) as llm:
+        reference = llm.generate(PROMPTS, params)
+    proposer(oracle([p + o.outputs[0].token_ids for p, o in zip(PROMPTS, reference)], wrong_after=2))
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, speculative_config=SPEC) as llm:
+        llm.generate(PROMPTS, params)
+        again = llm.generate(PROMPTS, params)  # the prompts are in the prefix cache now
+        assert again[0].metrics.num_cached_tokens > 0
+        assert llm.engine.scheduler.stats.num_accepted_tokens > 0
+    for ours, theirs in zip(again, reference):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert len(ours.outputs[0].logprobs) == 16
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a.token_id == b.token_id and a.top_token_ids == b.top_token_ids
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_drafts_stop_at_max_tokens_and_eos(tiny_llama_dir, proposer):
+    # The drafts run past max_tokens and past a stop token: the output ends where it must.
+    reference, _ = generate(tiny_llama_dir, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    full = [p + o for p, o in zip(PROMPTS, reference)]
+    proposer(oracle(full))
+    got, _ = generate(tiny_llama_dir, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), SPEC)
+    assert got == [o[:10] for o in reference]
+    stop = reference[0][6]
+    got, _ = generate(tiny_llama_dir, SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop]), SPEC)
+    assert got[0] == reference[0][:reference[0].index(stop) + 1]
+
+
+def test_samples_keep_the_target_distribution(tiny_llama_dir, proposer):
+    # The first output token comes from the prompt's step; drafts start after it. The
+    # second and third tokens' distributions, over 600 samples, with and without drafts.
+    scipy_stats = pytest.importorskip("scipy.stats")
+    prompt = [100, 200, 300, 400]
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True)
+    num = 600
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, seed=1) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate([prompt] * num, params)]
+
+    def likeliest(position):
+        tokens = [t[position] for t in plain]
+        return max(set(tokens), key=tokens.count)
+
+    # The drafts are the likeliest tokens: accepted often, rejected often.
+    drafts = [likeliest(1), likeliest(2)]
+    proposer(lambda token_ids, k: drafts[:k] if len(token_ids) == len(prompt) + 1 else [])
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, seed=2,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 2}) as llm:
+        spec = [o.outputs[0].token_ids for o in llm.generate([prompt] * num, params)]
+        stats = llm.engine.scheduler.stats
+    assert stats.num_drafts == num and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for position in (1, 2):
+        a = [t[position] for t in plain]
+        b = [t[position] for t in spec]
+        tokens = sorted(set(a) | set(b))
+        table = [[a.count(t) for t in tokens], [b.count(t) for t in tokens]]
+        _, p_value, _, _ = scipy_stats.chi2_contingency(table)
+        assert p_value > 1e-3, (position, table, p_value)
+
+
+def test_server_streams_speculated_tokens_and_exports_vllms_counters(tiny_llama_dir, proposer):
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagoda.server.testing import ServerThread, http_request
+
+    prompt = PROMPTS[0]
+    reference, _ = generate(tiny_llama_dir, GREEDY)
+    proposer(oracle([p + o for p, o in zip(PROMPTS, reference)], wrong_after=2))
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True, max_model_len=256,
+                          num_kv_blocks=256, speculative_config=SPEC)
+    with ServerThread(config) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                           logprobs=0, extra_body={"ignore_eos": True})
+        streamed = [lp for chunk in stream for lp in (chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs
+                                                       else [])]
+        assert "".join(streamed) == server.engine.tokenizer.decode(reference[0])
+        text = http_request(server.url + "/metrics").text
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    drafts = samples[("pagoda:spec_decode_num_draft_tokens_total", None)]
+    accepted = samples[("pagoda:spec_decode_num_accepted_tokens_total", None)]
+    assert samples[("pagoda:spec_decode_num_drafts_total", None)] > 0 and 0 < accepted < drafts
+    per_position = [samples[("pagoda:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(3)]
+    assert per_position[2] == 0 and sum(per_position) == accepted  # the third draft is always wrong
+
+
+def test_the_command_line_flag():
+    import argparse
+
+    from pagoda.engine.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 2}']))
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    assert engine_config_from_args(parser.parse_args([])).speculative_config is None
