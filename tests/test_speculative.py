@@ -23,6 +23,10 @@ from pagoda.engine.speculative import SpeculativeConfig
 PROMPTS = [list(range(100, 140)), [5, 6, 7, 8, 9, 10] * 5, [42, 17, 3000, 9]]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=11, ignore_eos=True)
+# Penalties and min_tokens count the drafts before each position as output. (Negative ones,
+# which favour the tokens already out: a count missed changes the samples.)
+PENALIZED = SamplingParams(max_tokens=24, temperature=1.5, seed=5, repetition_penalty=0.5, presence_penalty=-2.0,
+                           frequency_penalty=-2.0, min_tokens=12)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 
 
@@ -104,12 +108,12 @@ SETUPS = {
 @pytest.mark.parametrize("setup", sorted(SETUPS))
 def test_greedy_and_seeded_outputs_do_not_change_with_speculation(tiny_llama_dir, proposer, setup):
     options = SETUPS[setup]
-    references = {params.temperature: generate(tiny_llama_dir, params, **options)[0] for params in (GREEDY, SEEDED)}
+    references = {id(params): generate(tiny_llama_dir, params, **options)[0] for params in (GREEDY, SEEDED, PENALIZED)}
     with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, speculative_config=SPEC, **options) as llm:
         stats, kv = llm.engine.scheduler.stats, llm.engine.scheduler.kv_cache_manager
         for drafts, wrong_after in (("right", None), ("wrong", 0), ("mixed", 1)):
-            for params in (GREEDY, SEEDED):
-                reference = references[params.temperature]
+            for params in (GREEDY, SEEDED, PENALIZED):
+                reference = references[id(params)]
                 proposer(oracle([p + o for p, o in zip(PROMPTS, reference)], wrong_after))
                 llm.reset_prefix_cache()
                 before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_steps,
@@ -234,3 +238,32 @@ def test_the_command_line_flag():
     config = engine_config_from_args(parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 2}']))
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
     assert engine_config_from_args(parser.parse_args([])).speculative_config is None
+
+
+def test_each_draft_position_counts_the_drafts_before_it_as_output():
+    # The sampler's view of a speculating request, position by position: the penalties'
+    # output counts and min_tokens take the drafts before each position as output.
+    import numpy as np
+    import torch
+
+    from pagoda.engine.messages import NewRequestData
+    from pagoda.engine.worker.input_batch import InputBatch
+
+    vocab = 64
+    batch = InputBatch(2, 32, 4, vocab, [2], torch.device("cpu"))
+    params = SamplingParams(temperature=1.0, presence_penalty=1.0, min_tokens=4, stop_token_ids=[9])
+    row = batch.add(NewRequestData("a", [5, 6, 7], [8, 8], params, [], 0))
+    drafts = [11, 8, 12]
+    batch.token_ids[row, 5:8] = drafts  # where the worker writes them, after the known tokens
+    rows, offsets = np.array([row] * 4), np.arange(4)
+    md = batch.sampling_metadata(rows, offsets)
+    counts = md.output_counts
+    expected = np.zeros((4, vocab))
+    for position in range(4):
+        for token in [8, 8, *drafts[:position]]:
+            expected[position, token] += 1
+    assert np.array_equal(counts.numpy(), expected)
+    # Two outputs are known: positions 0 and 1 are short of min_tokens (4), 2 and 3 are not.
+    suppressed = sorted(set(md.min_tokens_rows.tolist()))
+    assert suppressed == [0, 1]
+    assert set(md.min_tokens_token_ids.tolist()) == {2, 9}

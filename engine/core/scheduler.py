@@ -478,13 +478,11 @@ class Scheduler:
     # -- speculative decoding ----------------------------------------------------------
 
     def _may_speculate(self, request: Request) -> bool:
-        """Whether drafts could run for a request: nothing changes its next token's
-        distribution with the tokens before it (penalties, min_tokens, a grammar), it is not
-        an embedding, and it is not about to fork."""
-        params = request.sampling_params
-        return (request.matcher is None and not request.pending_forks and params.pooling is None
-                and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-                and params.frequency_penalty == 0.0 and len(request.output_token_ids) >= params.min_tokens)
+        """Whether drafts could run for a request: no grammar (its mask at each draft
+        position would need the drafts before it consumed), not an embedding, not about to
+        fork. (Penalties and min_tokens count the drafts before each position: see
+        InputBatch.sampling_metadata.)"""
+        return request.matcher is None and not request.pending_forks and request.sampling_params.pooling is None
 
     def _waits_for_drafts(self, request: Request) -> bool:
         """Under async scheduling: a request that would propose waits for its token in
@@ -496,7 +494,7 @@ class Scheduler:
     def _propose(self, request: Request) -> list[int] | None:
         """Drafts for a request about to run its last known token, or None.
 
-        Only plain decodes propose (see _may_speculate), with no token in flight, and with
+        Only decodes propose (see _may_speculate), with no token in flight, and with
         room for every draft and the token after them (max_tokens, the context, the step's
         budget).
         """

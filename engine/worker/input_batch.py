@@ -165,13 +165,35 @@ class InputBatch:
                 t = torch.from_numpy(token_ids[penalized]).to(self.device, torch.int64)
                 self.output_counts.index_put_((r, t), torch.ones_like(r, dtype=torch.float32), accumulate=True)
 
+    def _count_drafts(self, counts: torch.Tensor, rows: np.ndarray, offsets: np.ndarray) -> None:
+        """Adds to each penalized logits row's output counts the drafts before its position
+        (they are written after the row's known tokens)."""
+        index = np.flatnonzero(self.has_penalty[rows] & (offsets > 0))
+        if not len(index):
+            return
+        lengths = offsets[index]
+        pair_rows = np.repeat(index, lengths)
+        within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        positions = np.repeat(self.num_tokens[rows[index]], lengths) + within
+        tokens = self.token_ids[rows[pair_rows], positions].astype(np.int64)
+        r = torch.from_numpy(pair_rows.astype(np.int64)).to(self.device)
+        t = torch.from_numpy(tokens).to(self.device)
+        counts.index_put_((r, t), torch.ones(len(r), dtype=counts.dtype, device=self.device), accumulate=True)
+
+    def count_output(self, row: int, token_ids: list[int]) -> None:
+        """Adds tokens to a penalized row's output counts (those appended past append_sampled)."""
+        if self.output_counts is not None and self.has_penalty[row]:
+            t = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+            self.output_counts[row].index_put_((t,), torch.ones(len(t), device=self.device), accumulate=True)
+
     def sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray | None = None) -> SamplingMetadata:
         """The sampler's view of ``rows``, gathered from the row arrays.
 
         Args:
             rows: The batch row of each logits row (a speculating request's repeats).
             offsets: Each logits row's output position past the row's known tokens (its
-                draft position; None: all 0), for the noise of seeded rows.
+                draft position; None: all 0): the noise of seeded rows, min_tokens and the
+                penalties' counts take the drafts before it as output.
         """
         device = self.device
         greedy = self.greedy[rows]
@@ -206,6 +228,8 @@ class InputBatch:
         if (num_logprobs >= 0).any():
             md.max_num_logprobs = int(num_logprobs.max())
         num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        if offsets is not None:
+            num_output = num_output + offsets
         short = np.nonzero(num_output < self.min_tokens[rows])[0]
         if len(short):
             suppressed_rows: list[int] = []
@@ -225,6 +249,8 @@ class InputBatch:
             md.presence_penalties = tensor(self.presence_penalty[rows])
             md.frequency_penalties = tensor(self.frequency_penalty[rows])
             md.output_counts = self.output_counts.index_select(0, index)
+            if offsets is not None:
+                self._count_drafts(md.output_counts, rows, offsets)
             if (self.repetition_penalty[rows] != 1.0).any():
                 md.prompt_mask = self.prompt_mask.index_select(0, index)
         return md

@@ -307,6 +307,7 @@ class ModelRunner:
             batch.token_ids[row, position:position + len(kept)] = kept
             batch.num_tokens[row] = position + len(kept)
             batch.num_computed_tokens[row] -= k - accepted
+            batch.count_output(row, kept)
             out.spec_sampled[request_id] = kept
             if entries is not None and entries[start] is not None:
                 out.spec_logprobs[request_id] = entries[start:start + len(kept)]
