@@ -33,6 +33,9 @@ class WorkerInit:
         world_size: Tensor-parallel ranks in all.
         dist_init_method: torch.distributed rendezvous (``tcp://host:port``) when
             world_size > 1.
+        draft_model_dir: Speculative decoding's draft model, when its method is
+            draft_model: loaded beside the model, with a KV cache of the same blocks.
+        draft_model_config: Its parsed configuration.
     """
 
     config: EngineConfig
@@ -44,6 +47,8 @@ class WorkerInit:
     rank: int = 0
     world_size: int = 1
     dist_init_method: str | None = None
+    draft_model_dir: Path | None = None
+    draft_model_config: ModelConfig | None = None
 
 
 @dataclass(slots=True)
@@ -80,6 +85,8 @@ class SchedulerOutput:
             word w allows token 32 w + i (None when no structured request samples).
         spec_token_ids: Speculative decoding: the drafts of requests that run their last
             known token plus drafts this step (counted in num_scheduled_tokens).
+        draft_requests: With a draft model: requests whose next drafts the worker proposes
+            once this step's token is known, and how many (slots for them are allocated).
 
     The worker applies them in this order: drop finished, swap out, swap in, copy,
     then runs the step.
@@ -97,6 +104,7 @@ class SchedulerOutput:
     grammar_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_requests: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -169,6 +177,8 @@ class RunnerOutput:
         spec_sampled: Requests that ran drafts: the drafts accepted, then the token
             sampled after them (they are not in ``sampled``).
         spec_logprobs: Their logprobs, one per token of ``spec_sampled``, if asked.
+        draft_token_ids: With a draft model: the drafts it proposed for the next step, for
+            the requests of ``draft_requests``.
         error: Set when the step failed; every request in it is failed.
         compute_seconds: Time the worker spent on the step.
         idle_seconds: Time the worker waited for the step after answering the one before.
@@ -181,6 +191,7 @@ class RunnerOutput:
     embeddings: dict[str, Any] = field(default_factory=dict)
     spec_sampled: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     error: str | None = None
     compute_seconds: float = 0.0
     idle_seconds: float = 0.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(slots=True)
@@ -17,7 +17,9 @@ class SpeculativeConfig:
     """``--speculative-config`` (vLLM's keys).
 
     Attributes:
-        method: "ngram" (prompt lookup).
+        method: "ngram" (prompt lookup) or "draft_model" (a smaller model with the same
+            vocabulary proposes, greedily, in the same worker).
+        model: The draft model (a directory, a .gguf file, or ``default``), for draft_model.
         num_speculative_tokens: Drafts proposed per step (k).
         prompt_lookup_min: Shortest n-gram matched.
         prompt_lookup_max: Longest n-gram matched (tried first).
@@ -28,6 +30,7 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -35,8 +38,6 @@ class SpeculativeConfig:
     window: int = 8
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ValueError("speculative_config method 'draft_model' is not supported yet; use 'ngram'")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}; got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "window"):
@@ -48,6 +49,12 @@ class SpeculativeConfig:
                              f"{self.num_speculative_tokens}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative_config prompt_lookup_min must not exceed prompt_lookup_max")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft model's directory "
+                             "or .gguf file")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config 'model' is for method 'draft_model'; 'ngram' drafts from the "
+                             "request's own tokens")
         if not 0 <= self.min_acceptance <= 1:
             raise ValueError(f"speculative_config min_acceptance must be in [0, 1]; got {self.min_acceptance!r}")
 
@@ -63,7 +70,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be an object; got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "min_acceptance",
+        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "min_acceptance",
                  "window"}
         unknown = sorted(set(value) - known)
         if unknown:

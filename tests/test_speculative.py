@@ -56,7 +56,8 @@ def test_a_request_that_keeps_rejecting_stops_proposing_for_a_while():
 def test_speculative_config_is_validated():
     assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}') \
         .speculative_config.num_speculative_tokens == 2
-    for bad, words in [({"method": "eagle"}, "method"), ({"method": "draft_model"}, "not supported yet"),
+    for bad, words in [({"method": "eagle"}, "method"), ({"method": "draft_model"}, "needs 'model'"),
+                       ({"method": "ngram", "model": "x"}, "for method 'draft_model'"),
                        ({"num_speculative_tokens": 0}, "positive"), ({"num_speculative_tokens": 17}, "at most 16"),
                        ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceed"), ({"k": 3}, "unknown keys"),
                        ("{not json", "JSON")]:
@@ -87,6 +88,16 @@ def oracle(references: list[list[int]], wrong_after: int | None = None):
     return propose
 
 
+def references_of(model_dir, all_params, **options) -> dict[int, list[list[int]]]:
+    """Outputs without speculation, by id of the parameters, from one engine."""
+    with LLM(str(model_dir), dtype="float32", enforce_eager=True, **options) as llm:
+        references = {}
+        for params in all_params:
+            llm.reset_prefix_cache()
+            references[id(params)] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        return references
+
+
 def generate(model_dir, params, speculative=None, **options):
     with LLM(str(model_dir), dtype="float32", enforce_eager=True, speculative_config=speculative, **options) as llm:
         outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
@@ -97,8 +108,8 @@ def generate(model_dir, params, speculative=None, **options):
         return outputs, stats
 
 
+# NOTE: no plain setup apart: each of these runs the plain path too, and more.
 SETUPS = {
-    "default": {},
     "chunked": dict(block_size=4, max_num_batched_tokens=8),
     "async": dict(async_scheduling=True),
     "preempted": dict(block_size=4, num_kv_blocks=30, max_model_len=64, max_num_batched_tokens=16),
@@ -108,7 +119,7 @@ SETUPS = {
 @pytest.mark.parametrize("setup", sorted(SETUPS))
 def test_greedy_and_seeded_outputs_do_not_change_with_speculation(tiny_llama_dir, proposer, setup):
     options = SETUPS[setup]
-    references = {id(params): generate(tiny_llama_dir, params, **options)[0] for params in (GREEDY, SEEDED, PENALIZED)}
+    references = references_of(tiny_llama_dir, (GREEDY, SEEDED, PENALIZED), **options)
     with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, speculative_config=SPEC, **options) as llm:
         stats, kv = llm.engine.scheduler.stats, llm.engine.scheduler.kv_cache_manager
         for drafts, wrong_after in (("right", None), ("wrong", 0), ("mixed", 1)):
@@ -170,11 +181,11 @@ def test_drafts_stop_at_max_tokens_and_eos(tiny_llama_dir, proposer):
 
 def test_samples_keep_the_target_distribution(tiny_llama_dir, proposer):
     # The first output token comes from the prompt's step; drafts start after it. The
-    # second and third tokens' distributions, over 600 samples, with and without drafts.
+    # second and third tokens' distributions, over 500 samples, with and without drafts.
     scipy_stats = pytest.importorskip("scipy.stats")
     prompt = [100, 200, 300, 400]
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True)
-    num = 600
+    num = 500
     with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, seed=1) as llm:
         plain = [o.outputs[0].token_ids for o in llm.generate([prompt] * num, params)]
 
@@ -267,3 +278,87 @@ def test_each_draft_position_counts_the_drafts_before_it_as_output():
     suppressed = sorted(set(md.min_tokens_rows.tolist()))
     assert suppressed == [0, 1]
     assert set(md.min_tokens_token_ids.tolist()) == {2, 9}
+
+
+# -- a draft model -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A smaller model (one layer, other weights) with the same vocabulary: a real draft."""
+    from conftest import TINY_INIT
+    from helpers import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-draft"), "llama", seed=3, num_hidden_layers=1,
+                               **TINY_INIT)
+
+
+DRAFT_SETUPS = {
+    "chunked": dict(block_size=4, max_num_batched_tokens=8),
+    "async": dict(async_scheduling=True),
+    "swapped": dict(block_size=4, num_kv_blocks=30, max_model_len=64, max_num_batched_tokens=16,
+                    preemption_mode="swap"),
+}
+
+
+@pytest.mark.parametrize("setup", sorted(DRAFT_SETUPS))
+def test_a_draft_models_drafts_leave_outputs_unchanged(tiny_llama_dir, draft_dir, setup):
+    options = DRAFT_SETUPS[setup]
+    references = references_of(tiny_llama_dir, (GREEDY, SEEDED), **options)
+    for draft, all_accepted in ((tiny_llama_dir, True), (draft_dir, False)):
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+        with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, speculative_config=spec, **options) as llm:
+            stats, kv = llm.engine.scheduler.stats, llm.engine.scheduler.kv_cache_manager
+            for params in (GREEDY, SEEDED):
+                llm.reset_prefix_cache()
+                before = stats.num_draft_tokens, stats.num_accepted_tokens
+                got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+                assert got == references[id(params)], (draft, params)
+                drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+                assert drafted > 0
+                if all_accepted and params is GREEDY and setup != "swapped":
+                    assert accepted == drafted  # the model drafting for itself, greedily
+                kv.check_invariants()
+                assert kv.get_num_free_blocks() == kv.num_blocks
+            if setup == "swapped":
+                assert stats.num_swapped_out > 0
+            else:
+                # Again, with the prompts in the prefix cache (both models' K/V in its blocks).
+                got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+                assert got == references[id(GREEDY)]
+                assert stats.prefix_cache_hits > 0
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_llama_dir, tmp_path):
+    from conftest import TINY_INIT
+    from helpers import make_tiny_model_dir
+
+    other = make_tiny_model_dir(tmp_path / "other-vocab", "llama", vocab_size=1000, **TINY_INIT)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True,
+            speculative_config={"method": "draft_model", "model": str(other)})
+
+
+def test_drafts_near_the_end_of_the_context(tiny_llama_dir, draft_dir):
+    # Requests that run into max_model_len: neither drafts nor the draft model's slots
+    # ever pass it.
+    prompts = [list(range(100, 100 + n)) for n in (20, 27, 30)]
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, max_model_len=32, block_size=4) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for spec in ({"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 5},
+                 {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 5}):
+        with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, max_model_len=32, block_size=4,
+                 speculative_config=spec) as llm:
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
+            assert llm.engine.scheduler.stats.num_draft_tokens > 0
+
+
+def test_the_samples_of_an_n_request_speculate_apart(tiny_llama_dir, proposer):
+    params = SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=4, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True) as llm:
+        reference = [[s.token_ids for s in o.outputs] for o in llm.generate(PROMPTS[:2], params)]
+    proposer(oracle([p + sample for p, samples in zip(PROMPTS, reference) for sample in samples], wrong_after=2))
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, speculative_config=SPEC) as llm:
+        got = [[s.token_ids for s in o.outputs] for o in llm.generate(PROMPTS[:2], params)]
+        assert llm.engine.scheduler.stats.num_accepted_tokens > 0
+    assert got == reference

@@ -3,14 +3,15 @@
 A request that speculates runs its last known token plus ``k`` proposed tokens (drafts) in
 one step; the worker samples every one of those ``k + 1`` positions as it would sample a
 decode, and keeps the drafts up to the first one that differs from what it sampled there,
-plus the sample at that position (engine/worker/model_runner.py). Drafts here are a
+plus the sample at that position (engine/worker/model_runner.py). Drafts are a
 deterministic function of the tokens so far (a point mass), so keeping a draft exactly when
 the target's own sample equals it is the speculative-sampling rule: the outputs follow the
 target distribution, and with a seed they are the very tokens decoding one by one gives.
 
-Proposals come from prompt lookup (n-grams): the latest earlier occurrence of the request's
-last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``), and the
-tokens that followed it there.
+Proposals come from prompt lookup (n-grams, here): the latest earlier occurrence of the
+request's last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``),
+and the tokens that followed it there; or from a draft model, greedily, in the worker
+(ModelRunner._propose_drafts), handed to the scheduler with the step's result.
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ class DraftTracker:
     for a pause that doubles each time (up to 64 steps), then tries again.
     """
 
-    __slots__ = ("proposed", "accepted", "pause", "backoff")
+    __slots__ = ("proposed", "accepted", "pause", "backoff", "next")
 
     def __init__(self) -> None:
         self.proposed = 0
         self.accepted = 0
         self.pause = 0
         self.backoff = 4
+        # With a draft model: the drafts it proposed for the request's next step.
+        self.next: list[int] | None = None
 
     def should_propose(self) -> bool:
         if self.pause > 0:

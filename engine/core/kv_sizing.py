@@ -49,7 +49,8 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype_size: int, tensor
     return 2 * model.num_hidden_layers * block_size * kv_heads * model.head_dim * dtype_size
 
 
-def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int) -> KVCacheSize:
+def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
+                  draft: ModelConfig | None = None) -> KVCacheSize:
     """Sizes the cache from ``config.kv_cache_bytes`` (or ``num_kv_blocks``) and the model.
 
     Never more blocks than ``max_num_seqs`` full-length requests can use.
@@ -58,6 +59,8 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int) -> 
         config: The engine configuration.
         model: The model's shape.
         dtype_size: Bytes of one element of the KV cache's dtype.
+        draft: Speculative decoding's draft model, whose cache has the same blocks: a
+            block's bytes are both models'.
 
     Raises:
         ValueError: max_model_len is longer than the model's context or window, or does
@@ -65,6 +68,8 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int) -> 
             off and max_num_batched_tokens is shorter than max_model_len.
     """
     block_bytes = bytes_per_block(model, config.block_size, dtype_size, config.tensor_parallel_size)
+    if draft is not None:
+        block_bytes += bytes_per_block(draft, config.block_size, dtype_size, config.tensor_parallel_size)
     model_len = model.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > model_len:
         raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's context "

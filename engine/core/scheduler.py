@@ -197,14 +197,22 @@ class Scheduler:
             if num_new <= 0:
                 self._cursor += 1
                 continue
-            drafts = self._propose(request) if self.speculative is not None and num_new == 1 else None
+            drafts = lookahead = None
+            if self.speculative is not None and num_new == 1:
+                drafts = self._propose(request)
+                lookahead = self._draft_lookahead(request)
             if drafts:
                 num_new += len(drafts)
-            allocation = self._allocate_or_preempt(request, num_new)
+            if lookahead:
+                # NOTE: never a slot past max_model_len (the block tables' width).
+                lookahead = min(lookahead, self.max_model_len - request.num_computed_tokens - num_new)
+            allocation = self._allocate_or_preempt(request, num_new + max(lookahead or 0, 0))
             if allocation is None:
                 continue  # the request preempted itself; the cursor already moved past it
             if drafts:
                 out.spec_token_ids[request.request_id] = drafts
+            if lookahead and lookahead > 0:
+                out.draft_requests[request.request_id] = lookahead
             if allocation is UNCHANGED and request.request_id in self._in_worker:
                 out.num_scheduled_tokens[request.request_id] = num_new  # the common decode
             else:
@@ -424,6 +432,10 @@ class Scheduler:
         requests = self.requests
         if runner_output.prompt_logprobs or runner_output.embeddings:
             self._take_prompt_results(runner_output, scheduled)
+        for request_id, drafts in runner_output.draft_token_ids.items():
+            request = scheduled.get(request_id)
+            if request is not None and request.drafts is not None:
+                request.drafts.next = drafts
         max_model_len = self.max_model_len
         spec_sampled = runner_output.spec_sampled
         for request_id, request in scheduled.items():
@@ -511,10 +523,26 @@ class Scheduler:
                    self.max_model_len - len(request.all_token_ids) - 1, self._budget - 1)
         if room <= 0:
             return None
+        if config.method == "draft_model":
+            drafts, request.drafts.next = request.drafts.next, None
+            return drafts[:room] if drafts else None
         drafts = propose_ngram(request.all_token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max)
         if not drafts:
             request.drafts.record(config.num_speculative_tokens, 0, config)  # a miss: back off as from a reject
         return drafts or None
+
+    def _draft_lookahead(self, request: Request) -> int | None:
+        """With a draft model: how many drafts it proposes for the request's next step (as
+        many as that step can take), which is also the slots past this step it writes (its
+        K/V of the token the step samples and of all but the last draft); None when it does
+        not propose for it."""
+        config = self.speculative
+        if (config.method != "draft_model" or request.drafts is None or request.drafts.pause
+                or request.num_pending_tokens or request.num_computed_tokens != len(request.all_token_ids) - 1):
+            return None
+        count = min(config.num_speculative_tokens, request.max_tokens - len(request.output_token_ids) - 2,
+                    self.max_model_len - len(request.all_token_ids) - 2)
+        return count if count > 0 else None
 
     def _take_verified(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
                        now: float) -> RequestUpdate | None:
@@ -666,6 +694,7 @@ class Scheduler:
             return False
         self._budget += out.num_scheduled_tokens.pop(request_id)
         out.spec_token_ids.pop(request_id, None)
+        out.draft_requests.pop(request_id, None)
         blocks = set(self.kv_cache_manager.get_block_ids(request_id))
         copies = [copy for copy in out.copy_blocks if copy[1] in blocks]
         for copy in copies:

@@ -17,6 +17,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import pluggy
 
@@ -91,7 +92,9 @@ class AsyncEngine:
             parser = REASONING_PARSERS[config.reasoning_parser]
             self._reasoning = (parser, self.tokenizer.encode(parser.start, add_special_tokens=False),
                                tuple(self.tokenizer.encode(parser.end, add_special_tokens=False)))
-        self.kv_cache_size = kv = size_kv_cache(config, model_config, resolve_dtype(config.dtype, device).itemsize)
+        draft_dir, draft_config = await asyncio.to_thread(self._draft_model, model_config)
+        self.kv_cache_size = kv = size_kv_cache(config, model_config, resolve_dtype(config.dtype, device).itemsize,
+                                                draft_config)
         if kv.limited_by_window:
             logger.warning("limiting max_model_len to the sliding window (%d tokens)", kv.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB), max_model_len %d; "
@@ -109,7 +112,8 @@ class AsyncEngine:
             bitmasks=BitmaskFiller(model_config.vocab_size),
             speculative=config.speculative_config,
         )
-        init = WorkerInit(config, model_dir, model_config, kv.num_blocks, kv.max_model_len, kv.num_cpu_blocks)
+        init = WorkerInit(config, model_dir, model_config, kv.num_blocks, kv.max_model_len, kv.num_cpu_blocks,
+                          draft_model_dir=draft_dir, draft_model_config=draft_config)
         self.core = EngineCore(config, scheduler, partial(create_executor, init, config), self.output_processor,
                                async_scheduling=self.uses_async_scheduling())
         logger.info("starting the worker process")
@@ -118,6 +122,22 @@ class AsyncEngine:
                     ready.device, ready.dtype, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
                     f", model compiled in {ready.compile_seconds:.1f} s" if ready.compile_seconds else "",
                     "on" if self.core.async_scheduling else "off")
+
+    def _draft_model(self, model_config: ModelConfig) -> tuple[Path | None, ModelConfig | None]:
+        """Speculative decoding's draft model (method draft_model): its directory and
+        config, checked against the model it drafts for."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None, None
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with a draft model does not run under tensor parallelism yet")
+        draft_dir = resolve_model(spec.model)
+        draft_config = ModelConfig.from_dir(draft_dir)
+        if draft_config.vocab_size != model_config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size} tokens, {draft_dir}) differs "
+                             f"from the model's ({model_config.vocab_size}): a draft model must share the tokenizer")
+        logger.info("draft model: %s", draft_dir)
+        return draft_dir, draft_config
 
     async def shutdown(self) -> None:
         """Stops the loop, fails whatever is still running, and stops the worker."""

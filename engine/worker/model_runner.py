@@ -48,8 +48,6 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model_config = model_config
         self.tp = tp = init_tensor_parallel(init.rank, init.world_size, init.dist_init_method, self.device)
-        heads = head_share(model_config.num_attention_heads, model_config.num_key_value_heads, tp.rank,
-                           tp.world_size)
         attention_backend = config.attention_backend
         if config.batch_invariant:
             # NOTE: cpu_paged computes each query row alone, in fixed partitions of keys.
@@ -57,49 +55,20 @@ class ModelRunner:
                 raise ValueError(f"batch_invariant runs the cpu_paged attention backend, not {attention_backend!r}")
             attention_backend = "cpu_paged"
         backend_cls = get_attention_backend(attention_backend, self.device)
-        backend = backend_cls(heads.num_heads, heads.num_kv_heads, model_config.head_dim,
-                              model_config.head_dim**-0.5)
-        if config.batch_invariant:
-            backend.batch_invariant = True  # cpu_paged: every row by the vector kernel alone
-        self.attention_backend = backend
-        # NOTE: built on the meta device so that no time goes into random init of weights
-        # that the checkpoint overwrites anyway.
-        with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, backend, init.max_model_len, tp)
-        # NOTE: not to_empty(): empty_like() of a meta tensor imports sympy (0.3-0.8 s of a start).
-        model = model._apply(lambda t: torch.empty(t.shape, device=self.device,
-                                                   dtype=self.dtype if t.is_floating_point() else t.dtype))
-        model.rotary = RotaryEmbedding(model_config, init.max_model_len).to(self.device)
-        start = time.perf_counter()
-        progress(f"loading weights from {init.model_dir} ({self.device}, {str(self.dtype).removeprefix('torch.')})")
-        model.load_weights(load_weights(init.model_dir))
-        packing = choose_packing(self.device, self.dtype, config.batch_invariant)
-        if packing is not None:
-            model.pack_weights(packing, config.batch_invariant)
-        progress(f"weights loaded in {time.perf_counter() - start:.1f} s"
-                 + (f", packed for the {packing} matrix kernel" if packing else "")
-                 + (f" (AMX tiles from {describe_amx_rows(model)} rows; measured in "
-                    f"{linear.calibration_seconds * 1e3:.0f} ms)" if packing == "amx" and not config.batch_invariant
-                    else ""))
-        self.model = model.eval()
-        key_shape, value_shape = backend.kv_cache_shapes(init.num_blocks, self.block_size)
-        self.kv_caches = [
-            (torch.zeros(key_shape, dtype=self.dtype, device=self.device),
-             torch.zeros(value_shape, dtype=self.dtype, device=self.device))
-            for _ in range(model_config.num_hidden_layers)
-        ]
+        self.model, self.attention_backend = self._load_model(init.model_dir, model_config, backend_cls, init,
+                                                              progress)
+        self.kv_caches, self.cpu_caches = self._allocate_caches(self.attention_backend, model_config, init)
         self.kv_cache_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
-        # The swap space: the same layout in CPU memory (pinned when the cache is on a GPU).
-        # NOTE: left uninitialised: a block is only ever read back after a whole block was
-        # swapped into it; and unpinned pages that are never touched cost no memory (4 GiB by
-        # default; zeroing them took about a second of every start).
-        cpu_key_shape, cpu_value_shape = backend.kv_cache_shapes(init.num_cpu_blocks, self.block_size)
-        pin = self.device.type == "cuda"
-        self.cpu_caches = [
-            (torch.empty(cpu_key_shape, dtype=self.dtype, pin_memory=pin),
-             torch.empty(cpu_value_shape, dtype=self.dtype, pin_memory=pin))
-            for _ in range(model_config.num_hidden_layers)
-        ] if init.num_cpu_blocks else []
+        # Speculative decoding's draft model: its own KV cache over the same blocks, so the
+        # block tables and slots of a step serve both models.
+        self.draft = self.draft_backend = None
+        self.draft_kv_caches = self.draft_cpu_caches = []
+        if init.draft_model_dir is not None:
+            self.draft, self.draft_backend = self._load_model(init.draft_model_dir, init.draft_model_config,
+                                                              backend_cls, init, progress)
+            self.draft_kv_caches, self.draft_cpu_caches = self._allocate_caches(self.draft_backend,
+                                                                                init.draft_model_config, init)
+            self.kv_cache_bytes += sum(k.nbytes + v.nbytes for k, v in self.draft_kv_caches)
         # NOTE: the engine's seed drives unseeded sampling, so a run is reproducible as a whole.
         self.sampler = Sampler(config.seed)
         self.batch = InputBatch(config.max_num_seqs, init.max_model_len, self.block_size, model_config.vocab_size,
@@ -120,6 +89,54 @@ class ModelRunner:
             self._warm_up()
             self.compile_seconds = time.perf_counter() - start
             logger.info("compiled the model in %.1f s", self.compile_seconds)
+
+    def _load_model(self, model_dir, model_config, backend_cls, init: WorkerInit,
+                    progress: Callable[[str], None]) -> tuple[LlamaForCausalLM, object]:
+        """Builds a model and its attention backend and loads (and packs) its weights."""
+        config, tp = init.config, self.tp
+        heads = head_share(model_config.num_attention_heads, model_config.num_key_value_heads, tp.rank,
+                           tp.world_size)
+        backend = backend_cls(heads.num_heads, heads.num_kv_heads, model_config.head_dim,
+                              model_config.head_dim**-0.5)
+        if config.batch_invariant:
+            backend.batch_invariant = True  # cpu_paged: every row by the vector kernel alone
+        # NOTE: built on the meta device so that no time goes into random init of weights
+        # that the checkpoint overwrites anyway.
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_config, backend, init.max_model_len, tp)
+        # NOTE: not to_empty(): empty_like() of a meta tensor imports sympy (0.3-0.8 s of a start).
+        model = model._apply(lambda t: torch.empty(t.shape, device=self.device,
+                                                   dtype=self.dtype if t.is_floating_point() else t.dtype))
+        model.rotary = RotaryEmbedding(model_config, init.max_model_len).to(self.device)
+        start = time.perf_counter()
+        progress(f"loading weights from {model_dir} ({self.device}, {str(self.dtype).removeprefix('torch.')})")
+        model.load_weights(load_weights(model_dir))
+        packing = choose_packing(self.device, self.dtype, config.batch_invariant)
+        if packing is not None:
+            model.pack_weights(packing, config.batch_invariant)
+        progress(f"weights loaded in {time.perf_counter() - start:.1f} s"
+                 + (f", packed for the {packing} matrix kernel" if packing else "")
+                 + (f" (AMX tiles from {describe_amx_rows(model)} rows; measured in "
+                    f"{linear.calibration_seconds * 1e3:.0f} ms)" if packing == "amx" and not config.batch_invariant
+                    else ""))
+        return model.eval(), backend
+
+    def _allocate_caches(self, backend, model_config, init: WorkerInit) -> tuple[list, list]:
+        """A model's KV cache (zeroed) and its swap space, one (key, value) pair per layer."""
+        key_shape, value_shape = backend.kv_cache_shapes(init.num_blocks, self.block_size)
+        caches = [(torch.zeros(key_shape, dtype=self.dtype, device=self.device),
+                   torch.zeros(value_shape, dtype=self.dtype, device=self.device))
+                  for _ in range(model_config.num_hidden_layers)]
+        # The swap space: the same layout in CPU memory (pinned when the cache is on a GPU).
+        # NOTE: left uninitialised: a block is only ever read back after a whole block was
+        # swapped into it; and unpinned pages that are never touched cost no memory (4 GiB by
+        # default; zeroing them took about a second of every start).
+        cpu_key_shape, cpu_value_shape = backend.kv_cache_shapes(init.num_cpu_blocks, self.block_size)
+        pin = self.device.type == "cuda"
+        cpu_caches = [(torch.empty(cpu_key_shape, dtype=self.dtype, pin_memory=pin),
+                       torch.empty(cpu_value_shape, dtype=self.dtype, pin_memory=pin))
+                      for _ in range(model_config.num_hidden_layers)] if init.num_cpu_blocks else []
+        return caches, cpu_caches
 
     def _warm_up(self) -> None:
         """Runs a 2-token prefill and a decode on block 0, so compilation happens at start-up.
@@ -161,9 +178,10 @@ class ModelRunner:
                 sched.new_block_ids.pop(request_id, None)
                 sched.block_tables.pop(request_id, None)
         # NOTE: the order matters: a swapped-out block may be reused by this very step.
-        self._move_blocks(sched.swap_out, self.kv_caches, self.cpu_caches)
-        self._move_blocks(sched.swap_in, self.cpu_caches, self.kv_caches)
-        self._move_blocks(sched.copy_blocks, self.kv_caches, self.kv_caches)
+        for caches, cpu_caches in ((self.kv_caches, self.cpu_caches), (self.draft_kv_caches, self.draft_cpu_caches)):
+            self._move_blocks(sched.swap_out, caches, cpu_caches)
+            self._move_blocks(sched.swap_in, cpu_caches, caches)
+            self._move_blocks(sched.copy_blocks, caches, caches)
         for data in sched.new_requests:
             batch.add(data)
         for request_id, block_ids in sched.new_block_ids.items():
@@ -200,8 +218,12 @@ class ModelRunner:
         metadata = self._metadata(query_lens, seq_lens, block_tables, positions, token_rows)
 
         device = self.device
-        hidden = self.model(torch.from_numpy(input_ids).to(device, torch.long),
-                            torch.from_numpy(positions).to(device, torch.long), self.kv_caches, metadata)
+        input_tensor = torch.from_numpy(input_ids).to(device, torch.long)
+        position_tensor = torch.from_numpy(positions).to(device, torch.long)
+        hidden = self.model(input_tensor, position_tensor, self.kv_caches, metadata)
+        if self.draft is not None:
+            # The draft model's cache follows every token the model computes.
+            self.draft(input_tensor, position_tensor, self.draft_kv_caches, metadata)
         batch.num_computed_tokens[rows] = seq_lens
         if batch.num_scoring_rows:
             score_prompts(self.model, batch, out if self.tp.rank == 0 else None, hidden, rows, computed, query_lens,
@@ -247,6 +269,8 @@ class ModelRunner:
             sample_rows = sample_rows[keep]
         if len(sample_rows):
             batch.append_sampled(sample_rows, token_ids)
+        if sched.draft_requests:
+            self._propose_drafts(out, sched.draft_requests)
         if self.tp.rank != 0:
             return out
         request_ids = [batch.req_ids[row] for row in sample_rows.tolist()]
@@ -266,6 +290,38 @@ class ModelRunner:
                 token_id=logprob_ids[i][0], logprob=logprobs[i][0],
                 top_token_ids=logprob_ids[i][1 : 1 + num_top], top_logprobs=logprobs[i][1 : 1 + num_top]))
         return entries
+
+    def _propose_drafts(self, out: RunnerOutput, requests: dict[str, int]) -> None:
+        """The draft model's next drafts for ``requests`` (id to how many), whose token this
+        step sampled: greedily, one position at a time for all of them, writing its K/V of
+        the token and of each draft but the last into the slots the scheduler allocated
+        ahead."""
+        batch = self.batch
+        known = [(batch.row_of[r], n) for r, n in requests.items() if r in batch.row_of]
+        if not known:
+            return
+        device = self.device
+        rows = np.array([row for row, _ in known], dtype=np.int64)
+        counts = np.array([n for _, n in known], dtype=np.int64)
+        positions = (batch.num_tokens[rows] - 1).astype(np.int32)  # each request's newest token
+        tokens = batch.token_ids[rows, positions].astype(np.int64)
+        drafts: list[list[int]] = [[] for _ in known]
+        active = np.arange(len(rows))
+        for i in range(int(counts.max())):
+            active = active[counts[active] > i]
+            seq_lens = positions[active] + 1
+            tables = batch.block_table[rows[active], :-(-int(seq_lens.max()) // self.block_size)]
+            metadata = self._metadata(np.ones(len(active), dtype=np.int32), seq_lens, tables, positions[active],
+                                      rows[active])
+            hidden = self.draft(torch.from_numpy(tokens[active]).to(device),
+                                torch.from_numpy(positions[active]).to(device, torch.long), self.draft_kv_caches,
+                                metadata)
+            proposed = self.draft.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
+            tokens[active] = proposed
+            positions[active] += 1
+            for j, token in zip(active.tolist(), proposed.tolist()):
+                drafts[j].append(token)
+        out.draft_token_ids = {batch.req_ids[row]: d for row, d in zip(rows.tolist(), drafts)}
 
     def _drafts_of(self, rows: np.ndarray, spec: dict[str, list[int]]) -> np.ndarray:
         """Writes each request's drafts after its known tokens; returns their counts by row."""
