@@ -181,11 +181,11 @@ def test_drafts_stop_at_max_tokens_and_eos(tiny_llama_dir, proposer):
 
 def test_samples_keep_the_target_distribution(tiny_llama_dir, proposer):
     # The first output token comes from the prompt's step; drafts start after it. The
-    # second and third tokens' distributions, over 500 samples, with and without drafts.
+    # second and third tokens' distributions, over 400 samples, with and without drafts.
     scipy_stats = pytest.importorskip("scipy.stats")
     prompt = [100, 200, 300, 400]
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True)
-    num = 500
+    num = 400
     with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, seed=1) as llm:
         plain = [o.outputs[0].token_ids for o in llm.generate([prompt] * num, params)]
 
@@ -362,3 +362,19 @@ def test_the_samples_of_an_n_request_speculate_apart(tiny_llama_dir, proposer):
         got = [[s.token_ids for s in o.outputs] for o in llm.generate(PROMPTS[:2], params)]
         assert llm.engine.scheduler.stats.num_accepted_tokens > 0
     assert got == reference
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(tiny_llama_dir, proposer):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True) as llm:
+        reference = llm.generate(PROMPTS[:1], params)[0].outputs[0]
+        stop = llm.tokenizer.decode(reference.token_ids[9:11])  # ends inside a run of drafts below
+        stopped = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                            stop=[stop], logprobs=0))[0].outputs[0]
+    proposer(oracle([PROMPTS[0] + reference.token_ids]))
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, speculative_config=SPEC) as llm:
+        got = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop],
+                                                        logprobs=0))[0].outputs[0]
+        assert llm.engine.scheduler.stats.num_accepted_tokens > 0
+    assert got.text == stopped.text and got.token_ids == stopped.token_ids and got.finish_reason == "stop"
+    assert [e.token_id for e in got.logprobs] == stopped.token_ids

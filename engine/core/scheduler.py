@@ -206,7 +206,14 @@ class Scheduler:
             if lookahead:
                 # NOTE: never a slot past max_model_len (the block tables' width).
                 lookahead = min(lookahead, self.max_model_len - request.num_computed_tokens - num_new)
-            allocation = self._allocate_or_preempt(request, num_new + max(lookahead or 0, 0))
+            allocation = None
+            if drafts or lookahead:
+                allocation = self.kv_cache_manager.allocate_slots(request, num_new + max(lookahead or 0, 0))
+                if allocation is None:  # NOTE: nobody is preempted for drafts: the plain decode goes on
+                    drafts = lookahead = None
+                    num_new = 1
+            if allocation is None:
+                allocation = self._allocate_or_preempt(request, num_new)
             if allocation is None:
                 continue  # the request preempted itself; the cursor already moved past it
             if drafts:
@@ -519,8 +526,10 @@ class Scheduler:
             return None
         if request.num_pending_tokens or request.num_computed_tokens != len(request.all_token_ids) - 1:
             return None
+        # NOTE: the budget keeps a token for each running request after this one in the walk.
         room = min(config.num_speculative_tokens, request.max_tokens - len(request.output_token_ids) - 1,
-                   self.max_model_len - len(request.all_token_ids) - 1, self._budget - 1)
+                   self.max_model_len - len(request.all_token_ids) - 1,
+                   self._budget - (len(self.running) - self._cursor))
         if room <= 0:
             return None
         if config.method == "draft_model":
@@ -568,6 +577,8 @@ class Scheduler:
             return None  # finished (aborted, a stop string) while the step ran
         metrics = request.metrics
         metrics.last_token_time = now
+        if metrics.first_token_time is None:
+            metrics.first_token_time = request.record("first_token", now)
         update = RequestUpdate(request)
         for i, token_id in enumerate(token_ids):
             request.output_token_ids.append(token_id)

@@ -207,14 +207,27 @@ class OutputProcessor:
             stream, sample = entry
             request = update.request
             out = sample.output
-            out.token_ids.extend(update.new_token_ids)
-            if out.logprobs is not None:
-                out.logprobs.extend(update.new_logprobs)
+            new_ids, new_logprobs = update.new_token_ids, update.new_logprobs
             detokenizer = sample.detokenizer
+            matched = False
             if detokenizer is not None and not sample.detokenize_on_read:
                 # EOS or a stop token id: the token ends the text and is left out of it.
                 stop_terminated = update.finished and request.status == RequestStatus.FINISHED_STOPPED
-                if detokenizer.update(update.new_token_ids, stop_terminated):
+                if len(new_ids) == 1:
+                    matched = detokenizer.update(new_ids, stop_terminated)
+                else:
+                    # Several tokens (accepted drafts): a stop string may end at any of them,
+                    # and the output ends with that token, as it does token by token.
+                    for i in range(len(new_ids)):
+                        if detokenizer.update(new_ids[i:i + 1], stop_terminated and i == len(new_ids) - 1):
+                            matched = True
+                            new_ids, new_logprobs = new_ids[:i + 1], new_logprobs[:i + 1]
+                            break
+            out.token_ids.extend(new_ids)
+            if out.logprobs is not None:
+                out.logprobs.extend(new_logprobs)
+            if detokenizer is not None and not sample.detokenize_on_read:
+                if matched:
                     request.stop_reason = detokenizer.stop_reason
                     if not update.finished:
                         stopped_requests.append(request)
