@@ -522,6 +522,9 @@ class Scheduler:
             return None
         if request.drafts is None:
             request.drafts = DraftTracker()
+        # A draft model's drafts were made for this very step: a step that does not take
+        # them leaves them stale.
+        proposed, request.drafts.next = request.drafts.next, None
         if not request.drafts.should_propose():
             return None
         if request.num_pending_tokens or request.num_computed_tokens != len(request.all_token_ids) - 1:
@@ -533,8 +536,7 @@ class Scheduler:
         if room <= 0:
             return None
         if config.method == "draft_model":
-            drafts, request.drafts.next = request.drafts.next, None
-            return drafts[:room] if drafts else None
+            return proposed[:room] if proposed else None
         drafts = propose_ngram(request.all_token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max)
         if not drafts:
             request.drafts.record(config.num_speculative_tokens, 0, config)  # a miss: back off as from a reject
