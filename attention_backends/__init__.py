@@ -58,25 +58,35 @@ AUTO_ORDER = {
 }
 
 
-def get_attention_backend(name: str, device: torch.device) -> type[AttentionBackend]:
-    """Returns the backend class called ``name`` ("auto": the fastest available).
+def get_attention_backend(name: str, device: torch.device,
+                          kv_cache_dtype: torch.dtype | None = None) -> type[AttentionBackend]:
+    """Returns the backend class called ``name`` ("auto": the fastest available that stores
+    the cache in ``kv_cache_dtype``, an fp8 dtype; None: the model's own).
 
     Raises:
-        ValueError: The name is unknown or the backend cannot run on ``device`` (the
-            message says why).
+        ValueError: The name is unknown or the backend cannot run on ``device`` or with that
+            cache dtype (the message says why).
     """
+    def stores(backend: type[AttentionBackend]) -> bool:
+        return kv_cache_dtype is None or kv_cache_dtype in backend.fp8_kv_cache
+
     if name == "auto":
         for candidate in AUTO_ORDER.get(device.type, ("torch_sdpa", "naive")):
             backend = SUPPORTED_ATTENTION_BACKENDS[candidate]()
-            if backend.is_available(device):
+            if backend.is_available(device) and stores(backend):
                 return backend
-        raise ValueError(f"no attention backend is available on {device}")
+        wanted = "" if kv_cache_dtype is None else f" with a {str(kv_cache_dtype).removeprefix('torch.')} KV cache"
+        raise ValueError(f"no attention backend is available on {device}{wanted}")
     if name not in SUPPORTED_ATTENTION_BACKENDS:
         known = ", ".join(sorted(SUPPORTED_ATTENTION_BACKENDS))
         raise ValueError(f"unknown attention backend {name!r}; known: auto, {known}")
     backend = SUPPORTED_ATTENTION_BACKENDS[name]()
     if not backend.is_available(device):
         raise ValueError(f"attention backend {name!r} cannot run on {device}: {backend.unavailable_reason(device)}")
+    if not stores(backend):
+        able = [n for n, factory in SUPPORTED_ATTENTION_BACKENDS.items() if kv_cache_dtype in factory().fp8_kv_cache]
+        raise ValueError(f"attention backend {name!r} does not support a {str(kv_cache_dtype).removeprefix('torch.')} "
+                         f"KV cache (kv_cache_dtype); backends that do: {', '.join(able)}")
     return backend
 
 

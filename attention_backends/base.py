@@ -11,6 +11,32 @@ from typing import Any
 
 import torch
 
+# The KV cache's element types besides the model's own dtype (the engine's kv_cache_dtype):
+# fp8 halves the cache's bytes, so the same memory holds twice the tokens and a decode reads
+# half as many bytes. Scales are 1 (no calibration): values saturate at the format's largest
+# finite value (448 for e4m3, 57344 for e5m2).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the cache's dtype; into fp8 with saturation (torch's conversion overflows to
+    inf or NaN past the largest finite value)."""
+    if dtype in FP8_DTYPES:
+        limit = torch.finfo(dtype).max
+        return x.clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
+def cache_storage(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's bytes as uint8 where it is fp8 (torch lacks some ops, index_copy_ among
+    them, for fp8 tensors on the CPU), else the cache itself."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``cache[block_ids]`` (int64 ids), in the cache's dtype."""
+    return cache_storage(cache).index_select(0, block_ids).view(cache.dtype)
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -70,6 +96,8 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # The cache dtypes besides the model's own (FP8_DTYPES) that the backend reads and writes.
+    fp8_kv_cache: tuple[torch.dtype, ...] = ()
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
@@ -100,16 +128,16 @@ class AttentionBackend(ABC):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                  slot_mapping: torch.Tensor) -> None:
         """Stores new keys and values ([num_tokens, num_kv_heads, head_dim]) in their slots."""
-        key_cache, value_cache = kv_cache
-        key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-        value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping,
-                                                                           value.to(value_cache.dtype))
+        for cache, new in zip(kv_cache, (key, value)):
+            cache_storage(cache).view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+                0, slot_mapping, cache_storage(to_cache_dtype(new, cache.dtype)))
 
     def copy_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, src_ids: torch.Tensor,
                     dst_ids: torch.Tensor, block_size: int) -> None:
         """Copies whole blocks ``src_ids`` of one cache tensor into ``dst_ids`` of another
         (or the same: copy-on-write). Used for swapping and copy-on-write."""
-        dst_cache[dst_ids.to(dst_cache.device)] = src_cache[src_ids.to(src_cache.device)].to(dst_cache.device)
+        dst, src = cache_storage(dst_cache), cache_storage(src_cache)
+        dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Derives per-step data shared by every layer into ``metadata.backend_data``."""

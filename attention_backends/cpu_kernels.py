@@ -24,6 +24,12 @@ from pathlib import Path
 
 import torch
 
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# fp8 caches: the kernels decode a byte through float16 bits, which for e4m3 are worth 2^-8 of
+# its value (csrc/paged_attention.c); the factor goes into the scales.
+_FP8_SUFFIX = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_FP8_FACTOR = {torch.float8_e4m3fn: 256.0, torch.float8_e5m2: 1.0}
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -123,12 +129,13 @@ def load() -> ctypes.CDLL:
     """
     lib = ctypes.CDLL(str(library_path()))
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    for name in ("paged_attention_bf16", "paged_attention_f32"):
-        fn = getattr(lib, name)
-        fn.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, pointer, pointer, i64, i64,
-                       i64, i64, i64, ctypes.c_float]
-        fn.restype = None
-    for name in ("paged_write_kv_bf16", "paged_write_kv_f32"):
+    for query in _SUFFIX.values():
+        for cache in ("", *(f"_{suffix}" for suffix in _FP8_SUFFIX.values())):
+            fn = getattr(lib, f"paged_attention_{query}{cache}")
+            fn.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, pointer, pointer, i64,
+                           i64, i64, i64, i64, ctypes.c_float, ctypes.c_float]
+            fn.restype = None
+    for name in ("paged_write_kv_bf16", "paged_write_kv_f32", "paged_write_kv_u8"):
         fn = getattr(lib, name)
         fn.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64]
         fn.restype = None
@@ -158,11 +165,14 @@ def available() -> bool:
     return True
 
 
-_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-
-
 def supports(dtype: torch.dtype) -> bool:
     return dtype in _SUFFIX
+
+
+def supports_cache(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernels attend ``query_dtype`` queries over a ``cache_dtype`` cache: the
+    query's own dtype, or fp8."""
+    return query_dtype in _SUFFIX and (cache_dtype == query_dtype or cache_dtype in _FP8_SUFFIX)
 
 
 @functools.cache
@@ -181,11 +191,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
         key_cache: [num_blocks, num_kv_heads, head_dim, block_size] (keys transposed per block).
         value_cache: [num_blocks, num_kv_heads, block_size, head_dim].
     """
-    fn = _kernel("paged_write_kv_" + _SUFFIX[key_cache.dtype])
     num_tokens, num_kv_heads, head_dim = key.shape
     assert key.is_contiguous() and value.is_contiguous() and slot_mapping.is_contiguous()
     assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype and slot_mapping.dtype == torch.int64
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    # NOTE: an fp8 cache takes the bytes of keys and values already converted.
+    fn = _kernel("paged_write_kv_" + ("u8" if key_cache.dtype in _FP8_SUFFIX else _SUFFIX[key_cache.dtype]))
     fn(key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
        num_tokens, num_kv_heads, head_dim, value_cache.shape[2])
 
@@ -202,8 +213,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
     Args:
         query: [num_tokens, num_heads, head_dim], contiguous.
-        key_cache: [num_blocks, num_kv_heads, head_dim, block_size] (keys transposed per block).
-        value_cache: [num_blocks, num_kv_heads, block_size, head_dim].
+        key_cache: [num_blocks, num_kv_heads, head_dim, block_size] (keys transposed per block),
+            in the query's dtype or fp8 (scale 1).
+        value_cache: [num_blocks, num_kv_heads, block_size, head_dim], as key_cache.
         block_tables: int32 [num_reqs, >= max blocks], rows contiguous (a view that starts
             some blocks in attends over the keys from there on: positions count from it).
         seq_lens: int32 [num_reqs] context lengths (the step's tokens included).
@@ -217,13 +229,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     Returns:
         [num_tokens, num_heads, head_dim] in the query's dtype (and the log-sum-exp).
     """
-    fn = _kernel("paged_attention_" + _SUFFIX[query.dtype])
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, _, block_size = key_cache.shape
     num_reqs = seq_lens.shape[0]
     assert query.is_contiguous() and block_tables.stride(1) == 1 and seq_lens.is_contiguous()
     assert query_start_loc.is_contiguous() and query_start_loc.shape[0] == num_reqs + 1
-    assert key_cache.dtype == value_cache.dtype == query.dtype
+    assert key_cache.dtype == value_cache.dtype and supports_cache(query.dtype, key_cache.dtype)
+    factor = _FP8_FACTOR.get(key_cache.dtype)
+    name = "paged_attention_" + _SUFFIX[query.dtype] + ("" if factor is None else "_" + _FP8_SUFFIX[key_cache.dtype])
+    fn = _kernel(name)
     assert block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
     out = torch.empty_like(query)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32) if return_lse else None
@@ -232,7 +246,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
        block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(),
        None if lse is None else lse.data_ptr(), None if skip is None else skip.data_ptr(), num_reqs, num_heads,
-       num_kv_heads, head_dim, block_size, scale)
+       num_kv_heads, head_dim, block_size, scale * (factor or 1.0), factor or 1.0)
     return (out, lse) if return_lse else out
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.attention_backends import cpu_kernels
-from pagoda.attention_backends.base import AttentionMetadata
+from pagoda.attention_backends.base import FP8_DTYPES, AttentionMetadata, to_cache_dtype
 from pagoda.attention_backends.torch_sdpa import SdpaStepData, TorchSdpaAttentionBackend
 
 
@@ -154,6 +154,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
     """The paged CPU kernels, with torch_sdpa's code for the dtypes they lack."""
 
     name = "cpu_paged"
+    fp8_kv_cache = FP8_DTYPES
     keys_transposed = True
     # NOTE: set by the model runner for batch_invariant: each query row is then computed by
     # the vector kernel alone, never on the prefill tiles or in a cascade (whether a row takes
@@ -194,22 +195,25 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
 
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         key_cache, value_cache = kv_cache
-        if not cpu_kernels.supports(key_cache.dtype):
+        if not (cpu_kernels.supports(key_cache.dtype) or key_cache.dtype in FP8_DTYPES):
             return super().write_kv(key, value, kv_cache, slot_mapping)
-        cpu_kernels.write_kv(key.to(key_cache.dtype).contiguous(), value.to(value_cache.dtype).contiguous(),
-                             slot_mapping, key_cache, value_cache)
+        cpu_kernels.write_kv(to_cache_dtype(key, key_cache.dtype).contiguous(),
+                             to_cache_dtype(value, value_cache.dtype).contiguous(), slot_mapping, key_cache, value_cache)
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         key_cache, value_cache = kv_cache
-        if not cpu_kernels.supports(query.dtype) or key_cache.dtype != query.dtype:
+        if not cpu_kernels.supports_cache(query.dtype, key_cache.dtype):
             if not isinstance(metadata.backend_data, SdpaStepData):
                 super().prepare(metadata)
             return super().forward(query, key, value, kv_cache, metadata)
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         query = query.contiguous()
         plan: StepPlan = metadata.backend_data
-        shared = plan.shared
-        on_tiles = query.dtype == torch.bfloat16 and self.amx_tiles
+        # NOTE: an fp8 cache is read by the vector kernel alone (the tiles and torch's flash
+        # attention take the model's dtype).
+        quantized = key_cache.dtype in FP8_DTYPES
+        shared = None if quantized else plan.shared
+        on_tiles = query.dtype == torch.bfloat16 and self.amx_tiles and not quantized
         if shared is not None and not on_tiles:
             requests, tokens = cascade_thresholds(on_tiles=False)
             if metadata.num_reqs < requests or shared.tokens < tokens:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata, context_slots
+from pagoda.attention_backends.base import FP8_DTYPES, AttentionBackend, AttentionMetadata, context_slots
 
 
 class NaiveAttentionBackend(AttentionBackend):
@@ -12,6 +12,7 @@ class NaiveAttentionBackend(AttentionBackend):
     by hand in float32. Slow and easy to read; other backends must match it."""
 
     name = "naive"
+    fp8_kv_cache = FP8_DTYPES
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)

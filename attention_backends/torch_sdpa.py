@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata, context_slots
+from pagoda.attention_backends.base import (FP8_DTYPES, AttentionBackend, AttentionMetadata, context_slots, gather_blocks,
+                                            to_cache_dtype)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class TorchSdpaAttentionBackend(AttentionBackend):
     """Attention with batched matmuls (decode) and scaled_dot_product_attention (prefill)."""
 
     name = "torch_sdpa"
+    fp8_kv_cache = FP8_DTYPES
     keys_transposed = False
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -61,10 +63,10 @@ class TorchSdpaAttentionBackend(AttentionBackend):
         block_size = value_cache.shape[2]
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
         if self.keys_transposed:
-            key_cache[blocks, :, :, offsets] = key.to(key_cache.dtype)
+            key_cache[blocks, :, :, offsets] = to_cache_dtype(key, key_cache.dtype)
         else:
-            key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
-        value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
+            key_cache[blocks, :, offsets] = to_cache_dtype(key, key_cache.dtype)
+        value_cache[blocks, :, offsets] = to_cache_dtype(value, value_cache.dtype)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         device = metadata.block_tables.device
@@ -110,8 +112,10 @@ class TorchSdpaAttentionBackend(AttentionBackend):
             rows = slice(p.start, p.start + p.query_len)
             q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
             if p.context_slots is None:
-                k = key[rows].transpose(0, 1)
-                v = value[rows].transpose(0, 1)
+                # NOTE: as stored (an fp8 cache rounds them), so that a prompt attends alike
+                # whether it runs whole or in chunks that read earlier ones from the cache.
+                k = to_cache_dtype(key[rows], key_cache.dtype).transpose(0, 1)
+                v = to_cache_dtype(value[rows], value_cache.dtype).transpose(0, 1)
             else:
                 k = self._context(key_cache, p.context_slots, self.keys_transposed)  # [Hkv, S, D]
                 v = self._context(value_cache, p.context_slots, False)
@@ -160,8 +164,10 @@ class TorchSdpaAttentionBackend(AttentionBackend):
         blocks = data.decode_blocks
         num_blocks = blocks.shape[1]
         flat = blocks.flatten()
-        k = key_cache.index_select(0, flat).view(num_reqs, num_blocks, *key_cache.shape[1:])
-        v = value_cache.index_select(0, flat).view(num_reqs, num_blocks, num_kv_heads, block_size, head_dim)
+        # NOTE: an fp8 cache's blocks are read in the query's dtype.
+        k = gather_blocks(key_cache, flat).view(num_reqs, num_blocks, *key_cache.shape[1:]).to(query.dtype)
+        v = gather_blocks(value_cache, flat).view(num_reqs, num_blocks, num_kv_heads, block_size,
+                                                  head_dim).to(query.dtype)
         q = query.reshape(num_reqs, 1, num_kv_heads, group, head_dim).to(k.dtype)
         scores = torch.matmul(q, k if self.keys_transposed else k.transpose(-1, -2))  # [B, N, Hkv, G, bs]
         scores = scores.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group, -1).float() * self.scale

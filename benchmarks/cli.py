@@ -8,6 +8,7 @@ def add_bench_parser(sub) -> None:
     from pagoda.benchmarks.compare import add_compare_parser
     from pagoda.benchmarks.fairness import add_fairness_parser
     from pagoda.benchmarks.kv import add_kv_bench_parsers
+    from pagoda.benchmarks.kv_dtype import add_kv_dtype_bench_parser
     from pagoda.benchmarks.linear import add_linear_bench_parser
     from pagoda.benchmarks.overhead import add_overhead_parser
     from pagoda.benchmarks.plugins import add_plugins_bench_parser
@@ -26,6 +27,7 @@ def add_bench_parser(sub) -> None:
     add_fairness_parser(bench_sub)
     add_linear_bench_parser(bench_sub)
     add_cascade_bench_parser(bench_sub)
+    add_kv_dtype_bench_parser(bench_sub)
     add_scoring_bench_parser(bench_sub)
     add_serve_bench_parser(bench_sub)
     add_speculative_bench_parser(bench_sub)

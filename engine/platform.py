@@ -29,6 +29,14 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str) -> torch.dtype | None:
+    """The KV cache's fp8 dtype, or None for "auto" (the model's dtype)."""
+    return _KV_CACHE_DTYPES.get(kv_cache_dtype)
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """"auto" is bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere."""
     if dtype == "auto":

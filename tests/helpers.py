@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pagoda.attention_backends import AttentionMetadata, get_attention_backend
+from pagoda.attention_backends.base import to_cache_dtype
 from pagoda.engine.model_loader import resolve_model
 from pagoda.engine.sampling_params import SamplingParams
 
@@ -167,19 +168,20 @@ def dense_attention(q, k, v):
 
 
 def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32, device="cpu",
-             num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, shared_blocks=0):
+             num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, shared_blocks=0, cache_dtype=None):
     """Fills caches for the context, runs one mixed step, returns (output, reference) on the CPU.
 
     With ``shared_blocks``, every request starts with the same blocks, holding the same keys
-    and values (a prefix the prefix cache shares).
+    and values (a prefix the prefix cache shares). ``cache_dtype`` (an fp8 dtype) stores the
+    cache in it, and the reference attends over the keys and values rounded to it.
     """
     gen = torch.Generator().manual_seed(seed)
-    backend = get_attention_backend(backend_name, torch.device(device))(num_heads, num_kv_heads, head_dim,
-                                                                        head_dim**-0.5)
+    backend = get_attention_backend(backend_name, torch.device(device), cache_dtype)(num_heads, num_kv_heads,
+                                                                                     head_dim, head_dim**-0.5)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
     key_shape, value_shape = backend.kv_cache_shapes(num_blocks, block_size)
-    kv_cache = (torch.zeros(key_shape, dtype=dtype, device=device),
-                torch.zeros(value_shape, dtype=dtype, device=device))
+    kv_cache = (torch.zeros(key_shape, dtype=cache_dtype or dtype, device=device),
+                torch.zeros(value_shape, dtype=cache_dtype or dtype, device=device))
     # Scatter each request's blocks over the pool in a shuffled order.
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     shared, perm = perm[:shared_blocks], perm[shared_blocks:]
@@ -220,7 +222,10 @@ def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch
     new_v = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens)])
     out = backend.forward(torch.cat(queries).to(device), new_k.to(device), new_v.to(device), kv_cache,
                           metadata).cpu()
-    reference = torch.cat([dense_attention(q.float(), k.float(), v.float())
+    def stored(x):
+        return (x if cache_dtype is None else to_cache_dtype(x, cache_dtype)).float()
+
+    reference = torch.cat([dense_attention(q.float(), stored(k), stored(v))
                            for q, k, v in zip(queries, full_k, full_v)])
     return out, reference
 

@@ -52,6 +52,28 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static inline float f32_id(float x) { return x; }
 
+/* fp8 caches (--kv-cache-dtype): one byte an element, decoded through float16, whose bits hold
+ * an e5m2 byte exactly (as their high byte) and an e4m3 byte's magnitude shifted by 7, which
+ * is worth 2^-8 of the e4m3 value (denormals included): the caller folds the 2^8 into the
+ * scales, so both kinds decode with a shift and vector float16 conversion. */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) { /* zero or denormal: mant x 2^-24 */
+        v.f = (float)mant * 5.9604644775390625e-8f;
+        v.u |= sign;
+    } else if (exp == 31) {
+        v.u = sign | 0x7f800000u | (mant << 13);
+    } else {
+        v.u = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    return v.f;
+}
+static inline uint16_t e5m2_bits(uint8_t b) { return (uint16_t)((uint16_t)b << 8); }
+static inline uint16_t e4m3_bits(uint8_t b) { return (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)); }
+static inline float e5m2_to_f32(uint8_t b) { return f16_to_f32(e5m2_bits(b)); }
+static inline float e4m3_to_f32(uint8_t b) { return f16_to_f32(e4m3_bits(b)); }
+
 /* ---- writing the step's keys and values into their slots --------------------------------- */
 
 #define DEFINE_WRITE_KV(NAME, T)                                                                           \
@@ -75,11 +97,13 @@ void NAME(const T *key, const T *value, const int64_t *slot_mapping, T *key_cach
 
 DEFINE_WRITE_KV(paged_write_kv_bf16, uint16_t)
 DEFINE_WRITE_KV(paged_write_kv_f32, float)
+DEFINE_WRITE_KV(paged_write_kv_u8, uint8_t) /* fp8 caches: the bytes torch converted */
 
 /* ---- the generic path: one query token per task, any block size, no vector extensions ----- */
 
-/* One (query token, KV head) task over a context of len tokens. */
-#define TASK_BODY(T, LOAD, STORE, BS)                                                                      \
+/* One (query token, KV head) task over a context of len tokens: queries and output of type T,
+ * the caches' elements of type TK. */
+#define TASK_BODY(T, LOAD, STORE, TK, LOADK, BS)                                                                     \
     float q[group][head_dim], acc[group][head_dim], m[group], l[group];                                    \
     float s[group][BS], krow[BS], vrow[head_dim];                                                          \
     for (int64_t g = 0; g < group; g++) {                                                                  \
@@ -91,12 +115,12 @@ DEFINE_WRITE_KV(paged_write_kv_f32, float)
     for (int64_t start = 0; start < len; start += BS) {                                                    \
         const int64_t n = len - start < BS ? len - start : BS;                                             \
         const int64_t base = (int64_t)table[start / BS] * block_stride + kh * BS * head_dim;              \
-        const T *k = key_cache + base;                                                                     \
-        const T *v = value_cache + base;                                                                   \
+        const TK *k = key_cache + base;                                                                    \
+        const TK *v = value_cache + base;                                                                  \
         for (int64_t g = 0; g < group; g++)                                                                \
             for (int64_t t = 0; t < BS; t++) s[g][t] = 0;                                                  \
         for (int64_t d = 0; d < head_dim; d++) {                                                           \
-            for (int64_t t = 0; t < BS; t++) krow[t] = LOAD(k[d * BS + t]);                                \
+            for (int64_t t = 0; t < BS; t++) krow[t] = LOADK(k[d * BS + t]);                               \
             for (int64_t g = 0; g < group; g++) {                                                          \
                 const float qd = q[g][d];                                                                  \
                 for (int64_t t = 0; t < BS; t++) s[g][t] += qd * krow[t];                                  \
@@ -117,7 +141,7 @@ DEFINE_WRITE_KV(paged_write_kv_f32, float)
             for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= correction;                                \
         }                                                                                                  \
         for (int64_t t = 0; t < n; t++) {                                                                  \
-            for (int64_t d = 0; d < head_dim; d++) vrow[d] = LOAD(v[t * head_dim + d]);                    \
+            for (int64_t d = 0; d < head_dim; d++) vrow[d] = LOADK(v[t * head_dim + d]);                   \
             for (int64_t g = 0; g < group; g++) {                                                          \
                 const float p = s[g][t];                                                                   \
                 for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * vrow[d];                           \
@@ -126,7 +150,7 @@ DEFINE_WRITE_KV(paged_write_kv_f32, float)
     }                                                                                                      \
     for (int64_t g = 0; g < group; g++) {                                                                  \
         T *dst = out + (row * num_heads + kh * group + g) * head_dim;                                      \
-        const float inv = l[g] > 0 ? 1.0f / l[g] : 0.0f;                                                   \
+        const float inv = l[g] > 0 ? value_scale / l[g] : 0.0f;                                            \
         for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE(acc[g][d] * inv);                            \
         if (lse) lse[row * num_heads + kh * group + g] = l[g] > 0 ? m[g] + logf(l[g]) : -INFINITY;         \
     }
@@ -153,6 +177,15 @@ static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_e5m2(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
+}
+/* e4m3: the byte sign-extended to 16 bits and shifted by 7 holds the magnitude in bits 7-13 and
+ * the sign in bits 14 and 15; clearing bit 14 leaves e4m3_bits(). */
+static inline __m512 load16_e4m3(const uint8_t *p) {
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16((short)0xbfff)));
+}
 
 /* Prefetches into L2 the 16 keys (or values) from key position nstart, elem bytes each: blocks
  * are scattered, so the hardware prefetcher cannot guess the next one. The keys pass of a
@@ -253,9 +286,9 @@ static inline __attribute__((always_inline)) void store_rows(
  * tokens for the scores, and 16 consecutive head_dim entries for the values. The tile's rows
  * are tq consecutive query tokens (first at position first_pos) x group query heads; a tile
  * with fewer tokens (ntok < tq) repeats its last token, whose rows are computed but not kept. */
-#define FAST_TASK(T, LOAD16)                                                                               \
-static inline __attribute__((always_inline)) void NAME_FAST_##T(                                           \
-        const T *qsrc, int64_t q_token_stride, const T *key_cache, const T *value_cache, const int32_t *table, \
+#define FAST_TASK(NAME, T, LOAD16, TK, LOADK16)                                                            \
+static inline __attribute__((always_inline)) void NAME(                                                    \
+        const T *qsrc, int64_t q_token_stride, const TK *key_cache, const TK *value_cache, const int32_t *table, \
         int64_t first_pos, int64_t ntok, float *out, float *lse, int64_t group, int64_t tq,              \
         int64_t head_dim, int64_t block_stride, int64_t kh, float scale, int64_t bs) {                    \
     const int64_t chunks = head_dim / 16, rows = group * tq;                                               \
@@ -285,20 +318,20 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
         for (int64_t r = 0; r < rows; r++) vmax[r] = _mm512_set1_ps(MIN_SCORE);                            \
         /* 16 keys at a time: the block's keys are [head_dim][bs], its values [bs][head_dim]. */         \
         for (int64_t start = pstart; start < pend; start += 16) {                                          \
-            const T *k = key_cache + chunk_base(table, start, bs, block_stride, kh, head_dim) + start % bs; \
+            const TK *k = key_cache + chunk_base(table, start, bs, block_stride, kh, head_dim) + start % bs; \
             if (start + 16 < len)                                                                          \
                 prefetch_keys16((const char *)key_cache, table, start + 16, bs, block_stride, kh, head_dim, \
-                                sizeof(T));                                                                \
+                                sizeof(TK));                                                               \
             prefetch_values16((const char *)value_cache, table, start, bs, block_stride, kh, head_dim,     \
-                              sizeof(T));                                                                  \
+                              sizeof(TK));                                                                 \
             /* NOTE: independent partial sums (two per row, or four for a single row): one chain  \
              * of head_dim dependent FMAs would be bound by their latency, not by the FMA units. */      \
             __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS], s2[FAST_MAX_ROWS], s3[FAST_MAX_ROWS];              \
             for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = s2[r] = s3[r] = _mm512_setzero_ps();         \
             if (rows <= 4) {                                                                               \
                 for (int64_t d = 0; d < head_dim; d += 4) {                                                \
-                    const __m512 k0 = LOAD16(k + d * bs), k1 = LOAD16(k + (d + 1) * bs);                   \
-                    const __m512 k2 = LOAD16(k + (d + 2) * bs), k3 = LOAD16(k + (d + 3) * bs);             \
+                    const __m512 k0 = LOADK16(k + d * bs), k1 = LOADK16(k + (d + 1) * bs);                 \
+                    const __m512 k2 = LOADK16(k + (d + 2) * bs), k3 = LOADK16(k + (d + 3) * bs);           \
                     for (int64_t r = 0; r < rows; r++) {                                                   \
                         s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, s[r]);                         \
                         s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), k1, s1[r]);                   \
@@ -310,7 +343,7 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
                     s[r] = _mm512_add_ps(_mm512_add_ps(s[r], s1[r]), _mm512_add_ps(s2[r], s3[r]));         \
             } else {                                                                                       \
                 for (int64_t d = 0; d < head_dim; d += 2) {                                                \
-                    const __m512 k0 = LOAD16(k + d * bs), k1 = LOAD16(k + (d + 1) * bs);                   \
+                    const __m512 k0 = LOADK16(k + d * bs), k1 = LOADK16(k + (d + 1) * bs);                 \
                     for (int64_t r = 0; r < rows; r++) {                                                   \
                         s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, s[r]);                         \
                         s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), k1, s1[r]);                   \
@@ -324,17 +357,17 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
         begin_values_pass(vmax, m, l, acc, mrow, lsum, rows, chunks);                                      \
         for (int64_t start = pstart; start < pend; start += 16) {                                          \
             const int64_t n = len - start < 16 ? len - start : 16;                                         \
-            const T *v = value_cache + chunk_base(table, start, bs, block_stride, kh, head_dim)            \
+            const TK *v = value_cache + chunk_base(table, start, bs, block_stride, kh, head_dim)           \
                          + start % bs * head_dim;                                                          \
             if (start + 16 < len)                                                                          \
                 prefetch_values16((const char *)value_cache, table, start + 16, bs, block_stride, kh,      \
-                                  head_dim, sizeof(T));                                                    \
+                                  head_dim, sizeof(TK));                                                   \
             float p[FAST_MAX_ROWS][16];                                                                    \
             for (int64_t r = 0; r < rows; r++)                                                             \
                 _mm512_storeu_ps(p[r], probabilities16(&scores[r][start - pstart], mrow[r], &lsum[r]));    \
             for (int64_t t = 0; t < n; t++) {                                                              \
                 for (int64_t c = 0; c < chunks; c++) {                                                     \
-                    const __m512 vv = LOAD16(v + t * head_dim + c * 16);                                   \
+                    const __m512 vv = LOADK16(v + t * head_dim + c * 16);                                  \
                     for (int64_t r = 0; r < rows; r++)                                                     \
                         acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vv, acc[r][c]);               \
                 }                                                                                          \
@@ -345,8 +378,11 @@ static inline __attribute__((always_inline)) void NAME_FAST_##T(                
     store_rows(out, lse, acc, m, l, rows, chunks, head_dim);                                                       \
 }
 
-#define NAME_FAST_float fast_task_f32
-FAST_TASK(float, load16_f32)
+FAST_TASK(fast_task_f32, float, load16_f32, float, load16_f32)
+FAST_TASK(fast_task_f32_e5m2, float, load16_f32, uint8_t, load16_e5m2)
+FAST_TASK(fast_task_f32_e4m3, float, load16_f32, uint8_t, load16_e4m3)
+FAST_TASK(fast_task_bf16_e5m2, uint16_t, load16_bf16, uint8_t, load16_e5m2)
+FAST_TASK(fast_task_bf16_e4m3, uint16_t, load16_bf16, uint8_t, load16_e4m3)
 
 #if defined(__AVX512BF16__)
 /* bfloat16 with AVX512-BF16 dot products (vdpbf16ps: two bf16 products added into each float32
@@ -462,8 +498,7 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
     store_rows(out, lse, acc, m, l, rows, chunks, head_dim);
 }
 #else
-#define NAME_FAST_uint16_t fast_task_bf16
-FAST_TASK(uint16_t, load16_bf16)
+FAST_TASK(fast_task_bf16, uint16_t, load16_bf16, uint16_t, load16_bf16)
 #endif
 
 /* Query tokens per tile: as many as keep a tile's rows and accumulators in registers. */
@@ -522,7 +557,7 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
                     for (int64_t j = 0; j < ntok; j++) {                                                   \
                         T *dst = out + ((row + j) * num_heads + kh * group) * head_dim;                    \
                         const float *src = result + j * group * head_dim;                                  \
-                        for (int64_t e = 0; e < group * head_dim; e++) dst[e] = STORE(src[e]);             \
+                        for (int64_t e = 0; e < group * head_dim; e++) dst[e] = STORE(src[e] * value_scale); \
                         if (lse)                                                                           \
                             for (int64_t g = 0; g < group; g++)                                            \
                                 lse[(row + j) * num_heads + kh * group + g] = tile_lse[j * group + g];     \
@@ -537,11 +572,13 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
 #define FAST_PATH(T, STORE, FAST)
 #endif
 
-#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, FAST)                                                 \
-void NAME(const T *query, const T *key_cache, const T *value_cache, const int32_t *block_tables,            \
+/* value_scale multiplies the output (an fp8 cache's factor for its values; 1 otherwise); the
+ * keys' factor is in scale. */
+#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, FAST, TK, LOADK)                                      \
+void NAME(const T *query, const TK *key_cache, const TK *value_cache, const int32_t *block_tables,          \
           int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start, T *out,           \
           float *lse, const uint8_t *skip, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,        \
-          int64_t head_dim, int64_t block_size, float scale) {                                              \
+          int64_t head_dim, int64_t block_size, float scale, float value_scale) {                           \
     const int64_t group = num_heads / num_kv_heads;                                                        \
     const int64_t block_stride = num_kv_heads * block_size * head_dim;                                     \
     FAST_PATH(T, STORE, FAST)                                                                              \
@@ -553,11 +590,17 @@ void NAME(const T *query, const T *key_cache, const T *value_cache, const int32_
             if (skip && skip[i]) continue;                                                                 \
             const int32_t *table = block_tables + i * block_table_stride;                                  \
             const int64_t len = seq_lens[i] - (query_start[i + 1] - row) + 1;                              \
-            if (block_size == 16) { TASK_BODY(T, LOAD, STORE, 16) }                                        \
-            else { TASK_BODY(T, LOAD, STORE, block_size) }                                                 \
+            if (block_size == 16) { TASK_BODY(T, LOAD, STORE, TK, LOADK, 16) }                             \
+            else { TASK_BODY(T, LOAD, STORE, TK, LOADK, block_size) }                                      \
         }                                                                                                  \
     }                                                                                                      \
 }
 
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, fast_task_bf16)
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, f32_id, f32_id, fast_task_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, fast_task_bf16, uint16_t, bf16_to_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, float, f32_id, f32_id, fast_task_f32, float, f32_id)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16_e5m2, uint16_t, bf16_to_f32, f32_to_bf16, fast_task_bf16_e5m2, uint8_t,
+                       e5m2_to_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16_e4m3, uint16_t, bf16_to_f32, f32_to_bf16, fast_task_bf16_e4m3, uint8_t,
+                       e4m3_to_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_f32_e5m2, float, f32_id, f32_id, fast_task_f32_e5m2, uint8_t, e5m2_to_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_f32_e4m3, float, f32_id, f32_id, fast_task_f32_e4m3, uint8_t, e4m3_to_f32)

@@ -38,7 +38,7 @@ from pagoda.engine.messages import WorkerInit
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_tokenizer, resolve_model
 from pagoda.engine.outputs import RequestOutput
-from pagoda.engine.platform import resolve_device, resolve_dtype
+from pagoda.engine.platform import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine.reasoning import REASONING_PARSERS, ReasoningParser
 from pagoda.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -82,7 +82,8 @@ class AsyncEngine:
         check_policy_names(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
         self.policy = Policy(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
         device = resolve_device(config.device)
-        get_attention_backend(config.attention_backend, device)  # fail early on a bad name
+        # NOTE: fails early on a bad name, or a backend that cannot store the cache's dtype.
+        get_attention_backend(config.attention_backend, device, resolve_kv_cache_dtype(config.kv_cache_dtype))
         model_dir = await asyncio.to_thread(resolve_model, config.model)
         logger.info("model: %s", model_dir)
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
@@ -93,12 +94,13 @@ class AsyncEngine:
             self._reasoning = (parser, self.tokenizer.encode(parser.start, add_special_tokens=False),
                                tuple(self.tokenizer.encode(parser.end, add_special_tokens=False)))
         draft_dir, draft_config = await asyncio.to_thread(self._draft_model, model_config)
-        self.kv_cache_size = kv = size_kv_cache(config, model_config, resolve_dtype(config.dtype, device).itemsize,
-                                                draft_config)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype) or resolve_dtype(config.dtype, device)
+        self.kv_cache_size = kv = size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config)
         if kv.limited_by_window:
             logger.warning("limiting max_model_len to the sliding window (%d tokens)", kv.max_model_len)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB), max_model_len %d; "
-                    "swap space %d blocks", kv.num_blocks, kv.block_size, kv.num_tokens, kv.num_bytes / 1024**3,
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s, %d bytes a token), "
+                    "max_model_len %d; swap space %d blocks", kv.num_blocks, kv.block_size, kv.num_tokens,
+                    kv.num_bytes / 1024**3, str(kv_dtype).removeprefix("torch."), kv.bytes_per_block // kv.block_size,
                     kv.max_model_len, kv.num_cpu_blocks)
         scheduler = Scheduler(
             KVCacheManager(kv.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
@@ -162,7 +164,8 @@ class AsyncEngine:
         ready, model = self.worker.ready, self.model_config
         plugins = plugin_names(self.plugin_manager)
         return (f"{model.architecture} ({model.num_hidden_layers} layers) on {ready.device} in {ready.dtype}, "
-                f"attention backend {ready.attention_backend}, KV cache {self.kv_cache_size.num_tokens} tokens, "
+                f"attention backend {ready.attention_backend}, KV cache {self.kv_cache_size.num_tokens} tokens"
+                f"{'' if self.config.kv_cache_dtype == 'auto' else ' in ' + self.config.kv_cache_dtype}, "
                 f"max_model_len {self.max_model_len}, scheduling policy {self.config.scheduling_policy}, "
                 f"eviction policy {self.config.eviction_policy}, plugins: {', '.join(plugins) or 'none'}")
 

@@ -25,7 +25,7 @@ from pagoda.engine.model_loader import load_weights
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
-from pagoda.engine.platform import resolve_device, resolve_dtype
+from pagoda.engine.platform import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine.worker.prompt_scoring import score_prompts
 from pagoda.engine.worker.sampler import Sampler
 
@@ -45,6 +45,8 @@ class ModelRunner:
         config, model_config = init.config, init.model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        fp8_cache = resolve_kv_cache_dtype(config.kv_cache_dtype)
+        self.kv_cache_dtype = fp8_cache or self.dtype
         self.block_size = config.block_size
         self.model_config = model_config
         self.tp = tp = init_tensor_parallel(init.rank, init.world_size, init.dist_init_method, self.device)
@@ -54,7 +56,7 @@ class ModelRunner:
             if attention_backend not in ("auto", "cpu_paged"):
                 raise ValueError(f"batch_invariant runs the cpu_paged attention backend, not {attention_backend!r}")
             attention_backend = "cpu_paged"
-        backend_cls = get_attention_backend(attention_backend, self.device)
+        backend_cls = get_attention_backend(attention_backend, self.device, fp8_cache)
         self.model, self.attention_backend = self._load_model(init.model_dir, model_config, backend_cls, init,
                                                               progress)
         self.kv_caches, self.cpu_caches = self._allocate_caches(self.attention_backend, model_config, init)
@@ -124,8 +126,8 @@ class ModelRunner:
     def _allocate_caches(self, backend, model_config, init: WorkerInit) -> tuple[list, list]:
         """A model's KV cache (zeroed) and its swap space, one (key, value) pair per layer."""
         key_shape, value_shape = backend.kv_cache_shapes(init.num_blocks, self.block_size)
-        caches = [(torch.zeros(key_shape, dtype=self.dtype, device=self.device),
-                   torch.zeros(value_shape, dtype=self.dtype, device=self.device))
+        caches = [(torch.zeros(key_shape, dtype=self.kv_cache_dtype, device=self.device),
+                   torch.zeros(value_shape, dtype=self.kv_cache_dtype, device=self.device))
                   for _ in range(model_config.num_hidden_layers)]
         # The swap space: the same layout in CPU memory (pinned when the cache is on a GPU).
         # NOTE: left uninitialised: a block is only ever read back after a whole block was
@@ -133,8 +135,8 @@ class ModelRunner:
         # default; zeroing them took about a second of every start).
         cpu_key_shape, cpu_value_shape = backend.kv_cache_shapes(init.num_cpu_blocks, self.block_size)
         pin = self.device.type == "cuda"
-        cpu_caches = [(torch.empty(cpu_key_shape, dtype=self.dtype, pin_memory=pin),
-                       torch.empty(cpu_value_shape, dtype=self.dtype, pin_memory=pin))
+        cpu_caches = [(torch.empty(cpu_key_shape, dtype=self.kv_cache_dtype, pin_memory=pin),
+                       torch.empty(cpu_value_shape, dtype=self.kv_cache_dtype, pin_memory=pin))
                       for _ in range(model_config.num_hidden_layers)] if init.num_cpu_blocks else []
         return caches, cpu_caches
 

@@ -1,0 +1,67 @@
+"""`pagoda bench kv-cache-dtype`: decode attention over a bfloat16 cache against an fp8 one
+(the engine's kv_cache_dtype), in-process, through the cpu_paged backend as the model calls it.
+
+For each (requests, context tokens) case: one decode row per request over its own blocks,
+``--layers`` layers' calls (write of the new keys, attention), each layer with a cache of its
+own as in the model (one cache called 30 times would sit in the CPU's last-level cache); the
+best of ``--repeats``. Bytes read are the cache's bytes of every request's context; an fp8
+cache holds half of them.
+Shapes default to SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from pagoda.benchmarks.cascade import _cases, _step
+
+CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def run_kv_dtype_bench(args: argparse.Namespace) -> int:
+    gen = torch.Generator().manual_seed(0)
+    print(f"decode attention, {args.layers} layers, {args.dtype} queries, {args.num_heads} heads / "
+          f"{args.num_kv_heads} KV heads x {args.head_dim}; ms (best of {args.repeats}), ratio to the "
+          f"{args.dtype} cache")
+    for requests, context in args.cases:
+        backend, (key_cache, value_cache), metadata, inputs = _step(requests, 0, context, args, gen)
+        backend.prepare(metadata)
+        baseline = None
+        for name in args.kv_cache_dtypes:
+            dtype = CACHE_DTYPES[name] or key_cache.dtype
+            caches = [(key_cache.to(dtype), value_cache.to(dtype)) for _ in range(args.layers)]
+            backend.forward(*inputs, caches[0], metadata)
+            seconds = float("inf")
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                for kv_cache in caches:
+                    backend.forward(*inputs, kv_cache, metadata)
+                seconds = min(seconds, time.perf_counter() - start)
+            del caches
+            baseline = baseline or seconds
+            read = 2 * requests * context * args.num_kv_heads * args.head_dim * dtype.itemsize
+            print(json.dumps({"requests": requests, "context": context, "kv_cache_dtype": name,
+                              "ms": round(seconds * 1e3, 2), "speedup": round(baseline / seconds, 2),
+                              "cache_gb_per_s": round(read * args.layers / seconds / 1e9, 1)}))
+    return 0
+
+
+def add_kv_dtype_bench_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("kv-cache-dtype", help="decode attention over a bfloat16 KV cache against an fp8 one "
+                                                    "(CPU)")
+    p.add_argument("--cases", type=_cases, default=_cases("64x256,64x512,64x1024,16x2048,1x4096"),
+                   help="requests x context tokens, comma-separated")
+    p.add_argument("--kv-cache-dtypes", type=lambda text: text.split(","), default=list(CACHE_DTYPES),
+                   help="comma-separated, the first is the baseline (default auto,fp8_e4m3,fp8_e5m2)")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-heads", type=int, default=9)
+    p.add_argument("--num-kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.set_defaults(func=run_kv_dtype_bench)
