@@ -44,19 +44,24 @@ def _env_int(name: str) -> int | None:
 
 # The (requests, shared tokens) from which a step takes the cascade, by measurement
 # (docs/benchmarks.md, cascade attention): with the shared part on AMX tiles, and by torch's
-# flash attention (float32, or a CPU without AMX), whose per-call costs are higher. Below
-# them the kernel alone is as fast.
+# flash attention (float32 on a CPU whose tiles run), whose per-call costs are higher. Below
+# them the kernel alone is as fast. NOTE: by torch only where the tiles run: it paid on the
+# Intel Xeon with AMX whose decode waits on memory (64 x 512: 1.18x), and lost in every case
+# on an AMD Zen 5 without AMX (0.42-0.75x; the shared-prefix workload ran 1.4-1.6x faster
+# without it), where the kernel's repeated reads of the prefix come from the caches.
 CASCADE_ON_TILES = (8, 256)
 CASCADE_BY_TORCH = (32, 512)
+NEVER = (10**9, 10**9)
 # NOTE: read where the worker starts; they replace both pairs above (for experiments and
 # tests; PAGODA_CASCADE_MIN_REQUESTS=0 turns the cascade off).
 CASCADE_MIN_REQUESTS = _env_int("PAGODA_CASCADE_MIN_REQUESTS")
 CASCADE_MIN_TOKENS = _env_int("PAGODA_CASCADE_MIN_TOKENS")
 
 
-def cascade_thresholds(on_tiles: bool) -> tuple[int, int]:
-    """The (requests, shared tokens) from which a step takes the cascade."""
-    requests, tokens = CASCADE_ON_TILES if on_tiles else CASCADE_BY_TORCH
+def cascade_thresholds(on_tiles: bool, tiles_run: bool) -> tuple[int, int]:
+    """The (requests, shared tokens) from which a step takes the cascade, with its shared part
+    on the tiles or by torch, on a CPU where the AMX tiles run or not."""
+    requests, tokens = CASCADE_ON_TILES if on_tiles else CASCADE_BY_TORCH if tiles_run else NEVER
     if CASCADE_MIN_REQUESTS is not None:
         requests = CASCADE_MIN_REQUESTS or 10**9  # 0: never
     if CASCADE_MIN_TOKENS is not None:
@@ -186,7 +191,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         if self.batch_invariant:
             metadata.backend_data = StepPlan(None)
             return
-        plan = StepPlan(find_shared_prefix(metadata, *cascade_thresholds(self.amx_tiles)))
+        plan = StepPlan(find_shared_prefix(metadata, *cascade_thresholds(self.amx_tiles, self.amx_tiles)))
         if self.amx_tiles and plan.shared is None:
             chosen = plan_prefill_on_tiles(metadata, PREFILL_ON_TILES_MIN_TOKENS)
             if chosen is not None:
@@ -215,7 +220,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         shared = None if quantized else plan.shared
         on_tiles = query.dtype == torch.bfloat16 and self.amx_tiles and not quantized
         if shared is not None and not on_tiles:
-            requests, tokens = cascade_thresholds(on_tiles=False)
+            requests, tokens = cascade_thresholds(on_tiles=False, tiles_run=self.amx_tiles)
             if metadata.num_reqs < requests or shared.tokens < tokens:
                 shared = None
         if shared is None:

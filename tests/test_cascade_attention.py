@@ -113,11 +113,15 @@ def test_cascade_matches_naive(always_cascade, monkeypatch, shared_blocks, seq_l
 
 
 def test_a_step_takes_the_cascade_only_past_its_thresholds():
-    # The thresholds as shipped: on the tiles 8 requests over 256 shared tokens, by torch 32 over 512.
-    assert cpu_paged.cascade_thresholds(on_tiles=True) == (8, 256)
-    assert cpu_paged.cascade_thresholds(on_tiles=False) == (32, 512)
+    # The thresholds as shipped: on the tiles 8 requests over 256 shared tokens, by torch 32 over
+    # 512 where the tiles run, and never by torch where they do not (it lost on AMD Zen 5).
+    assert cpu_paged.cascade_thresholds(on_tiles=True, tiles_run=True) == (8, 256)
+    assert cpu_paged.cascade_thresholds(on_tiles=False, tiles_run=True) == (32, 512)
+    assert cpu_paged.cascade_thresholds(on_tiles=False, tiles_run=False)[0] == 10**9
     tables = [list(range(32)) + [100 + i] for i in range(32)]
-    thresholds = cpu_paged.cascade_thresholds(on_tiles=False)
+    thresholds = cpu_paged.cascade_thresholds(on_tiles=False, tiles_run=True)
+    never = cpu_paged.cascade_thresholds(on_tiles=False, tiles_run=False)
+    assert cpu_paged.find_shared_prefix(metadata_of(tables, [520] * 32, [1] * 32), *never) is None
     assert cpu_paged.find_shared_prefix(metadata_of(tables, [520] * 32, [1] * 32), *thresholds).tokens == 512
     assert cpu_paged.find_shared_prefix(metadata_of(tables[:31], [520] * 31, [1] * 31), *thresholds) is None
     one_apart = tables[:31] + [tables[31][:31] + [99, 131]]  # shares 31 blocks: 496 tokens
@@ -126,7 +130,7 @@ def test_a_step_takes_the_cascade_only_past_its_thresholds():
 
 def test_the_thresholds_come_from_the_environment_of_the_worker():
     code = ("from pagoda.attention_backends import cpu_paged as c; "
-            "print(*c.cascade_thresholds(True), *c.cascade_thresholds(False))")
+            "print(*c.cascade_thresholds(True, True), *c.cascade_thresholds(False, False))")
     env = dict(os.environ, PAGODA_CASCADE_MIN_REQUESTS="3", PAGODA_CASCADE_MIN_TOKENS="48")
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True).stdout.split() == ["3", "48", "3", "48"]
