@@ -7,6 +7,7 @@ dependencies are missing (triton, flashinfer) costs nothing until it is asked fo
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -58,22 +59,38 @@ AUTO_ORDER = {
 }
 
 
-def get_attention_backend(name: str, device: torch.device,
-                          kv_cache_dtype: torch.dtype | None = None) -> type[AttentionBackend]:
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """What a backend must attend: the model's dtype and heads (one rank's, under tensor
+    parallelism: the group of query heads per KV head is the same)."""
+
+    dtype: torch.dtype
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+
+
+def get_attention_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | None = None,
+                          shape: AttentionShape | None = None) -> type[AttentionBackend]:
     """Returns the backend class called ``name`` ("auto": the fastest available that stores
-    the cache in ``kv_cache_dtype``, an fp8 dtype; None: the model's own).
+    the cache in ``kv_cache_dtype``, an fp8 dtype (None: the model's own), and attends in
+    ``shape``'s dtype and heads (None: not checked)).
 
     Raises:
-        ValueError: The name is unknown or the backend cannot run on ``device`` or with that
-            cache dtype (the message says why).
+        ValueError: The name is unknown or the backend cannot run on ``device``, with that
+            cache dtype or that shape (the message says why).
     """
     def stores(backend: type[AttentionBackend]) -> bool:
         return kv_cache_dtype is None or kv_cache_dtype in backend.fp8_kv_cache
 
+    def shape_problem(backend: type[AttentionBackend]) -> str | None:
+        return None if shape is None else backend.shape_problem(shape.dtype, shape.head_dim, shape.num_heads,
+                                                               shape.num_kv_heads)
+
     if name == "auto":
         for candidate in AUTO_ORDER.get(device.type, ("torch_sdpa", "naive")):
             backend = SUPPORTED_ATTENTION_BACKENDS[candidate]()
-            if backend.is_available(device) and stores(backend):
+            if backend.is_available(device) and stores(backend) and shape_problem(backend) is None:
                 return backend
         wanted = "" if kv_cache_dtype is None else f" with a {str(kv_cache_dtype).removeprefix('torch.')} KV cache"
         raise ValueError(f"no attention backend is available on {device}{wanted}")
@@ -83,6 +100,9 @@ def get_attention_backend(name: str, device: torch.device,
     backend = SUPPORTED_ATTENTION_BACKENDS[name]()
     if not backend.is_available(device):
         raise ValueError(f"attention backend {name!r} cannot run on {device}: {backend.unavailable_reason(device)}")
+    problem = shape_problem(backend)
+    if problem is not None:
+        raise ValueError(f"attention backend {name!r} cannot run this model: {problem}")
     if not stores(backend):
         able = [n for n, factory in SUPPORTED_ATTENTION_BACKENDS.items() if kv_cache_dtype in factory().fp8_kv_cache]
         raise ValueError(f"attention backend {name!r} does not support a {str(kv_cache_dtype).removeprefix('torch.')} "
@@ -90,4 +110,5 @@ def get_attention_backend(name: str, device: torch.device,
     return backend
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "SUPPORTED_ATTENTION_BACKENDS", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionShape", "SUPPORTED_ATTENTION_BACKENDS",
+           "get_attention_backend"]

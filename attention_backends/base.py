@@ -115,6 +115,11 @@ class AttentionBackend(ABC):
         """Why is_available is False on ``device`` (for the error message)."""
         return "it does not support this device"
 
+    @classmethod
+    def shape_problem(cls, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+        """Why the backend cannot attend in ``dtype`` with these heads, or None if it can."""
+        return None
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's key (and value) cache tensor."""
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)

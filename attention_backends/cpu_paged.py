@@ -15,8 +15,9 @@ context, tile products of 16 rows by 64 keys.
 Cascade attention: when every request of a step starts with the same blocks (a system
 prompt or few-shot prefix that the prefix cache shares) and enough requests share enough of
 them, the shared keys are attended once for all the step's query rows together (on the AMX
-tiles where they run, else by torch's CPU flash attention: the rows of every request against
-one matrix of keys), and each request's own keys by the kernel; the two parts merge by their
+tiles where they run; in float32 on such a CPU, by torch's CPU flash attention: the rows of
+every request against one matrix of keys; not at all by default on CPUs without AMX, where
+it lost to the kernel alone), and each request's own keys by the kernel; the two parts merge by their
 log-sum-exp. The kernel alone would read the shared blocks once per request (64 requests over
 a 512-token prefix: 64 passes over the same keys). One level, as vLLM's GPU cascade: a step
 whose requests do not all share the prefix runs as before.
@@ -47,7 +48,7 @@ def _env_int(name: str) -> int | None:
 # flash attention (float32 on a CPU whose tiles run), whose per-call costs are higher. Below
 # them the kernel alone is as fast. NOTE: by torch only where the tiles run: it paid on the
 # Intel Xeon with AMX whose decode waits on memory (64 x 512: 1.18x), and lost in every case
-# on an AMD Zen 5 without AMX (0.42-0.75x; the shared-prefix workload ran 1.4-1.6x faster
+# on an AMD Zen 5 without AMX (0.23-0.75x; the shared-prefix workload ran 1.4-1.6x faster
 # without it), where the kernel's repeated reads of the prefix come from the caches.
 CASCADE_ON_TILES = (8, 256)
 CASCADE_BY_TORCH = (32, 512)
@@ -61,7 +62,10 @@ CASCADE_MIN_TOKENS = _env_int("PAGODA_CASCADE_MIN_TOKENS")
 def cascade_thresholds(on_tiles: bool, tiles_run: bool) -> tuple[int, int]:
     """The (requests, shared tokens) from which a step takes the cascade, with its shared part
     on the tiles or by torch, on a CPU where the AMX tiles run or not."""
-    requests, tokens = CASCADE_ON_TILES if on_tiles else CASCADE_BY_TORCH if tiles_run else NEVER
+    overridden = CASCADE_MIN_REQUESTS is not None or CASCADE_MIN_TOKENS is not None
+    # NOTE: an override asks for the cascade by torch even where it is off by default; a
+    # variable it leaves unset keeps the by-torch value.
+    requests, tokens = (CASCADE_ON_TILES if on_tiles else CASCADE_BY_TORCH if tiles_run or overridden else NEVER)
     if CASCADE_MIN_REQUESTS is not None:
         requests = CASCADE_MIN_REQUESTS or 10**9  # 0: never
     if CASCADE_MIN_TOKENS is not None:

@@ -22,6 +22,19 @@ import torch
 from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+# What FlashInfer 0.7's kernels are built for: half-precision data, these head sizes, and, in the
+# decode kernel without tensor cores, these query heads per KV head (DISPATCH_GQA_GROUP_SIZE);
+# its tensor-core decode (the prefill kernel) takes any group.
+DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128, 256)
+PLAIN_DECODE_GROUPS = (1, 2, 3, 4, 6, 8, 16)
+
+
+def decode_uses_tensor_cores(group: int) -> bool:
+    """Whether the decode wrapper takes FlashInfer's tensor-core path: for groups of 4 and
+    more, where it is the faster one (as vLLM chooses), and for groups the plain kernel is
+    not built for (5 and 7: Qwen2.5's)."""
+    return group >= 4 or group not in PLAIN_DECODE_GROUPS
 
 
 @dataclass(slots=True)
@@ -132,12 +145,21 @@ class FlashInferAttentionBackend(AttentionBackend):
             return "FlashInfer's kernels need a CUDA device"
         return "the flashinfer-python package is not installed (pip install 'pagoda[flashinfer]')"
 
+    @classmethod
+    def shape_problem(cls, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+        if dtype not in DTYPES:
+            return f"FlashInfer's kernels take float16 and bfloat16, not {str(dtype).removeprefix('torch.')}"
+        if head_dim not in HEAD_DIMS:
+            return f"FlashInfer's kernels take head sizes {', '.join(map(str, HEAD_DIMS))}, not {head_dim}"
+        return None
+
     def _wrappers(self, device: torch.device):
         if self._decode_wrapper is None:
             import flashinfer
 
             workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+            self._decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_tensor_cores=decode_uses_tensor_cores(self.num_heads // self.num_kv_heads))
             self._prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         return self._decode_wrapper, self._prefill_wrapper
 

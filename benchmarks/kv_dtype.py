@@ -20,19 +20,20 @@ import torch
 from pagoda.benchmarks.cascade import _cases, _step
 
 CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name
 
 
 def run_kv_dtype_bench(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(0)
     print(f"decode attention, {args.layers} layers, {args.dtype} queries, {args.num_heads} heads / "
           f"{args.num_kv_heads} KV heads x {args.head_dim}; ms (best of {args.repeats}), ratio to the "
-          f"{args.dtype} cache")
+          f"{args.kv_cache_dtypes[0]} cache")
     for requests, context in args.cases:
         backend, (key_cache, value_cache), metadata, inputs = _step(requests, 0, context, args, gen)
         backend.prepare(metadata)
         baseline = None
         for name in args.kv_cache_dtypes:
-            dtype = CACHE_DTYPES[name] or key_cache.dtype
+            dtype = CACHE_DTYPES[ALIASES.get(name, name)] or key_cache.dtype
             caches = [(key_cache.to(dtype), value_cache.to(dtype)) for _ in range(args.layers)]
             backend.forward(*inputs, caches[0], metadata)
             seconds = float("inf")
@@ -50,12 +51,21 @@ def run_kv_dtype_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dtypes(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = [n for n in names if ALIASES.get(n, n) not in CACHE_DTYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown KV cache dtype {unknown[0]!r}; known: "
+                                         f"{', '.join([*CACHE_DTYPES, *ALIASES])}")
+    return names
+
+
 def add_kv_dtype_bench_parser(bench_sub) -> None:
     p = bench_sub.add_parser("kv-cache-dtype", help="decode attention over a bfloat16 KV cache against an fp8 one "
                                                     "(CPU)")
     p.add_argument("--cases", type=_cases, default=_cases("64x256,64x512,64x1024,16x2048,1x4096"),
                    help="requests x context tokens, comma-separated")
-    p.add_argument("--kv-cache-dtypes", type=lambda text: text.split(","), default=list(CACHE_DTYPES),
+    p.add_argument("--kv-cache-dtypes", type=_dtypes, default=list(CACHE_DTYPES),
                    help="comma-separated, the first is the baseline (default auto,fp8_e4m3,fp8_e5m2)")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=5)

@@ -27,7 +27,7 @@ class EngineConfig:
         kv_cache_dtype: The KV cache's element type: "auto" (the model's dtype), or
             "fp8_e4m3" ("fp8") or "fp8_e5m2": one byte an element, twice the tokens in the
             same memory and half the bytes read per decoded token, at fp8's precision
-            (scale 1: values saturate at 448 or 57344; docs/engine.md).
+            (scale 1: values saturate at 448 or 57344; docs/kv-cache.md).
         block_size: Tokens per KV cache block.
         kv_cache_bytes: Memory given to the KV cache; used when num_kv_blocks is None.
         num_kv_blocks: Exact number of KV blocks (overrides kv_cache_bytes).

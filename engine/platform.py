@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from pagoda.attention_backends import AttentionShape
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -35,6 +37,12 @@ _KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
 def resolve_kv_cache_dtype(kv_cache_dtype: str) -> torch.dtype | None:
     """The KV cache's fp8 dtype, or None for "auto" (the model's dtype)."""
     return _KV_CACHE_DTYPES.get(kv_cache_dtype)
+
+
+def attention_shape(model_config, dtype: torch.dtype) -> AttentionShape:
+    """What the attention backend must handle for this model (a ModelConfig) in ``dtype``."""
+    return AttentionShape(dtype, model_config.head_dim, model_config.num_attention_heads,
+                          model_config.num_key_value_heads)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -149,6 +149,36 @@ def test_backends_that_cannot_run_say_why():
     assert "flashinfer" not in [get_attention_backend("auto", torch.device("cpu")).name]
 
 
+def test_selection_checks_the_models_dtype_head_size_and_group(monkeypatch):
+    from pagoda.attention_backends import AUTO_ORDER, SUPPORTED_ATTENTION_BACKENDS, AttentionShape
+    from pagoda.attention_backends.flashinfer_attention import FlashInferAttentionBackend, decode_uses_tensor_cores
+    from pagoda.attention_backends.naive import NaiveAttentionBackend
+
+    problem = FlashInferAttentionBackend.shape_problem
+    assert problem(torch.float32, 64, 8, 2) == "FlashInfer's kernels take float16 and bfloat16, not float32"
+    assert problem(torch.bfloat16, 96, 8, 2) == "FlashInfer's kernels take head sizes 64, 128, 256, not 96"
+    assert problem(torch.bfloat16, 128, 28, 4) is None  # Qwen2.5-7B: 7 query heads per KV head
+    # The plain decode kernel is built for groups 1, 2, 3, 4, 6, 8 and 16; the tensor-core one
+    # takes the rest (5, 7: Qwen2.5) and the large groups, where it is faster.
+    assert [g for g in range(1, 17) if not decode_uses_tensor_cores(g)] == [1, 2, 3]
+
+    class HalfOnly(NaiveAttentionBackend):
+        name = "half_only"
+
+        @classmethod
+        def shape_problem(cls, dtype, head_dim, num_heads, num_kv_heads):
+            return None if dtype == torch.bfloat16 else "half only"
+
+    monkeypatch.setitem(SUPPORTED_ATTENTION_BACKENDS, "half_only", lambda: HalfOnly)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="'half_only' cannot run this model: half only"):
+        get_attention_backend("half_only", cpu, shape=AttentionShape(torch.float32, 64, 8, 2))
+    assert get_attention_backend("half_only", cpu, shape=AttentionShape(torch.bfloat16, 64, 8, 2)) is HalfOnly
+    monkeypatch.setitem(AUTO_ORDER, "cpu", ("half_only", "naive"))
+    assert get_attention_backend("auto", cpu, shape=AttentionShape(torch.float32, 64, 8, 2)).name == "naive"
+    assert get_attention_backend("auto", cpu, shape=AttentionShape(torch.bfloat16, 64, 8, 2)) is HalfOnly
+
+
 needs_amx_tiles = pytest.mark.skipif(
     not __import__("pagoda.attention_backends.cpu_kernels", fromlist=["x"]).packed_linear_amx_available(),
     reason="the prefill tiles run on CPUs whose AMX tiles run")

@@ -101,6 +101,14 @@ def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llam
     assert json.loads(output.read_text())[0] == {"engine": "machine", "event": "cpu", **cpu}
 
 
+def test_kv_cache_dtype_bench_times_each_cache_dtype(capsys):
+    assert main(["bench", "kv-cache-dtype", "--cases", "4x64", "--kv-cache-dtypes", "auto,fp8,fp8_e5m2",
+                 "--layers", "2", "--repeats", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["kv_cache_dtype"] for r in rows] == ["auto", "fp8", "fp8_e5m2"]
+    assert rows[0]["speedup"] == 1.0 and all(r["ms"] > 0 and r["cache_gb_per_s"] > 0 for r in rows)
+
+
 def test_cascade_bench_times_the_kernel_against_the_cascade(capsys):
     from pagoda.attention_backends import cpu_kernels, cpu_paged
 

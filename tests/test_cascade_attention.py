@@ -137,6 +137,11 @@ def test_the_thresholds_come_from_the_environment_of_the_worker():
     env["PAGODA_CASCADE_MIN_REQUESTS"] = "0"  # off
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True).stdout.split()[0] == str(10**9)
+    # One variable alone: the other keeps its value, by torch too where that is off by default.
+    env = dict(os.environ, PAGODA_CASCADE_MIN_REQUESTS="5")
+    env.pop("PAGODA_CASCADE_MIN_TOKENS", None)
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.split() == ["5", "256", "5", "512"]
 
 
 def test_generation_over_a_shared_prefix_is_the_same_with_and_without_cascade(tiny_llama_dir, monkeypatch):

@@ -8,7 +8,7 @@ import torch
 
 from helpers import MIXED, WIDE, run_step
 from pagoda import LLM, SamplingParams
-from pagoda.attention_backends import SUPPORTED_ATTENTION_BACKENDS, get_attention_backend
+from pagoda.attention_backends import SUPPORTED_ATTENTION_BACKENDS, cpu_kernels, cpu_paged, get_attention_backend
 from pagoda.attention_backends.base import to_cache_dtype
 from pagoda.engine.config import EngineConfig
 
@@ -28,9 +28,22 @@ def test_fp8_cache_matches_attention_over_rounded_keys_and_values(backend, cache
         torch.testing.assert_close(out.float(), reference, atol=tol, rtol=tol)
 
 
-def test_fp8_cache_of_a_shared_prefix_takes_the_plain_kernel():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_fp8_cache_with_the_default_models_heads(cache_dtype, dtype):
+    """9 query heads over 3 KV heads of 64: the kernels' specialised cases (bfloat16), and
+    torch's code under cpu_paged (float16, which has no kernel)."""
+    for seq_lens, query_lens in (*MIXED, WIDE):
+        out, reference = run_step("cpu_paged", 16, seq_lens, query_lens, dtype=dtype, num_heads=9, num_kv_heads=3,
+                                  head_dim=64, cache_dtype=cache_dtype)
+        torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_cache_of_a_shared_prefix_takes_the_plain_kernel(monkeypatch):
     """With an fp8 cache cpu_paged neither cascades nor uses the tiles (they read the model's
-    dtype): 40 requests sharing 512 tokens are still right."""
+    dtype), even with the cascade forced: 40 requests sharing 512 tokens are still right."""
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 1)
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 1)
     seq_lens = [512 + 3 + i for i in range(40)]
     out, reference = run_step("cpu_paged", 16, seq_lens, [1] * 40, dtype=torch.bfloat16, shared_blocks=32,
                               cache_dtype=torch.float8_e4m3fn)
@@ -57,7 +70,8 @@ def test_values_past_the_fp8_range_saturate(backend, cache_dtype):
 
 
 def test_backend_selection_respects_the_cache_dtype(monkeypatch):
-    assert get_attention_backend("auto", CPU, torch.float8_e5m2).name == "cpu_paged"
+    expected = "cpu_paged" if cpu_kernels.available() else "torch_sdpa"
+    assert get_attention_backend("auto", CPU, torch.float8_e5m2).name == expected
 
     from pagoda.attention_backends.naive import NaiveAttentionBackend
 
@@ -84,6 +98,7 @@ def test_fp8_cache_through_the_engine_prefix_cache_swap_and_forks(tiny_llama_dir
     base = dict(enforce_eager=True, dtype="bfloat16", max_model_len=96, block_size=4, kv_cache_dtype="fp8_e4m3")
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     forked = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)
+    greedy_forks = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
     prompts = prompts_sharing_a_prefix()
     with LLM(str(tiny_llama_dir), kv_cache_bytes=1 << 18, enable_prefix_caching=False, **base) as llm:
         fp8_blocks = llm.engine.kv_cache_size.num_blocks
@@ -101,11 +116,14 @@ def test_fp8_cache_through_the_engine_prefix_cache_swap_and_forks(tiny_llama_dir
         assert stats.num_swapped_out > 0 and stats.prefix_cache_hits > 0
         forks = llm.generate([prompts[0]], forked)[0]
         assert stats.num_forks > 0
+        # Copy-on-write of a shared partial block: both greedy samples continue as one request.
+        same = llm.generate([prompts[1]], greedy_forks)[0]
         cache.check_invariants()
         assert cache.get_num_free_blocks() == cache.num_blocks
     assert first.outputs[0].token_ids == expected[0]
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert [o.token_ids for o in forks.outputs] == expected_forks
+    assert [o.token_ids for o in same.outputs] == [expected[1]] * 2
 
 
 # Perplexity of the real model over a text the tests ship, by the KV cache's dtype.
@@ -129,7 +147,7 @@ def perplexity(llm) -> float:
 
 def test_fp8_cache_costs_the_default_model_little_perplexity():
     """SmolLM2-135M in bfloat16: e4m3 within 3% of the bfloat16 cache's perplexity, e5m2
-    (two mantissa bits) within 10% (docs/engine.md gives the measured figures)."""
+    (two mantissa bits) within 10% (docs/kv-cache.md gives the measured figures)."""
     results = {}
     for kv_cache_dtype in ("auto", "fp8_e4m3", "fp8_e5m2"):
         with LLM(dtype="bfloat16", enforce_eager=True, max_model_len=512, kv_cache_dtype=kv_cache_dtype) as llm:

@@ -38,7 +38,7 @@ from pagoda.engine.messages import WorkerInit
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_tokenizer, resolve_model
 from pagoda.engine.outputs import RequestOutput
-from pagoda.engine.platform import resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.engine.platform import attention_shape, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine.reasoning import REASONING_PARSERS, ReasoningParser
 from pagoda.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -82,11 +82,15 @@ class AsyncEngine:
         check_policy_names(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
         self.policy = Policy(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
         device = resolve_device(config.device)
-        # NOTE: fails early on a bad name, or a backend that cannot store the cache's dtype.
-        get_attention_backend(config.attention_backend, device, resolve_kv_cache_dtype(config.kv_cache_dtype))
+        # NOTE: fails early on a bad name, or a backend that cannot store the cache's dtype
+        # (before the model is found), or cannot attend with the model's heads (after).
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype)
+        get_attention_backend(config.attention_backend, device, kv_dtype)
         model_dir = await asyncio.to_thread(resolve_model, config.model)
         logger.info("model: %s", model_dir)
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
+        get_attention_backend(config.attention_backend, device, kv_dtype,
+                              attention_shape(model_config, resolve_dtype(config.dtype, device)))
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         self.output_processor = OutputProcessor(self.tokenizer)
         if config.reasoning_parser is not None:
@@ -94,7 +98,7 @@ class AsyncEngine:
             self._reasoning = (parser, self.tokenizer.encode(parser.start, add_special_tokens=False),
                                tuple(self.tokenizer.encode(parser.end, add_special_tokens=False)))
         draft_dir, draft_config = await asyncio.to_thread(self._draft_model, model_config)
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype) or resolve_dtype(config.dtype, device)
+        kv_dtype = kv_dtype or resolve_dtype(config.dtype, device)
         self.kv_cache_size = kv = size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config)
         if kv.limited_by_window:
             logger.warning("limiting max_model_len to the sliding window (%d tokens)", kv.max_model_len)

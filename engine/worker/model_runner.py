@@ -25,7 +25,7 @@ from pagoda.engine.model_loader import load_weights
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
-from pagoda.engine.platform import resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.engine.platform import attention_shape, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine.worker.prompt_scoring import score_prompts
 from pagoda.engine.worker.sampler import Sampler
 
@@ -56,7 +56,8 @@ class ModelRunner:
             if attention_backend not in ("auto", "cpu_paged"):
                 raise ValueError(f"batch_invariant runs the cpu_paged attention backend, not {attention_backend!r}")
             attention_backend = "cpu_paged"
-        backend_cls = get_attention_backend(attention_backend, self.device, fp8_cache)
+        backend_cls = get_attention_backend(attention_backend, self.device, fp8_cache,
+                                            attention_shape(model_config, self.dtype))
         self.model, self.attention_backend = self._load_model(init.model_dir, model_config, backend_cls, init,
                                                               progress)
         self.kv_caches, self.cpu_caches = self._allocate_caches(self.attention_backend, model_config, init)
