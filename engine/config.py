@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 from pagoda.engine.speculative import SpeculativeConfig
@@ -37,7 +38,9 @@ class EngineConfig:
         enable_chunked_prefill: Split long prompts over several steps.
         seed: Seed of the worker's default random generator.
         attention_backend: Name of the attention backend, or "auto".
-        device: "cpu", "cuda" or "auto".
+        device: "cpu", "cuda", "cuda:N" or "auto". On CUDA, tensor-parallel rank r runs on
+            the GPU r past the one named, and data-parallel replica i starts
+            tensor_parallel_size x i GPUs further on.
         num_threads: Torch threads in the worker; None keeps torch's default.
         tensor_parallel_size: Worker processes (ranks) that split the model between them.
         distributed_executor_backend: How the ranks are started: "mp" (local processes)
@@ -136,8 +139,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         # NOTE: the attention backend's name is checked against the backend registry when
         # the engine starts, so the list of names lives in one place.
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(self.device)):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be a non-negative integer; got {self.swap_space_bytes!r}")
         if self.preemption_mode not in PREEMPTION_MODES:

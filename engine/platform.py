@@ -11,13 +11,25 @@ from pagoda.attention_backends import AttentionShape
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(device: str) -> torch.device:
-    """"auto" is CUDA when available, else the CPU."""
+def resolve_device(device: str, offset: int = 0) -> torch.device:
+    """"auto" is CUDA when available, else the CPU. On CUDA, ``offset`` GPUs past the one
+    named ("cuda" is "cuda:0"): a tensor-parallel rank's own GPU, ``cuda:{first + rank}``.
+
+    Raises:
+        ValueError: CUDA was asked for and torch sees none, or fewer GPUs than that one.
+    """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
-    return torch.device(device)
+    if not device.startswith("cuda"):
+        return torch.device(device)
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but torch sees no CUDA device")
+    index = (torch.device(device).index or 0) + offset
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"device {device!r} with offset {offset} needs cuda:{index}, but torch sees {count} "
+                         f"GPU{'s' if count != 1 else ''} (tensor_parallel_size x data_parallel_size GPUs are used)")
+    return torch.device("cuda", index)
 
 
 @functools.cache

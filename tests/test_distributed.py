@@ -44,6 +44,30 @@ def test_heads_are_split_by_kv_groups_or_replicated():
         head_share(6, 2, 0, 4)
 
 
+def test_each_rank_and_replica_gets_its_own_gpu(monkeypatch):
+    """cuda:{first + rank} per tensor-parallel rank, tensor_parallel_size GPUs per data-parallel
+    replica; asking past the GPUs torch sees is a clear error (the rule, on the CPU: torch's
+    view of the GPUs is replaced)."""
+    import torch
+
+    from pagoda.engine.frontend.data_parallel import replica_device
+    from pagoda.engine.platform import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert resolve_device("cuda", 1) == torch.device("cuda", 1)
+    assert resolve_device("cuda:2", 1) == torch.device("cuda", 3)
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    assert resolve_device("cpu", 3) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"needs cuda:4, but torch sees 4 GPUs"):
+        resolve_device("cuda:2", 2)
+    config = EngineConfig(device="cuda", tensor_parallel_size=2, data_parallel_size=2)
+    assert [replica_device(config, i) for i in range(2)] == ["cuda:0", "cuda:2"]
+    assert replica_device(EngineConfig(device="cpu", data_parallel_size=2), 1) == "cpu"
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+        EngineConfig(device="gpu0")
+
+
 def test_tp2_matches_transformers_under_swap_preemption(tiny_llama_dir, expected):
     num_blocks = sum(-(-len(p) // 4) for p in PROMPTS) + 1
     with LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=num_blocks, max_model_len=64, preemption_mode="swap",

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from pagoda.engine.exceptions import WorkerDiedError
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput, WorkerInit, WorkerReady
+from pagoda.engine.platform import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ class RayWorkerGroup:
             raise WorkerDiedError("the ray executor needs Ray: pip install 'pagoda[ray]'") from exc
         if not ray.is_initialized():
             ray.init(log_to_driver=False)
-        on_gpu = self._init.config.device == "cuda"
+        # NOTE: Ray shows each actor its own GPU only (as cuda:0): ranks take no offset there.
+        on_gpu = resolve_device(self._init.config.device).type == "cuda"
         bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
         self._placement_group = placement_group([bundle] * self._world_size, strategy="PACK")
         await self._placement_group.ready()

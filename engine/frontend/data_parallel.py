@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 import pluggy
+import torch
 
 from pagoda.engine.core.engine_core import StepStats
 from pagoda.engine.frontend.async_engine import AsyncEngine
@@ -23,6 +24,18 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.frontend.output_processor import RequestStream
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
+
+
+def replica_device(config: EngineConfig, replica: int) -> str:
+    """Replica ``replica``'s device: on CUDA, its own GPUs, tensor_parallel_size of them from
+    ``cuda:{first + tensor_parallel_size * replica}``; on the CPU the same for all."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not device.startswith("cuda"):
+        return device
+    first = torch.device(device).index or 0
+    return f"cuda:{first + config.tensor_parallel_size * replica}"
 
 
 @dataclass(slots=True)
@@ -88,8 +101,8 @@ class DataParallelEngine:
             raise ValueError("a plugin_manager cannot be shared by data-parallel replicas; name plugins in the "
                              "config instead")
         self.config = config
-        self.replicas = [AsyncEngine(replace(config, data_parallel_size=1))
-                         for _ in range(config.data_parallel_size)]
+        self.replicas = [AsyncEngine(replace(config, data_parallel_size=1, device=replica_device(config, i)))
+                         for i in range(config.data_parallel_size)]
         self.router = Router(self.replicas)
         self._owner: dict[str, AsyncEngine] = {}
         self._ids = itertools.count()

@@ -6,7 +6,14 @@ which the engine process reads too.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+
+# The followers wait in the step broadcast for as long as the server is idle: no timeout that
+# an idle night could reach (NCCL's watchdog and gloo's default give up after 10 and 30 minutes).
+OBJECT_BROADCAST_TIMEOUT = timedelta(days=365)
+
 
 class TensorParallelGroup:
     """This rank's view of the tensor-parallel group (a no-op when world_size is 1).
@@ -14,11 +21,13 @@ class TensorParallelGroup:
     Args:
         rank: This rank.
         world_size: Number of ranks.
+        object_group: The gloo group (CPU) that carries the steps' Python objects.
     """
 
-    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, object_group=None) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.object_group = object_group
 
     @property
     def is_parallel(self) -> bool:
@@ -45,7 +54,7 @@ class TensorParallelGroup:
         if self.world_size == 1:
             return obj
         holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src=0)
+        torch.distributed.broadcast_object_list(holder, src=0, group=self.object_group)
         return holder[0]
 
     def synchronize(self) -> None:
@@ -62,8 +71,15 @@ class TensorParallelGroup:
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str | None,
                          device: torch.device) -> TensorParallelGroup:
-    """Joins the process group (gloo on the CPU, NCCL on CUDA) when there is more than one rank."""
-    if world_size > 1:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    return TensorParallelGroup(rank, world_size)
+    """Joins the process group (gloo on the CPU, NCCL on this rank's GPU on CUDA) when there is
+    more than one rank, plus a gloo group without a timeout for the steps' objects (on CUDA
+    they would otherwise go through NCCL, whose watchdog ends an idle server's followers)."""
+    if world_size == 1:
+        return TensorParallelGroup(rank, world_size)
+    if device.type == "cuda":
+        torch.distributed.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
+                                             device_id=device)
+    else:
+        torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    objects = torch.distributed.new_group(backend="gloo", timeout=OBJECT_BROADCAST_TIMEOUT)
+    return TensorParallelGroup(rank, world_size, objects)

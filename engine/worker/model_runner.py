@@ -43,7 +43,12 @@ class ModelRunner:
     def __init__(self, init: WorkerInit, progress: Callable[[str], None] | None = None) -> None:
         progress = progress or (lambda message: None)
         config, model_config = init.config, init.model_config
-        self.device = resolve_device(config.device)
+        # NOTE: on CUDA each tensor-parallel rank its own GPU; Ray shows an actor only its own
+        # (as cuda:0), so ranks take no offset there.
+        offset = init.rank if config.distributed_executor_backend == "mp" else 0
+        self.device = resolve_device(config.device, offset)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         fp8_cache = resolve_kv_cache_dtype(config.kv_cache_dtype)
         self.kv_cache_dtype = fp8_cache or self.dtype
