@@ -98,7 +98,10 @@ def _kernels(interpret: bool):
         for start in range(0, context_end, TILE_N):
             cols = start + tl.arange(0, TILE_N)
             col_mask = cols < context_end
-            blocks = tl.load(block_tables_ptr + request * stride_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
+            # NOTE: in int64: block * stride passes 2^31 once one layer's cache holds that many
+            # elements (4 GiB in bfloat16), well within a GPU's memory.
+            blocks = tl.load(block_tables_ptr + request * stride_table + cols // BLOCK_SIZE, mask=col_mask,
+                             other=0).to(tl.int64)
             offsets = cols % BLOCK_SIZE
             kv_mask = col_mask[:, None] & dim_mask[None, :]
             k = tl.load(key_cache_ptr + blocks[:, None] * stride_kc_block + offsets[:, None] * stride_kc_slot

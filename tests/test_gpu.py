@@ -83,6 +83,47 @@ def test_sampling_features_run_on_cuda(tiny_llama_dir):
     assert all(len(o.logprobs) == len(o.token_ids) >= 4 for o in first.outputs)
 
 
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_blocks_past_two_to_the_31_elements(backend):
+    """A layer's cache of more than 2^31 elements (4 GiB per tensor in bfloat16): requests whose
+    blocks sit at its end are read at the right place (the offsets are 64-bit)."""
+    needs(backend)
+    from pagoda.attention_backends import AttentionMetadata, get_attention_backend
+
+    block_size, kv_heads, head_dim, heads = 16, 2, 64, 4
+    num_blocks = 2**31 // (block_size * kv_heads * head_dim) + 64
+    device = torch.device("cuda")
+    naive = get_attention_backend("naive", device)(heads, kv_heads, head_dim, head_dim**-0.5)
+    kernel = get_attention_backend(backend, device)(heads, kv_heads, head_dim, head_dim**-0.5)
+    cache = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+             for _ in range(2)]
+    seq_lens, query_lens = [40, 70], [1, 6]
+    tables = torch.tensor([[num_blocks - 10 + j for j in range(5)], [num_blocks - 5 + j for j in range(5)]],
+                          dtype=torch.int32, device=device)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    total = sum(seq_lens)
+    slots = torch.cat([tables[i, :].long().repeat_interleave(block_size)[:s] * block_size
+                       + torch.arange(s, device=device) % block_size for i, s in enumerate(seq_lens)])
+    context = [slots[: seq_lens[0] - 1], slots[seq_lens[0]: total - 6]]
+    keys = torch.randn(total, kv_heads, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
+    values = torch.randn(total, kv_heads, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
+    earlier = torch.cat(context)
+    naive.write_kv(keys[: len(earlier)], values[: len(earlier)], cache, earlier)
+    new_slots = torch.cat([slots[seq_lens[0] - 1: seq_lens[0]], slots[total - 6:]])
+    metadata = AttentionMetadata(
+        num_tokens=7, query_lens=query_lens, seq_lens=seq_lens,
+        query_start_loc=torch.tensor([0, 1, 7], dtype=torch.int32, device=device),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables=tables,
+        slot_mapping=new_slots, block_size=block_size, max_query_len=6, max_seq_len=70)
+    query = torch.randn(7, heads, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
+    new_k, new_v = keys[len(earlier):], values[len(earlier):]
+    naive.prepare(metadata)
+    expected = naive.forward(query, new_k, new_v, cache, metadata)
+    kernel.prepare(metadata)
+    got = kernel.forward(query, new_k, new_v, cache, metadata)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
 # NOTE: FlashInfer does not take MIXED's 16-wide heads; it is checked on 64/128-wide ones below.
 @pytest.mark.parametrize("backend", ["naive", "torch_sdpa", "triton"])
 @pytest.mark.parametrize("seq_lens,query_lens", MIXED)
