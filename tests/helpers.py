@@ -12,6 +12,7 @@ the import path, see pyproject.toml).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,9 @@ def make_tiny_model_dir(
             (not transformers' 1 and 0) so that parity tests see them.
         max_shard_size: Passed to ``save_pretrained`` (e.g. ``"5MB"``) to write
             a sharded checkpoint with ``model.safetensors.index.json``.
-        tokenizer_dir: Where to copy tokenizer files from; defaults to the
-            converted default model, ``resolve_model(None)``.
+        tokenizer_dir: Where to copy tokenizer files from; defaults to
+            ``$PAGODA_TEST_TOKENIZER_DIR``, else the converted default model,
+            ``resolve_model(None)``.
         **config_overrides: Fields of the transformers config to override,
             e.g. ``num_hidden_layers=3`` or ``rope_scaling={...}``.
 
@@ -113,6 +115,10 @@ def make_tiny_model_dir(
         save_kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(str(path), **save_kwargs)
 
+    # NOTE: PAGODA_TEST_TOKENIZER_DIR stands in for the default model where it cannot be
+    # installed (tests/run_gpu_checks.sh on a machine without network).
+    if tokenizer_dir is None and os.environ.get("PAGODA_TEST_TOKENIZER_DIR"):
+        tokenizer_dir = os.environ["PAGODA_TEST_TOKENIZER_DIR"]
     source = Path(tokenizer_dir) if tokenizer_dir is not None else resolve_model(None)
     for file in source.iterdir():
         if file.is_file() and file.name not in _NOT_TOKENIZER and ".safetensors" not in file.name:
