@@ -87,17 +87,22 @@ def _cases(text: str) -> list[tuple[int, int]]:
     return [tuple(int(n) for n in case.split("x")) for case in text.split(",")]
 
 
+def add_decode_step_args(p, repeats: int) -> None:
+    """The flags of an in-process decode step's shape (SmolLM2-135M's by default)."""
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-heads", type=int, default=9)
+    p.add_argument("--num-kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+
+
 def add_cascade_bench_parser(bench_sub) -> None:
     p = bench_sub.add_parser("cascade", help="decode attention over a shared prefix, with and without cascade "
                                              "attention (CPU)")
     p.add_argument("--cases", type=_cases, default=_cases("64x512,64x256,64x128,32x512,16x512,8x512,8x256,2x1024"),
                    help="requests x shared tokens, comma-separated (shared tokens: a multiple of --block-size)")
     p.add_argument("--own", type=int, default=88, help="tokens of each request's own after the prefix")
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-heads", type=int, default=9)
-    p.add_argument("--num-kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
+    add_decode_step_args(p, repeats=3)
     p.set_defaults(func=run_cascade_bench)

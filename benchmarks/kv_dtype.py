@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pagoda.benchmarks.cascade import _cases, _step
+from pagoda.benchmarks.cascade import _cases, _step, add_decode_step_args
 
 CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name
@@ -67,11 +67,5 @@ def add_kv_dtype_bench_parser(bench_sub) -> None:
                    help="requests x context tokens, comma-separated")
     p.add_argument("--kv-cache-dtypes", type=_dtypes, default=list(CACHE_DTYPES),
                    help="comma-separated, the first is the baseline (default auto,fp8_e4m3,fp8_e5m2)")
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-heads", type=int, default=9)
-    p.add_argument("--num-kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
+    add_decode_step_args(p, repeats=5)
     p.set_defaults(func=run_kv_dtype_bench)
