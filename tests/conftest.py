@@ -28,3 +28,15 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1, **TINY_INIT)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own loading of the default model's GGUF, in float32: the oracle of the
+    default-model tests, loaded once for all of them (it takes about 15 s)."""
+    from transformers import AutoModelForCausalLM
+
+    from pagoda.engine.model_loader import default_gguf_path
+
+    gguf = default_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()

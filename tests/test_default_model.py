@@ -20,13 +20,12 @@ PROMPTS = [
 ]
 
 
-def test_greedy_matches_transformers_gguf_loading():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_greedy_matches_transformers_gguf_loading(hf_default_model):
+    from transformers import AutoTokenizer
 
     gguf = default_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=DEFAULT_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=DEFAULT_GGUF_FILE,
-                                                 dtype=torch.float32).eval()
+    model = hf_default_model
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     expected = []
     with torch.no_grad():
@@ -34,7 +33,6 @@ def test_greedy_matches_transformers_gguf_loading():
             out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)
             expected.append(out[0, len(ids):].tolist())
-    del model
     # NOTE: eager here (the tiny models check the compiled path against the oracle; the CLI
     # test below runs the default model compiled, in bfloat16).
     with LLM(dtype="float32", max_model_len=512, block_size=16, enforce_eager=True) as llm:

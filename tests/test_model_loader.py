@@ -307,14 +307,10 @@ def test_unpermute_inverts_llama_cpp_permute(num_heads: int, head_dim: int) -> N
 
 
 @pytest.mark.slow
-def test_default_model_matches_transformers_gguf_loading(default_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_default_model_matches_transformers_gguf_loading(default_dir: Path, hf_default_model) -> None:
     gguf_path = default_gguf_path()
     assert gguf_path.name == DEFAULT_GGUF_FILE
-    oracle = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    oracle = hf_default_model
     expected = oracle.state_dict()
     ours = dict(load_weights(default_dir))
     assert set(ours) == set(expected) - {"lm_head.weight"}
