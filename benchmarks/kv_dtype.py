@@ -18,9 +18,10 @@ import time
 import torch
 
 from pagoda.benchmarks.cascade import _cases, _step, add_decode_step_args
+from pagoda.engine.config import KV_CACHE_DTYPES
+from pagoda.engine.platform import resolve_kv_cache_dtype
 
-CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name
+DEFAULT_DTYPES = ["auto", "fp8_e4m3", "fp8_e5m2"]
 
 
 def run_kv_dtype_bench(args: argparse.Namespace) -> int:
@@ -33,7 +34,7 @@ def run_kv_dtype_bench(args: argparse.Namespace) -> int:
         backend.prepare(metadata)
         baseline = None
         for name in args.kv_cache_dtypes:
-            dtype = CACHE_DTYPES[ALIASES.get(name, name)] or key_cache.dtype
+            dtype = resolve_kv_cache_dtype(name) or key_cache.dtype
             caches = [(key_cache.to(dtype), value_cache.to(dtype)) for _ in range(args.layers)]
             backend.forward(*inputs, caches[0], metadata)
             seconds = float("inf")
@@ -53,10 +54,9 @@ def run_kv_dtype_bench(args: argparse.Namespace) -> int:
 
 def _dtypes(text: str) -> list[str]:
     names = text.split(",")
-    unknown = [n for n in names if ALIASES.get(n, n) not in CACHE_DTYPES]
+    unknown = [n for n in names if n not in KV_CACHE_DTYPES]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown KV cache dtype {unknown[0]!r}; known: "
-                                         f"{', '.join([*CACHE_DTYPES, *ALIASES])}")
+        raise argparse.ArgumentTypeError(f"unknown KV cache dtype {unknown[0]!r}; known: {', '.join(KV_CACHE_DTYPES)}")
     return names
 
 
@@ -65,7 +65,7 @@ def add_kv_dtype_bench_parser(bench_sub) -> None:
                                                     "(CPU)")
     p.add_argument("--cases", type=_cases, default=_cases("64x256,64x512,64x1024,16x2048,1x4096"),
                    help="requests x context tokens, comma-separated")
-    p.add_argument("--kv-cache-dtypes", type=_dtypes, default=list(CACHE_DTYPES),
+    p.add_argument("--kv-cache-dtypes", type=_dtypes, default=DEFAULT_DTYPES,
                    help="comma-separated, the first is the baseline (default auto,fp8_e4m3,fp8_e5m2)")
     add_decode_step_args(p, repeats=5)
     p.set_defaults(func=run_kv_dtype_bench)
