@@ -15,6 +15,7 @@ def add_bench_parser(sub) -> None:
     from pagoda.benchmarks.scoring import add_scoring_bench_parser
     from pagoda.benchmarks.serve import add_serve_bench_parser
     from pagoda.benchmarks.speculative import add_speculative_bench_parser
+    from pagoda.benchmarks.step_time import add_step_time_bench_parser
     from pagoda.benchmarks.throughput import add_throughput_parser
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -31,3 +32,4 @@ def add_bench_parser(sub) -> None:
     add_scoring_bench_parser(bench_sub)
     add_serve_bench_parser(bench_sub)
     add_speculative_bench_parser(bench_sub)
+    add_step_time_bench_parser(bench_sub)

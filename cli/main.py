@@ -46,8 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.benchmarks.cli import add_bench_parser
     from pagoda.server.cli import add_serve_parser
 
+    from pagoda.simulator.cli import add_simulate_parser
+
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 

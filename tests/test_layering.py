@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_FOLDERS = ("engine", "plugins", "attention_backends", "server", "cli", "benchmarks")
+PACKAGE_FOLDERS = ("engine", "plugins", "attention_backends", "server", "cli", "benchmarks", "simulator")
 
 
 def _module_name(path: Path) -> str:
@@ -86,7 +86,11 @@ RULES = [
      "the modules both processes read are leaves of the engine"),
     (["pagoda.plugins", "pagoda.attention_backends"], [E, "pagoda.server", "pagoda.cli", "pagoda.benchmarks"],
      "plugins and attention backends depend on nothing of ours above them"),
-    ([E], ["pagoda.server", "pagoda.cli", "pagoda.benchmarks"], "the engine never imports the server or the CLI"),
+    ([E], ["pagoda.server", "pagoda.cli", "pagoda.benchmarks", "pagoda.simulator"],
+     "the engine never imports the server, the CLI or the tools built on it"),
+    (["pagoda.simulator"], ["torch", f"{E}.frontend", f"{E}.worker", f"{E}.models", f"{E}.executor",
+                            "pagoda.attention_backends", "pagoda.server"],
+     "the simulator runs the engine core alone, in place of the worker, without torch"),
 ]
 
 
@@ -145,7 +149,8 @@ def test_no_import_circles():
 def test_the_core_runs_without_torch():
     # NOTE: what the rules above imply, checked by running it: no shared module pulls torch in.
     code = ("import sys\nimport pagoda.engine.core.engine_core, pagoda.engine.core.kv_sizing, "
-            "pagoda.engine.core.plugin_manager, pagoda.plugins\n"
+            "pagoda.engine.core.plugin_manager, pagoda.plugins, pagoda.simulator.cli, pagoda.simulator.simulator, "
+            "pagoda.simulator.report\n"
             "print(sorted(m for m in ('torch',) if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert result.returncode == 0, result.stderr

@@ -31,6 +31,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class StepObserver(Protocol):
+    """Watches the step loop from outside (benchmarks: ``pagoda bench step-time``)."""
+
+    def sent(self, scheduler_output: SchedulerOutput) -> None:
+        """A step went to the worker (called before the next schedule())."""
+
+    def answered(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> None:
+        """The worker answered a step (called before its results are applied)."""
+
+
 class OutputSink(Protocol):
     """Where the core sends what happens to requests (the frontend's OutputProcessor)."""
 
@@ -105,6 +115,8 @@ class EngineCore:
         # (when the last worker death was noticed, when its replacement was ready), time.time()
         self.last_restart: tuple[float, float] | None = None
         self.step_stats = StepStats()
+        #: Told of every step sent and answered, when set.
+        self.step_observer: StepObserver | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -199,6 +211,8 @@ class EngineCore:
                 sent = scheduler_output.has_work
                 if sent:
                     worker.send(scheduler_output)
+                    if self.step_observer is not None:
+                        self.step_observer.sent(scheduler_output)
                     in_flight.append((scheduler_output, was_idle))
                     stats.max_in_flight = max(stats.max_in_flight, len(in_flight))
                     was_idle = False
@@ -211,6 +225,8 @@ class EngineCore:
                     continue  # keep the worker's queue full before waiting for a result
             runner_output = await worker.recv()
             step, after_idle = in_flight.popleft()
+            if self.step_observer is not None:
+                self.step_observer.answered(step, runner_output)
             start = time.perf_counter()
             if runner_output.error is not None:
                 self._fail_step(step, runner_output.error, [s for s, _ in in_flight])

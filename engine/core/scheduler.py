@@ -18,7 +18,9 @@ from pagoda.engine.reasoning import ends_with
 from pagoda.plugins.views import KVCacheView, StepView
 
 if TYPE_CHECKING:
+    from pagoda.engine.config import EngineConfig
     from pagoda.engine.core.grammar import BitmaskFiller
+    from pagoda.engine.core.kv_sizing import KVCacheSize
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,24 @@ class Scheduler:
         self._cursor = 0
         self.stats = SchedulerStats(
             accepted_per_position=[0] * (speculative.num_speculative_tokens if speculative else 0))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, kv: KVCacheSize, policy: Policy,
+                    bitmasks: BitmaskFiller | None = None) -> Scheduler:
+        """The scheduler an engine of this configuration runs, over a cache of ``kv``'s
+        size (the engine's and the simulator's are built here alike)."""
+        return cls(
+            KVCacheManager(kv.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                           num_cpu_blocks=kv.num_cpu_blocks, evictor=policy.make_evictor()),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=kv.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode,
+            policy=policy,
+            bitmasks=bitmasks,
+            speculative=config.speculative_config,
+        )
 
     # -- requests in and out ---------------------------------------------------------
 

@@ -25,7 +25,6 @@ from pagoda.attention_backends import get_attention_backend
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.engine_core import EngineCore, StepStats
 from pagoda.engine.core.grammar import BitmaskFiller, GrammarCompiler
-from pagoda.engine.core.kv_cache_manager import KVCacheManager
 from pagoda.engine.core.kv_sizing import KVCacheSize, size_kv_cache
 from pagoda.engine.core.plugin_manager import check_policy_names, create_plugin_manager, plugin_names
 from pagoda.engine.core.policy import Policy
@@ -106,18 +105,7 @@ class AsyncEngine:
                     "max_model_len %d; swap space %d blocks", kv.num_blocks, kv.block_size, kv.num_tokens,
                     kv.num_bytes / 1024**3, str(kv_dtype).removeprefix("torch."), kv.bytes_per_block // kv.block_size,
                     kv.max_model_len, kv.num_cpu_blocks)
-        scheduler = Scheduler(
-            KVCacheManager(kv.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                           num_cpu_blocks=kv.num_cpu_blocks, evictor=self.policy.make_evictor()),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=kv.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            preemption_mode=config.preemption_mode,
-            policy=self.policy,
-            bitmasks=BitmaskFiller(model_config.vocab_size),
-            speculative=config.speculative_config,
-        )
+        scheduler = Scheduler.from_config(config, kv, self.policy, BitmaskFiller(model_config.vocab_size))
         init = WorkerInit(config, model_dir, model_config, kv.num_blocks, kv.max_model_len, kv.num_cpu_blocks,
                           draft_model_dir=draft_dir, draft_model_config=draft_config)
         self.core = EngineCore(config, scheduler, partial(create_executor, init, config), self.output_processor,

@@ -3,7 +3,7 @@
 ``--data-parallel-size N`` runs N full engines (each with its own scheduler, KV cache and
 workers, tensor-parallel or not) in one process; the server and the offline LLM class talk
 to a :class:`DataParallelEngine` exactly as to one engine. Each new request goes to a
-replica chosen by :class:`Router`: the replica whose prefix cache holds the longest prefix
+replica chosen by :class:`~pagoda.engine.core.router.Router`: the replica whose prefix cache holds the longest prefix
 of the request's prompt, as long as its load (running plus waiting requests) is within a
 small slack of the least loaded replica's; otherwise the least loaded one.
 """
@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pluggy
 import torch
 
 from pagoda.engine.core.engine_core import StepStats
+from pagoda.engine.core.router import Router
 from pagoda.engine.frontend.async_engine import AsyncEngine
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.frontend.output_processor import RequestStream
@@ -36,55 +37,6 @@ def replica_device(config: EngineConfig, replica: int) -> str:
         return device
     first = torch.device(device).index or 0
     return f"cuda:{first + config.tensor_parallel_size * replica}"
-
-
-@dataclass(slots=True)
-class RouterStats:
-    """How requests were routed.
-
-    Attributes:
-        num_routed: Requests routed.
-        num_by_prefix: Sent to the replica holding their longest cached prefix.
-        per_replica: Requests sent to each replica.
-    """
-
-    num_routed: int = 0
-    num_by_prefix: int = 0
-    per_replica: list[int] | None = None
-
-
-class Router:
-    """Picks a replica for each request (see the module docstring).
-
-    Args:
-        replicas: The engines.
-        slack: Extra load (requests) a replica may carry over the least loaded one and
-            still get a request for its cached prefix; None: a quarter of the least
-            load, at least 2.
-    """
-
-    def __init__(self, replicas: list[AsyncEngine], slack: int | None = None) -> None:
-        self.replicas = replicas
-        self.slack = slack
-        self.stats = RouterStats(per_replica=[0] * len(replicas))
-        self._round_robin = itertools.cycle(range(len(replicas)))
-
-    def route(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
-        loads = [r.scheduler.num_running + r.scheduler.num_waiting for r in self.replicas]
-        cached = [r.scheduler.kv_cache_manager.num_cached_prefix_tokens(prompt_token_ids, cache_salt)
-                  for r in self.replicas]
-        least = min(loads)
-        slack = self.slack if self.slack is not None else max(2, least // 4)
-        best = max(range(len(self.replicas)), key=lambda i: (cached[i], -loads[i]))
-        if cached[best] > 0 and loads[best] <= least + slack:
-            self.stats.num_by_prefix += 1
-            choice = best
-        else:
-            # NOTE: among equally loaded replicas, take turns.
-            choice = next(i for i in self._round_robin if loads[i] == least)
-        self.stats.num_routed += 1
-        self.stats.per_replica[choice] += 1
-        return choice
 
 
 class DataParallelEngine:

@@ -1,0 +1,212 @@
+"""`pagoda bench step-time`: a step-time profile of this machine for `pagoda simulate`,
+measured on real steps of the real engine, and the simulator checked against them.
+
+The real engine runs a trace whose requests all arrive at once (so the schedule depends on
+nothing but the engine's state); every step's shape and the worker's compute time are
+recorded. A linear model of step time is fitted on half the steps and its error measured
+on the other half, then fitted on all of them and saved (``--output``, the profile that
+``pagoda simulate --device FILE`` reads). Finally the simulator runs the same trace with the
+same configuration and that profile, and its step-by-step schedule (which requests, how
+many tokens each) is compared with the real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagoda.engine.args import add_engine_args, engine_config_from_args
+
+
+@dataclass(slots=True)
+class StepRecorder:
+    """The engine core's step observer: each step's shape and schedule when sent, its
+    compute and idle time when answered.
+
+    Attributes:
+        index_of: Trace index of each prompt (by its token ids): the real engine names
+            requests its own way; the simulator names them by trace index.
+    """
+
+    requests: dict
+    index_of: dict[tuple[int, ...], int]
+    ids: dict[str, int] = field(default_factory=dict)
+    shapes: list = field(default_factory=list)
+    schedules: list[dict[int, int]] = field(default_factory=list)
+    compute: list[float] = field(default_factory=list)
+    idle: list[float] = field(default_factory=list)
+
+    def sent(self, scheduler_output) -> None:
+        from pagoda.simulator.step_time import step_shape
+
+        for new in scheduler_output.new_requests:
+            self.ids[new.request_id] = self.index_of[tuple(new.prompt_token_ids)]
+        self.shapes.append(step_shape(scheduler_output, self.requests)[0])
+        self.schedules.append({self.ids[r]: n for r, n in scheduler_output.num_scheduled_tokens.items()})
+
+    def answered(self, scheduler_output, runner_output) -> None:
+        self.compute.append(runner_output.compute_seconds)
+        self.idle.append(runner_output.idle_seconds)
+
+
+async def record_steps(config, trace, warm_up: int = 4) -> tuple[StepRecorder, object, object, float]:
+    """Runs the trace (every request at once) on a real engine.
+
+    Returns:
+        The recorder, the engine's KV cache size, its model config, and the run's wall time.
+    """
+    from pagoda.engine.frontend.async_engine import AsyncEngine
+    from pagoda.engine.frontend.output_processor import OutputKind
+    from pagoda.engine.sampling_params import SamplingParams
+    from pagoda.simulator.trace import TraceRequest, prompt_token_ids
+
+    async def consume(engine, stream) -> None:
+        async for _ in engine.stream_outputs(stream):
+            pass
+
+    async with AsyncEngine(config) as engine:
+        vocab = engine.model_config.vocab_size
+        kv = engine.kv_cache_size
+        # NOTE: warm-up prompts (compilation of the first shapes) from indices the trace
+        # does not use, so they share no block with it.
+        warm = [prompt_token_ids(TraceRequest(0, 8 + 24 * i, 4), len(trace) + i, vocab) for i in range(warm_up)]
+        await asyncio.gather(*(consume(engine, engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True),
+                                                                  output_kind=OutputKind.FINAL)) for p in warm))
+        prompts = [prompt_token_ids(r, i, vocab) for i, r in enumerate(trace)]
+        recorder = StepRecorder(engine.scheduler.requests, {tuple(p): i for i, p in enumerate(prompts)})
+        engine.core.step_observer = recorder
+        start = time.perf_counter()
+        streams = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=min(r.output_len, kv.max_model_len -
+                                                                                       r.prompt_len), ignore_eos=True),
+                                      output_kind=OutputKind.FINAL) for p, r in zip(prompts, trace)]
+        await asyncio.gather(*(consume(engine, s) for s in streams))
+        wall = time.perf_counter() - start
+        engine.core.step_observer = None
+        return recorder, kv, engine.model_config, wall
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def compare_schedules(real: list[dict[int, int]], simulated: list[dict[int, int]]) -> dict:
+    """Whether two step sequences schedule the same requests and tokens, and where they
+    first differ."""
+    first = next((i for i, (a, b) in enumerate(zip(real, simulated)) if a != b), None)
+    if first is None and len(real) != len(simulated):
+        first = min(len(real), len(simulated))
+    return {"real_steps": len(real), "simulated_steps": len(simulated), "identical": first is None,
+            "first_difference": first,
+            "at_first_difference": None if first is None else {
+                "real": real[first] if first < len(real) else None,
+                "simulated": simulated[first] if first < len(simulated) else None}}
+
+
+def measure(config, trace) -> dict:
+    """Records the real steps, fits the profile, simulates the trace with it and compares.
+
+    Returns:
+        The report (JSON-ready), with ``profile`` the FittedProfile fitted on every step.
+    """
+    from pagoda.engine.core.plugin_manager import create_plugin_manager
+    from pagoda.engine.core.policy import Policy
+    from pagoda.engine.frontend.llm import new_event_loop
+    from pagoda.simulator.simulator import Simulation
+    from pagoda.simulator.step_time import FittedProfile, fit_profile, model_summary, percent_error
+
+    loop = new_event_loop()
+    try:
+        recorder, kv, model, wall = loop.run_until_complete(record_steps(config, trace))
+    finally:
+        loop.close()
+    # NOTE: steps with no tokens (only dropping finished requests) cost the worker nothing
+    # worth modelling; they are left out of the fit and the errors.
+    rows = [i for i, s in enumerate(recorder.schedules) if s]
+    shapes = [recorder.shapes[i] for i in rows]
+    seconds = [recorder.compute[i] for i in rows]
+    half, other = rows[0::2], rows[1::2]
+    fitted_half, _ = fit_profile([recorder.shapes[i] for i in half], [recorder.compute[i] for i in half])
+    held_out = FittedProfile(fitted_half)
+    held_out_error = percent_error([held_out.step_seconds(recorder.shapes[i]) for i in other],
+                                   [recorder.compute[i] for i in other])
+    coefficients, fit_error = fit_profile(shapes, seconds)
+    idle = [recorder.idle[i] for i in rows[1:]]
+    overhead = sum(idle) / len(idle) if idle and not config.async_scheduling else 0.0
+    kv_dtype_bytes = kv.bytes_per_block // (2 * model.num_hidden_layers * kv.block_size * model.num_key_value_heads
+                                            * model.head_dim)
+    profile = FittedProfile(coefficients, engine_overhead_s=overhead, device=cpu_name(), model=model_summary(model),
+                            dtype=config.dtype, kv_dtype_bytes=kv_dtype_bytes,
+                            fit={"steps": len(rows), "mean_abs_error_pct_in_sample": round(fit_error, 2),
+                                 "held_out": held_out_error, "async_scheduling": bool(config.async_scheduling),
+                                 "max_num_batched_tokens": config.max_num_batched_tokens})
+
+    simulation = Simulation(config, kv, profile, lambda: Policy(create_plugin_manager(config.plugins),
+                                                                config.scheduling_policy, config.eviction_policy),
+                            model.vocab_size, record_steps=True)
+    result = simulation.run(trace, progress=False)
+    simulated = [{int(r): n for r, n in step.scheduled.items()} for step in result.steps]
+    schedule = compare_schedules(recorder.schedules, simulated)
+    predicted_total = float(np.nanmax(result.finish))
+    return {"cpu": cpu_name(), "model": model_summary(model), "requests": len(trace), "steps": len(rows),
+            "schedule": schedule, "held_out_step_error": held_out_error, "in_sample_error_pct": round(fit_error, 2),
+            "real_wall_s": round(wall, 3), "real_compute_s": round(sum(seconds), 3),
+            "simulated_s": round(predicted_total, 3),
+            "end_to_end_error_pct": round((predicted_total - wall) / wall * 100, 2),
+            "preemptions": result.num_preemptions, "prefix_cache_hit_rate": round(
+                result.prompt_tokens_cached / max(result.prompt_tokens, 1), 4),
+            "profile": profile}
+
+
+def run_step_time_bench(args: argparse.Namespace) -> int:
+    from pagoda.simulator.trace import synthetic_trace
+
+    config = engine_config_from_args(args)
+    if config.async_scheduling is None:
+        config.async_scheduling = False
+    trace = synthetic_trace(args.num_requests, float("inf"), args.prompt_len, args.output_len, seed=args.bench_seed)
+    report = measure(config, trace)
+    profile = report.pop("profile")
+    if args.output:
+        profile.save(args.output)
+    held, schedule = report["held_out_step_error"], report["schedule"]
+    print(f"{report['requests']} requests, {report['steps']} steps on {report['cpu']}")
+    print(f"profile: {profile.describe()}; engine overhead {profile.engine_overhead_s * 1e3:.2f} ms a step")
+    print(f"held-out step time error: mean {held['mean_abs_error_pct']:.1f}%, median "
+          f"{held['median_abs_error_pct']:.1f}%, total {held['total_error_pct']:+.1f}% ({held['steps']} steps)")
+    print(f"simulated schedule {'identical to' if schedule['identical'] else 'DIFFERS from'} the real one "
+          f"({schedule['real_steps']} real / {schedule['simulated_steps']} simulated steps)"
+          + ("" if schedule["identical"] else f", first at step {schedule['first_difference']}"))
+    print(f"end to end: real {report['real_wall_s']:.2f} s, simulated {report['simulated_s']:.2f} s "
+          f"({report['end_to_end_error_pct']:+.1f}%)")
+    if args.output:
+        print(f"wrote the profile to {args.output}")
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if schedule["identical"] else 1
+
+
+def add_step_time_bench_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("step-time", help="measure a step-time profile for `pagoda simulate` and check the "
+                                               "simulator against the real engine")
+    add_engine_args(p)
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--prompt-len", default="16-600", help="N, A-B or lognormal:MEDIAN:SIGMA")
+    p.add_argument("--output-len", default="8-96", help="N, A-B or lognormal:MEDIAN:SIGMA")
+    p.add_argument("--bench-seed", type=int, default=0)
+    p.add_argument("--output", default=None, metavar="FILE", help="write the fitted profile (JSON) here")
+    p.add_argument("--report", default=None, metavar="FILE", help="write the comparison (JSON) here")
+    p.set_defaults(func=run_step_time_bench)

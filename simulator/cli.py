@@ -1,0 +1,189 @@
+"""`pagoda simulate`: a trace through the engine's own scheduler and plugins on a step-time
+model (see docs/simulate.md)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import resource
+import sys
+from dataclasses import replace
+
+from pagoda.engine.config import KV_CACHE_DTYPES, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+
+
+def add_simulate_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="simulate serving a trace with the real scheduler on a step-time model",
+                       description="Runs a request trace through Pagoda's own scheduler, KV cache manager and "
+                                   "plugins, with the worker replaced by a step-time model of a device.")
+    p.add_argument("--model", default="llama-3-8b",
+                   help="a model directory, a config.json, or a named shape (default llama-3-8b; see docs)")
+    p.add_argument("--device", default="h200",
+                   help="h100, h200, a100, l4 (roofline) or a profile file from `pagoda bench step-time`")
+    t = p.add_argument_group("trace (a file, or a synthetic one)")
+    t.add_argument("--trace", default=None, help="JSONL (arrival, prompt_len, output_len, ...) or an Azure LLM "
+                                                 "inference trace CSV")
+    t.add_argument("--limit", type=int, default=None, help="only the first N requests of --trace")
+    t.add_argument("--num-requests", type=int, default=1000)
+    t.add_argument("--request-rate", type=float, default=10.0, help="requests per second (inf: all at once)")
+    t.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    t.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals' coefficient of variation")
+    t.add_argument("--prompt-len", default="lognormal:512:1.0", help="N, A-B or lognormal:MEDIAN:SIGMA")
+    t.add_argument("--output-len", default="lognormal:128:1.0", help="N, A-B or lognormal:MEDIAN:SIGMA")
+    t.add_argument("--prefix-groups", type=int, default=0, help="groups of requests sharing a prompt prefix")
+    t.add_argument("--prefix-len", type=int, default=0, help="tokens a group shares")
+    t.add_argument("--prefix-fraction", type=float, default=0.0, help="fraction of requests in a group")
+    t.add_argument("--priorities", type=int, default=1, help="priorities drawn from 0 .. N-1")
+    t.add_argument("--clients", type=int, default=0, help="clients drawn uniformly (for the fair policy)")
+    t.add_argument("--retain-prefixes", action="store_true",
+                   help="grouped requests ask to keep their cached blocks (kv_retention 1)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL")
+    e = p.add_argument_group("the engine simulated (as `pagoda serve`'s flags)")
+    e.add_argument("--scheduling-policy", default="fcfs", help="one or several, comma-separated: fcfs,priority,spf")
+    e.add_argument("--eviction-policy", default="lru", help="one or several, comma-separated: lru,retention")
+    e.add_argument("--plugin", dest="plugins", action="append", default=[], metavar="MODULE:OBJECT")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="step token budget (default: 8192 on a GPU device, the profile's on a measured one)")
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule a step while one runs (default: on for GPU devices, as measured for a profile)")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    e.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    e.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV cache per replica (default: from --gpu-memory-utilization on a GPU device)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap space per replica")
+    e.add_argument("--tensor-parallel-size", type=int, default=1)
+    e.add_argument("--data-parallel-size", type=int, default=1)
+    o = p.add_argument_group("output")
+    o.add_argument("--slo", default=None, help="goodput targets, e.g. ttft=2,tpot=100ms")
+    o.add_argument("--output", default=None, metavar="FILE", help="JSON with every run's summary and time series")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write latency CDF and KV usage PNGs here")
+    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    p.set_defaults(func=run_simulate)
+
+
+def _trace(args):
+    from pagoda.simulator.trace import load_trace, save_trace, synthetic_trace
+
+    if args.trace:
+        trace = load_trace(args.trace, args.limit)
+    else:
+        trace = synthetic_trace(args.num_requests, args.request_rate, args.prompt_len, args.output_len, args.arrival,
+                                args.burstiness, args.prefix_groups, args.prefix_len, args.prefix_fraction,
+                                args.priorities, args.clients, args.retain_prefixes, seed=args.seed)
+    if args.save_trace:
+        save_trace(trace, args.save_trace)
+    return trace
+
+
+def build(args) -> tuple[EngineConfig, object, object, object]:
+    """The engine configuration, the KV cache size, the step-time model and the model's shape."""
+    from pagoda.engine.core.kv_sizing import size_kv_cache
+    from pagoda.simulator.model_shapes import load_model_shape
+    from pagoda.simulator.step_time import FittedProfile, Roofline, load_step_time
+
+    model = load_model_shape(args.model)
+    dtype_bytes = _DTYPE_BYTES[args.dtype]
+    kv_dtype_bytes = dtype_bytes if args.kv_cache_dtype == "auto" else 1  # the fp8 formats
+    step_time = load_step_time(args.device, model, args.block_size, dtype_bytes, kv_dtype_bytes,
+                               args.tensor_parallel_size)
+    measured = isinstance(step_time, FittedProfile)
+    if measured:
+        kv_dtype_bytes = step_time.kv_dtype_bytes
+    async_scheduling = args.async_scheduling
+    if async_scheduling is None:
+        async_scheduling = bool(step_time.fit.get("async_scheduling", False)) if measured else True
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        budget = int(step_time.fit.get("max_num_batched_tokens", 2048)) if measured else 8192
+    if args.kv_cache_gib is not None:
+        kv_bytes = int(args.kv_cache_gib * 1024**3)
+    elif isinstance(step_time, Roofline):
+        kv_bytes = step_time.kv_cache_bytes(args.gpu_memory_utilization)
+    else:
+        kv_bytes = EngineConfig.kv_cache_bytes
+    config = EngineConfig(
+        block_size=args.block_size, kv_cache_bytes=kv_bytes, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+        enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode, async_scheduling=async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        swap_space_bytes=int(args.swap_space * 1024**3), plugins=tuple(args.plugins))
+    kv = size_kv_cache(config, model, kv_dtype_bytes)
+    return config, kv, step_time, model
+
+
+def run_simulate(args) -> int:
+    from pagoda.engine.core.plugin_manager import check_policy_names, create_plugin_manager
+    from pagoda.engine.core.policy import Policy
+    from pagoda.simulator import report
+    from pagoda.simulator.simulator import Simulation
+
+    try:
+        slo = report.SLO.parse(args.slo)
+        policies = [p.strip() for p in args.scheduling_policy.split(",") if p.strip()]
+        evictions = [p.strip() for p in args.eviction_policy.split(",") if p.strip()]
+        config, kv, step_time, model = build(args)
+        manager = create_plugin_manager(config.plugins)
+        for policy, eviction in itertools.product(policies, evictions):
+            check_policy_names(manager, policy, eviction)
+        trace = _trace(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"model {args.model}: {model.num_hidden_layers} layers, hidden {model.hidden_size}; {step_time.describe()}")
+    print(f"KV cache {kv.num_blocks:,} blocks x {kv.block_size} = {kv.num_tokens:,} tokens per replica, "
+          f"max_model_len {kv.max_model_len:,}, budget {config.max_num_batched_tokens} tokens, "
+          f"max_num_seqs {config.max_num_seqs}, async scheduling {'on' if config.async_scheduling else 'off'}, "
+          f"{config.data_parallel_size} replica(s); trace: {len(trace):,} requests over "
+          f"{trace[-1].arrival:,.1f} s")
+    results, summaries = [], []
+    for policy, eviction in itertools.product(policies, evictions):
+        run_config = replace(config, scheduling_policy=policy, eviction_policy=eviction)
+
+        def make_policy(policy=policy, eviction=eviction):
+            return Policy(create_plugin_manager(config.plugins), policy, eviction)
+
+        simulation = Simulation(run_config, kv, step_time, make_policy, model.vocab_size)
+        result = simulation.run(trace, progress=args.progress)
+        summary = report.summarize(result, slo)
+        results.append(result)
+        summaries.append(summary)
+        print(f"{policy}/{eviction}: {summary['finished']:,} requests in {summary['duration_s']:,.1f} simulated s, "
+              f"{summary['steps']:,} steps, {summary['wall_s']:.1f} s wall "
+              f"({summary['simulated_requests_per_wall_s']:,.0f} requests/s)")
+    print()
+    print(report.table(summaries))
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.output:
+        data = {"model": args.model, "device": step_time.describe(), "trace": args.trace or "synthetic",
+                "num_requests": len(trace), "kv_blocks": kv.num_blocks, "block_size": kv.block_size,
+                "max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
+                "peak_memory_mib": round(peak_mib, 1),
+                "runs": [{**s, "time_series": report.time_series(r)} for s, r in zip(summaries, results)]}
+        with open(args.output, "w") as f:
+            json.dump(data, f, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+        print(f"\nwrote {args.output}")
+    if args.plot:
+        try:
+            files = report.plot(results, args.plot, f"{args.model} on {args.device}")
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print("plots: " + ", ".join(str(f) for f in files))
+    print(f"peak memory {peak_mib:,.0f} MiB")
+    return 0
