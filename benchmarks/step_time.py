@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 import time
 from dataclasses import dataclass, field
@@ -91,6 +92,78 @@ async def record_steps(config, trace, warm_up: int = 4) -> tuple[StepRecorder, o
         return recorder, kv, engine.model_config, wall
 
 
+async def replay(config, trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sends the trace's requests to a real engine at their arrival times (from a client in
+    the same event loop), streaming each.
+
+    Returns:
+        Per request: time to first token, time per output token after the first (NaN with
+        one token) and end-to-end latency, in seconds.
+    """
+    from pagoda.engine.frontend.async_engine import AsyncEngine
+    from pagoda.engine.frontend.output_processor import OutputKind
+    from pagoda.engine.sampling_params import SamplingParams
+    from pagoda.simulator.trace import TraceRequest, prompt_token_ids
+
+    async with AsyncEngine(config) as engine:
+        vocab, max_len = engine.model_config.vocab_size, engine.kv_cache_size.max_model_len
+        warm = prompt_token_ids(TraceRequest(0, 40, 4), len(trace), vocab)
+        async for _ in engine.stream_outputs(engine.add_request(warm, SamplingParams(max_tokens=4, ignore_eos=True))):
+            pass
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def one(index: int, request: TraceRequest) -> tuple[float, float, float]:
+            await asyncio.sleep(max(0.0, start + request.arrival - loop.time()))
+            sent = time.perf_counter()
+            params = SamplingParams(temperature=0, max_tokens=min(request.output_len, max_len - request.prompt_len),
+                                    ignore_eos=True)
+            stream = engine.add_request(prompt_token_ids(request, index, vocab), params, output_kind=OutputKind.DELTA)
+            first, tokens = None, 0
+            async for output in engine.stream_outputs(stream):
+                if first is None:
+                    first = time.perf_counter()
+                tokens += len(output.outputs[0].token_ids)
+            end = time.perf_counter()
+            return first - sent, (end - first) / (tokens - 1) if tokens > 1 else math.nan, end - sent
+
+        results = await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
+    ttft, tpot, e2e = (np.array(column) for column in zip(*results))
+    return ttft, tpot, e2e
+
+
+def compare_latencies(config, kv, vocab_size: int, trace, profile) -> dict:
+    """The real engine under the trace's arrivals against the simulator with ``profile``:
+    TTFT, TPOT and E2E at p50 and p90, and the simulation's error in %."""
+    from pagoda.engine.frontend.llm import new_event_loop
+    from pagoda.simulator.report import latencies
+
+    loop = new_event_loop()
+    try:
+        real = dict(zip(("ttft", "tpot", "e2e"), loop.run_until_complete(replay(config, trace))))
+    finally:
+        loop.close()
+    simulated = latencies(_simulation(config, kv, profile, vocab_size).run(trace, progress=False))
+    report = {}
+    for name in ("ttft", "tpot", "e2e"):
+        for q in (50, 90):
+            measured = float(np.nanpercentile(real[name], q))
+            predicted = float(np.nanpercentile(simulated[name], q))
+            report[f"{name}_p{q}"] = {"real_s": round(measured, 4), "simulated_s": round(predicted, 4),
+                                      "error_pct": round((predicted - measured) / measured * 100, 1)}
+    return report
+
+
+def _simulation(config, kv, profile, vocab_size: int, record_steps: bool = False):
+    from pagoda.engine.core.plugin_manager import create_plugin_manager
+    from pagoda.engine.core.policy import Policy
+    from pagoda.simulator.simulator import Simulation
+
+    return Simulation(config, kv, profile, lambda: Policy(create_plugin_manager(config.plugins),
+                                                          config.scheduling_policy, config.eviction_policy),
+                      vocab_size, record_steps=record_steps)
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -115,16 +188,14 @@ def compare_schedules(real: list[dict[int, int]], simulated: list[dict[int, int]
                 "simulated": simulated[first] if first < len(simulated) else None}}
 
 
-def measure(config, trace) -> dict:
-    """Records the real steps, fits the profile, simulates the trace with it and compares.
+def measure(config, trace, arrivals_trace=None) -> dict:
+    """Records the real steps, fits the profile, simulates the trace with it and compares;
+    with ``arrivals_trace``, also compares latencies under its arrivals (compare_latencies).
 
     Returns:
         The report (JSON-ready), with ``profile`` the FittedProfile fitted on every step.
     """
-    from pagoda.engine.core.plugin_manager import create_plugin_manager
-    from pagoda.engine.core.policy import Policy
     from pagoda.engine.frontend.llm import new_event_loop
-    from pagoda.simulator.simulator import Simulation
     from pagoda.simulator.step_time import FittedProfile, fit_profile, model_summary, percent_error
 
     loop = new_event_loop()
@@ -140,8 +211,9 @@ def measure(config, trace) -> dict:
     half, other = rows[0::2], rows[1::2]
     fitted_half, _ = fit_profile([recorder.shapes[i] for i in half], [recorder.compute[i] for i in half])
     held_out = FittedProfile(fitted_half)
-    held_out_error = percent_error([held_out.step_seconds(recorder.shapes[i]) for i in other],
-                                   [recorder.compute[i] for i in other])
+    held_out_predicted = [held_out.step_seconds(recorder.shapes[i]) for i in other]
+    held_out_measured = [recorder.compute[i] for i in other]
+    held_out_error = percent_error(held_out_predicted, held_out_measured)
     coefficients, fit_error = fit_profile(shapes, seconds)
     idle = [recorder.idle[i] for i in rows[1:]]
     overhead = sum(idle) / len(idle) if idle and not config.async_scheduling else 0.0
@@ -153,10 +225,7 @@ def measure(config, trace) -> dict:
                                  "held_out": held_out_error, "async_scheduling": bool(config.async_scheduling),
                                  "max_num_batched_tokens": config.max_num_batched_tokens})
 
-    simulation = Simulation(config, kv, profile, lambda: Policy(create_plugin_manager(config.plugins),
-                                                                config.scheduling_policy, config.eviction_policy),
-                            model.vocab_size, record_steps=True)
-    result = simulation.run(trace, progress=False)
+    result = _simulation(config, kv, profile, model.vocab_size, record_steps=True).run(trace, progress=False)
     simulated = [{int(r): n for r, n in step.scheduled.items()} for step in result.steps]
     schedule = compare_schedules(recorder.schedules, simulated)
     predicted_total = float(np.nanmax(result.finish))
@@ -167,6 +236,10 @@ def measure(config, trace) -> dict:
             "end_to_end_error_pct": round((predicted_total - wall) / wall * 100, 2),
             "preemptions": result.num_preemptions, "prefix_cache_hit_rate": round(
                 result.prompt_tokens_cached / max(result.prompt_tokens, 1), 4),
+            "latencies": None if arrivals_trace is None else compare_latencies(config, kv, model.vocab_size,
+                                                                                arrivals_trace, profile),
+            "held_out_steps": {"predicted_s": held_out_predicted, "measured_s": held_out_measured,
+                               "tokens": [recorder.shapes[i].num_tokens for i in other]},
             "profile": profile}
 
 
@@ -177,7 +250,11 @@ def run_step_time_bench(args: argparse.Namespace) -> int:
     if config.async_scheduling is None:
         config.async_scheduling = False
     trace = synthetic_trace(args.num_requests, float("inf"), args.prompt_len, args.output_len, seed=args.bench_seed)
-    report = measure(config, trace)
+    arrivals = None
+    if args.arrival_rate:
+        arrivals = synthetic_trace(args.arrival_requests, args.arrival_rate, args.prompt_len, args.output_len,
+                                   seed=args.bench_seed + 1)
+    report = measure(config, trace, arrivals)
     profile = report.pop("profile")
     if args.output:
         profile.save(args.output)
@@ -191,12 +268,47 @@ def run_step_time_bench(args: argparse.Namespace) -> int:
           + ("" if schedule["identical"] else f", first at step {schedule['first_difference']}"))
     print(f"end to end: real {report['real_wall_s']:.2f} s, simulated {report['simulated_s']:.2f} s "
           f"({report['end_to_end_error_pct']:+.1f}%)")
+    if report["latencies"]:
+        print(f"under Poisson arrivals at {args.arrival_rate} requests/s ({args.arrival_requests} requests), "
+              "real vs simulated:")
+        for name, row in report["latencies"].items():
+            print(f"  {name:9s} {row['real_s'] * 1000:9.1f} ms {row['simulated_s'] * 1000:9.1f} ms "
+                  f"({row['error_pct']:+.1f}%)")
     if args.output:
         print(f"wrote the profile to {args.output}")
     if args.report:
         with open(args.report, "w") as f:
             json.dump(report, f, indent=1)
+    if args.plot:
+        plot_held_out(report, args.plot)
+        print(f"wrote {args.plot}")
     return 0 if schedule["identical"] else 1
+
+
+def plot_held_out(report: dict, path: str) -> None:
+    """Predicted against measured time of the held-out steps (PNG; needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = report["held_out_steps"]
+    measured, predicted = np.array(steps["measured_s"]) * 1e3, np.array(steps["predicted_s"]) * 1e3
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    points = ax.scatter(measured, predicted, c=steps["tokens"], cmap="viridis", s=18)
+    fig.colorbar(points, label="tokens in the step")
+    top = max(measured.max(), predicted.max()) * 1.05
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.8)
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("predicted step time (ms)")
+    error = report["held_out_step_error"]
+    ax.set_title(f"held-out steps on {report['cpu']}: mean error {error['mean_abs_error_pct']:.1f}%", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def add_step_time_bench_parser(bench_sub) -> None:
@@ -206,7 +318,12 @@ def add_step_time_bench_parser(bench_sub) -> None:
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--prompt-len", default="16-600", help="N, A-B or lognormal:MEDIAN:SIGMA")
     p.add_argument("--output-len", default="8-96", help="N, A-B or lognormal:MEDIAN:SIGMA")
+    p.add_argument("--arrival-rate", type=float, default=0.0,
+                   help="then also replay a Poisson trace at this rate on the real engine and compare its latencies "
+                        "with the simulation's (0: skip)")
+    p.add_argument("--arrival-requests", type=int, default=64)
     p.add_argument("--bench-seed", type=int, default=0)
     p.add_argument("--output", default=None, metavar="FILE", help="write the fitted profile (JSON) here")
     p.add_argument("--report", default=None, metavar="FILE", help="write the comparison (JSON) here")
+    p.add_argument("--plot", default=None, metavar="FILE", help="predicted vs measured step times (PNG)")
     p.set_defaults(func=run_step_time_bench)

@@ -118,7 +118,7 @@ class SimulationResult:
     """What happened to every request and to the engine over time.
 
     Per request (arrays indexed like the trace; NaN where it never happened): arrival,
-    first token and finish times in simulated seconds, output tokens. ``rejected`` marks
+    priority, first token and finish times in simulated seconds, output tokens. ``rejected`` marks
     requests longer than max_model_len (a server answers them 400). ``itl``: every gap
     between two tokens of one request. The time series, one point per step result:
     time, running, waiting, KV usage (0..1).
@@ -127,6 +127,7 @@ class SimulationResult:
     policy: str
     eviction: str
     arrival: np.ndarray
+    priority: np.ndarray
     first_token: np.ndarray
     finish: np.ndarray
     num_output: np.ndarray
@@ -256,6 +257,7 @@ class Simulation:
         stats = [r.scheduler.stats for r in replicas]
         return SimulationResult(
             policy=self.config.scheduling_policy, eviction=self.config.eviction_policy, arrival=arrival,
+            priority=np.array([r.priority for r in trace], dtype=np.int64),
             first_token=first, finish=finish, num_output=num_output, rejected=rejected,
             itl=np.frombuffer(itl, dtype=np.float64) if itl else np.zeros(0),
             series_time=np.frombuffer(series[0]) if series[0] else np.zeros(0),
