@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import math
-import platform
 import time
 from dataclasses import dataclass, field
 
@@ -56,11 +55,12 @@ class StepRecorder:
         self.idle.append(runner_output.idle_seconds)
 
 
-async def record_steps(config, trace, warm_up: int = 4) -> tuple[StepRecorder, object, object, float]:
+async def record_steps(config, trace, warm_up: int = 4) -> tuple[StepRecorder, object, object, str, float]:
     """Runs the trace (every request at once) on a real engine.
 
     Returns:
-        The recorder, the engine's KV cache size, its model config, and the run's wall time.
+        The recorder, the engine's KV cache size, its model config, the dtype it ran, and
+        the run's wall time.
     """
     from pagoda.engine.frontend.async_engine import AsyncEngine
     from pagoda.engine.frontend.output_processor import OutputKind
@@ -89,7 +89,7 @@ async def record_steps(config, trace, warm_up: int = 4) -> tuple[StepRecorder, o
         await asyncio.gather(*(consume(engine, s) for s in streams))
         wall = time.perf_counter() - start
         engine.core.step_observer = None
-        return recorder, kv, engine.model_config, wall
+        return recorder, kv, engine.model_config, str(engine.worker.ready.dtype).removeprefix("torch."), wall
 
 
 async def replay(config, trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -164,17 +164,6 @@ def _simulation(config, kv, profile, vocab_size: int, record_steps: bool = False
                       vocab_size, record_steps=record_steps)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def compare_schedules(real: list[dict[int, int]], simulated: list[dict[int, int]]) -> dict:
     """Whether two step sequences schedule the same requests and tokens, and where they
     first differ."""
@@ -196,15 +185,18 @@ def measure(config, trace, arrivals_trace=None) -> dict:
         The report (JSON-ready), with ``profile`` the FittedProfile fitted on every step.
     """
     from pagoda.engine.frontend.llm import new_event_loop
-    from pagoda.simulator.step_time import FittedProfile, fit_profile, model_summary, percent_error
+    from pagoda.simulator.step_time import (FittedProfile, Roofline, cpu_model_name, fit_profile, model_summary,
+                                            percent_error, probe_cpu)
 
     loop = new_event_loop()
     try:
-        recorder, kv, model, wall = loop.run_until_complete(record_steps(config, trace))
+        recorder, kv, model, dtype, wall = loop.run_until_complete(record_steps(config, trace))
     finally:
         loop.close()
     # NOTE: steps with no tokens (only dropping finished requests) cost the worker nothing
     # worth modelling; they are left out of the fit and the errors.
+    dtype_bytes = 4 if dtype == "float32" else 2
+    kv_dtype_bytes = dtype_bytes if config.kv_cache_dtype == "auto" else 1  # the fp8 formats
     rows = [i for i, s in enumerate(recorder.schedules) if s]
     shapes = [recorder.shapes[i] for i in rows]
     seconds = [recorder.compute[i] for i in rows]
@@ -214,13 +206,14 @@ def measure(config, trace, arrivals_trace=None) -> dict:
     held_out_predicted = [held_out.step_seconds(recorder.shapes[i]) for i in other]
     held_out_measured = [recorder.compute[i] for i in other]
     held_out_error = percent_error(held_out_predicted, held_out_measured)
+    roofline = Roofline(probe_cpu(), model, dtype_bytes, kv_dtype_bytes)
+    roofline_error = percent_error([roofline.step_seconds(recorder.shapes[i]) for i in other],
+                                   [recorder.compute[i] for i in other])
     coefficients, fit_error = fit_profile(shapes, seconds)
     idle = [recorder.idle[i] for i in rows[1:]]
     overhead = sum(idle) / len(idle) if idle and not config.async_scheduling else 0.0
-    kv_dtype_bytes = kv.bytes_per_block // (2 * model.num_hidden_layers * kv.block_size * model.num_key_value_heads
-                                            * model.head_dim)
-    profile = FittedProfile(coefficients, engine_overhead_s=overhead, device=cpu_name(), model=model_summary(model),
-                            dtype=config.dtype, kv_dtype_bytes=kv_dtype_bytes,
+    profile = FittedProfile(coefficients, engine_overhead_s=overhead, device=cpu_model_name(),
+                            model=model_summary(model), dtype=dtype, kv_dtype_bytes=kv_dtype_bytes,
                             fit={"steps": len(rows), "mean_abs_error_pct_in_sample": round(fit_error, 2),
                                  "held_out": held_out_error, "async_scheduling": bool(config.async_scheduling),
                                  "max_num_batched_tokens": config.max_num_batched_tokens})
@@ -229,8 +222,10 @@ def measure(config, trace, arrivals_trace=None) -> dict:
     simulated = [{int(r): n for r, n in step.scheduled.items()} for step in result.steps]
     schedule = compare_schedules(recorder.schedules, simulated)
     predicted_total = float(np.nanmax(result.finish))
-    return {"cpu": cpu_name(), "model": model_summary(model), "requests": len(trace), "steps": len(rows),
-            "schedule": schedule, "held_out_step_error": held_out_error, "in_sample_error_pct": round(fit_error, 2),
+    return {"cpu": cpu_model_name(), "dtype": dtype, "model": model_summary(model), "requests": len(trace),
+            "steps": len(rows),
+            "schedule": schedule, "held_out_step_error": held_out_error, "cpu_roofline_step_error": roofline_error,
+            "cpu_roofline": roofline.describe(), "in_sample_error_pct": round(fit_error, 2),
             "real_wall_s": round(wall, 3), "real_compute_s": round(sum(seconds), 3),
             "simulated_s": round(predicted_total, 3),
             "end_to_end_error_pct": round((predicted_total - wall) / wall * 100, 2),
@@ -263,6 +258,9 @@ def run_step_time_bench(args: argparse.Namespace) -> int:
     print(f"profile: {profile.describe()}; engine overhead {profile.engine_overhead_s * 1e3:.2f} ms a step")
     print(f"held-out step time error: mean {held['mean_abs_error_pct']:.1f}%, median "
           f"{held['median_abs_error_pct']:.1f}%, total {held['total_error_pct']:+.1f}% ({held['steps']} steps)")
+    roof = report["cpu_roofline_step_error"]
+    print(f"the same steps by `--device cpu` ({report['cpu_roofline']}): mean error "
+          f"{roof['mean_abs_error_pct']:.1f}%, total {roof['total_error_pct']:+.1f}%")
     print(f"simulated schedule {'identical to' if schedule['identical'] else 'DIFFERS from'} the real one "
           f"({schedule['real_steps']} real / {schedule['simulated_steps']} simulated steps)"
           + ("" if schedule["identical"] else f", first at step {schedule['first_difference']}"))
@@ -297,10 +295,13 @@ def plot_held_out(report: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 5))
     points = ax.scatter(measured, predicted, c=steps["tokens"], cmap="viridis", s=18)
     fig.colorbar(points, label="tokens in the step")
-    top = max(measured.max(), predicted.max()) * 1.05
-    ax.plot([0, top], [0, top], color="grey", linewidth=0.8)
-    ax.set_xlim(0, top)
-    ax.set_ylim(0, top)
+    low = min(measured.min(), predicted.min()) / 1.2
+    top = max(measured.max(), predicted.max()) * 1.2
+    ax.plot([low, top], [low, top], color="grey", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(low, top)
+    ax.set_ylim(low, top)
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("predicted step time (ms)")
     error = report["held_out_step_error"]

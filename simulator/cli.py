@@ -6,17 +6,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import logging
-import math
 import resource
 import sys
 from dataclasses import replace
+from pathlib import Path
 
-from pagoda.engine.config import KV_CACHE_DTYPES, EngineConfig
+from pagoda.engine.config import DEFAULT_KV_CACHE_BYTES, KV_CACHE_DTYPES, EngineConfig
 
-logger = logging.getLogger(__name__)
-
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def add_simulate_parser(sub) -> None:
@@ -26,7 +23,8 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--model", default="llama-3-8b",
                    help="a model directory, a config.json, or a named shape (default llama-3-8b; see docs)")
     p.add_argument("--device", default="h200",
-                   help="h100, h200, a100, l4 (roofline) or a profile file from `pagoda bench step-time`")
+                   help="h100, h200, a100, l4 (rooflines), cpu (a roofline of this CPU, probed) or a profile "
+                        "file from `pagoda bench step-time`")
     t = p.add_argument_group("trace (a file, or a synthetic one)")
     t.add_argument("--trace", default=None, help="JSONL (arrival, prompt_len, output_len, ...) or an Azure LLM "
                                                  "inference trace CSV")
@@ -47,23 +45,25 @@ def add_simulate_parser(sub) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save-trace", default=None, metavar="FILE", help="write the trace used as JSONL")
     e = p.add_argument_group("the engine simulated (as `pagoda serve`'s flags)")
-    e.add_argument("--scheduling-policy", default="fcfs", help="one or several, comma-separated: fcfs,priority,spf")
-    e.add_argument("--eviction-policy", default="lru", help="one or several, comma-separated: lru,retention")
+    e.add_argument("--scheduling-policy", default="fcfs", help="one or several, comma-separated: fcfs,priority,shortest-prompt-first,fair")
+    e.add_argument("--eviction-policy", default="lru", help="one or several, comma-separated: lru,retention-priority")
     e.add_argument("--plugin", dest="plugins", action="append", default=[], metavar="MODULE:OBJECT")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="step token budget (default: 8192 on a GPU device, the profile's on a measured one)")
+                   help="step token budget (default: 8192 on a GPU device, 2048 on cpu, the profile's on a "
+                        "measured one)")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule a step while one runs (default: on for GPU devices, as measured for a profile)")
+                   help="schedule a step while one runs (default: on for GPU devices, off on cpu, as measured "
+                        "for a profile)")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     e.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     e.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="KV cache per replica (default: from --gpu-memory-utilization on a GPU device)")
+                   help="KV cache per device (default: from --gpu-memory-utilization on a GPU device)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap space per replica")
     e.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -79,6 +79,8 @@ def add_simulate_parser(sub) -> None:
 def _trace(args):
     from pagoda.simulator.trace import load_trace, save_trace, synthetic_trace
 
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.trace:
         trace = load_trace(args.trace, args.limit)
     else:
@@ -96,26 +98,34 @@ def build(args) -> tuple[EngineConfig, object, object, object]:
     from pagoda.simulator.model_shapes import load_model_shape
     from pagoda.simulator.step_time import FittedProfile, Roofline, load_step_time
 
+    for name, low in (("tensor_parallel_size", 1), ("data_parallel_size", 1), ("block_size", 1)):
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
+        raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     model = load_model_shape(args.model)
     dtype_bytes = _DTYPE_BYTES[args.dtype]
     kv_dtype_bytes = dtype_bytes if args.kv_cache_dtype == "auto" else 1  # the fp8 formats
     step_time = load_step_time(args.device, model, args.block_size, dtype_bytes, kv_dtype_bytes,
                                args.tensor_parallel_size)
     measured = isinstance(step_time, FittedProfile)
+    on_gpu = isinstance(step_time, Roofline) and step_time.device.memory_bytes > 0
     if measured:
         kv_dtype_bytes = step_time.kv_dtype_bytes
     async_scheduling = args.async_scheduling
-    if async_scheduling is None:
-        async_scheduling = bool(step_time.fit.get("async_scheduling", False)) if measured else True
+    if async_scheduling is None:  # as the engine: on for CUDA; measured profiles say what ran
+        async_scheduling = bool(step_time.fit.get("async_scheduling", False)) if measured else on_gpu
     budget = args.max_num_batched_tokens
     if budget is None:
-        budget = int(step_time.fit.get("max_num_batched_tokens", 2048)) if measured else 8192
+        budget = int(step_time.fit.get("max_num_batched_tokens", 2048)) if measured else 8192 if on_gpu else 2048
     if args.kv_cache_gib is not None:
         kv_bytes = int(args.kv_cache_gib * 1024**3)
-    elif isinstance(step_time, Roofline):
+    elif on_gpu:
         kv_bytes = step_time.kv_cache_bytes(args.gpu_memory_utilization)
     else:
-        kv_bytes = EngineConfig.kv_cache_bytes
+        kv_bytes = DEFAULT_KV_CACHE_BYTES
     config = EngineConfig(
         block_size=args.block_size, kv_cache_bytes=kv_bytes, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
@@ -131,7 +141,7 @@ def run_simulate(args) -> int:
     from pagoda.engine.core.plugin_manager import check_policy_names, create_plugin_manager
     from pagoda.engine.core.policy import Policy
     from pagoda.simulator import report
-    from pagoda.simulator.simulator import Simulation
+    from pagoda.simulator.simulator import Simulation, SimulationError
 
     try:
         slo = report.SLO.parse(args.slo)
@@ -142,6 +152,9 @@ def run_simulate(args) -> int:
         for policy, eviction in itertools.product(policies, evictions):
             check_policy_names(manager, policy, eviction)
         trace = _trace(args)
+        for path in (args.output, args.save_trace):
+            if path and not Path(path).resolve().parent.is_dir():
+                raise ValueError(f"cannot write {path}: its folder does not exist")
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -159,8 +172,13 @@ def run_simulate(args) -> int:
             return Policy(create_plugin_manager(config.plugins), policy, eviction)
 
         simulation = Simulation(run_config, kv, step_time, make_policy, model.vocab_size)
-        result = simulation.run(trace, progress=args.progress)
+        try:
+            result = simulation.run(trace, progress=args.progress)
+        except SimulationError as exc:
+            print(f"error: {policy}/{eviction}: {exc}", file=sys.stderr)
+            return 1
         summary = report.summarize(result, slo)
+        result.itl = result.itl[:0]  # NOTE: summarized; every token's gap is the largest array
         results.append(result)
         summaries.append(summary)
         print(f"{policy}/{eviction}: {summary['finished']:,} requests in {summary['duration_s']:,.1f} simulated s, "
@@ -176,7 +194,7 @@ def run_simulate(args) -> int:
                 "peak_memory_mib": round(peak_mib, 1),
                 "runs": [{**s, "time_series": report.time_series(r)} for s, r in zip(summaries, results)]}
         with open(args.output, "w") as f:
-            json.dump(data, f, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+            json.dump(data, f, indent=1)
         print(f"\nwrote {args.output}")
     if args.plot:
         try:

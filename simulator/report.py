@@ -98,7 +98,8 @@ def summarize(result: SimulationResult, slo: SLO) -> dict:
         "e2e_s": _percentiles(lat["e2e"]),
         "slo": str(slo),
         "goodput_requests_per_s": float(good.sum() / duration),
-        "slo_attainment": float(good.mean()) if len(good) else None,
+        # NOTE: a request rejected as too long missed its targets too.
+        "slo_attainment": float(good.sum() / (len(good) + result.rejected.sum())) if len(result.arrival) else None,
         "preemptions": result.num_preemptions,
         "swapped_out": result.num_swapped_out,
         "recomputed": result.num_recomputed,

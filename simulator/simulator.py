@@ -107,6 +107,10 @@ class Replica:
             if on_step is not None:
                 on_step(StepRecord(self.index, start, answer.compute_seconds, dict(step.num_scheduled_tokens), shape))
 
+    def kv_usage(self) -> float:
+        manager = self.scheduler.kv_cache_manager
+        return 1 - manager.get_num_free_blocks() / manager.num_blocks
+
     def finish_step(self):
         """Applies the oldest step's answer; returns the scheduler's updates."""
         step, answer, _ = self.in_flight.popleft()
@@ -121,7 +125,8 @@ class SimulationResult:
     priority, first token and finish times in simulated seconds, output tokens. ``rejected`` marks
     requests longer than max_model_len (a server answers them 400). ``itl``: every gap
     between two tokens of one request. The time series, one point per step result:
-    time, running, waiting, KV usage (0..1).
+    time, running and waiting requests (all replicas), KV usage (0..1, their mean).
+    ``busy_seconds``: device time per replica.
     """
 
     policy: str
@@ -225,7 +230,10 @@ class Simulation:
                         touched.add(self._add(i, request, now))
                     i += 1
                 for replica in touched:
-                    replica.fill(now, on_step)
+                    # NOTE: as EngineCore's loop: with a step in flight it waits for the answer
+                    # before it looks at new requests.
+                    if not replica.in_flight:
+                        replica.fill(now, on_step)
                 continue
             now = t_finish
             updates = busy.finish_step()
@@ -245,14 +253,12 @@ class Simulation:
                 done += finished
                 bar.update(finished)
             busy.fill(now, on_step)
-            scheduler = busy.scheduler
-            kv_manager = scheduler.kv_cache_manager
-            running = scheduler.num_running
+            running = sum(r.scheduler.num_running for r in replicas)
             max_running = max(max_running, running)
             series[0].append(now)
             series[1].append(running)
-            series[2].append(scheduler.num_waiting)
-            series[3].append(1 - kv_manager.get_num_free_blocks() / kv_manager.num_blocks)
+            series[2].append(sum(r.scheduler.num_waiting for r in replicas))
+            series[3].append(sum(r.kv_usage() for r in replicas) / len(replicas))
         bar.close()
         stats = [r.scheduler.stats for r in replicas]
         return SimulationResult(
@@ -270,7 +276,7 @@ class Simulation:
             num_recomputed=sum(s.num_recomputed for s in stats),
             prompt_tokens=sum(s.num_prompt_tokens for s in stats),
             prompt_tokens_cached=sum(s.num_prompt_tokens_cached for s in stats),
-            busy_seconds=sum(r.busy_seconds for r in replicas),
+            busy_seconds=sum(r.busy_seconds for r in replicas) / len(replicas),
             wall_seconds=time.perf_counter() - wall, max_running=max_running,
             num_blocks=self.kv.num_blocks, steps=steps)
 

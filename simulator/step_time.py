@@ -74,7 +74,10 @@ def step_shape(scheduler_output: SchedulerOutput, requests: Mapping) -> tuple[St
         end = request.num_computed_tokens
         pairs += num * (end - num) + num * (num + 1) // 2
         kv += end
-        if end >= request.num_tokens:
+        # NOTE: the scheduler's rule (Scheduler._commit): a step that reaches the end of the
+        # known tokens and those in flight samples one more, which is now pending.
+        pending = request.num_pending_tokens
+        if pending and end == request.num_tokens + pending - 1:
             sampled.append(request_id)
     shape.num_tokens = scheduler_output.total_num_scheduled_tokens
     shape.num_requests = len(scheduler_output.num_scheduled_tokens)
@@ -144,27 +147,27 @@ DEVICES: dict[str, DeviceSpec] = {
 
 @dataclass(frozen=True, slots=True)
 class ModelCosts:
-    """A model's per-token costs, per tensor-parallel rank."""
+    """A model's sizes (whole model; Roofline divides them over tensor-parallel ranks)."""
 
     linear_params: int  # every decoder layer's weights (projections and MLP)
     head_params: int  # the LM head
     embedding_params: int  # the input embedding when not tied to the head (stored, barely read)
     heads: int
+    kv_heads: int
     head_dim: int
     layers: int
     hidden: int
-    kv_bytes_per_token: int  # K and V of every layer
 
     @classmethod
-    def of(cls, model: ModelConfig, kv_dtype_bytes: int) -> ModelCosts:
+    def of(cls, model: ModelConfig) -> ModelCosts:
         q = model.num_attention_heads * model.head_dim
         kv = model.num_key_value_heads * model.head_dim
-        per_layer = model.hidden_size * (q + 2 * kv) + q * model.hidden_size + 3 * model.hidden_size * model.intermediate_size
-        table = model.hidden_size * model.vocab_size
+        hidden = model.hidden_size
+        per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * model.intermediate_size
+        table = hidden * model.vocab_size
         return cls(per_layer * model.num_hidden_layers, table, 0 if model.tie_word_embeddings else table,
-                   model.num_attention_heads,
-                   model.head_dim, model.num_hidden_layers, model.hidden_size,
-                   2 * model.num_hidden_layers * kv * kv_dtype_bytes)
+                   model.num_attention_heads, model.num_key_value_heads, model.head_dim, model.num_hidden_layers,
+                   hidden)
 
     @property
     def num_params(self) -> int:
@@ -188,9 +191,11 @@ class Roofline(StepTimeModel):
     def __init__(self, device: DeviceSpec, model: ModelConfig, dtype_bytes: int = 2, kv_dtype_bytes: int = 2,
                  tensor_parallel_size: int = 1) -> None:
         self.device = device
-        self.costs = ModelCosts.of(model, kv_dtype_bytes)
+        self.costs = c = ModelCosts.of(model)
         self.dtype_bytes = dtype_bytes
         self.tp = tensor_parallel_size
+        # NOTE: KV heads split over the ranks, or copied to each when there are fewer.
+        self.kv_bytes_per_token = 2 * c.layers * -(-c.kv_heads // tensor_parallel_size) * c.head_dim * kv_dtype_bytes
         self._block_swap_s = 0.0
 
     @property
@@ -210,7 +215,7 @@ class Roofline(StepTimeModel):
         linear = max(2 * (shape.num_tokens * c.linear_params + shape.num_sampled * c.head_params) / tp / matmul_rate,
                      self.weight_bytes / read_rate) if shape.num_tokens else 0.0
         attention = max(4 * shape.attention_pairs * c.heads * c.head_dim * c.layers / tp / attention_rate,
-                        (shape.kv_tokens + shape.num_tokens) * c.kv_bytes_per_token / tp / read_rate)
+                        (shape.kv_tokens + shape.num_tokens) * self.kv_bytes_per_token / read_rate)
         comm = 0.0
         if tp > 1 and shape.num_tokens:
             volume = shape.num_tokens * c.hidden * self.dtype_bytes * 2 * (tp - 1) / tp
@@ -219,7 +224,7 @@ class Roofline(StepTimeModel):
 
     def with_block_size(self, block_size: int) -> Roofline:
         """Sets the time to swap one block (its K/V over the host link)."""
-        self._block_swap_s = block_size * self.costs.kv_bytes_per_token / self.tp / self.device.host_bandwidth
+        self._block_swap_s = block_size * self.kv_bytes_per_token / self.device.host_bandwidth
         return self
 
     def kv_cache_bytes(self, memory_utilization: float, reserve_bytes: float = 2 * _GB) -> int:
@@ -234,8 +239,8 @@ class Roofline(StepTimeModel):
 
     def describe(self) -> str:
         d = self.device
-        return (f"roofline {d.name}: {d.flops / 1e12:.0f} TFLOP/s x {d.matmul_efficiency}, "
-                f"{d.bandwidth / 1e12:.2f} TB/s x {d.bandwidth_efficiency}, {d.step_overhead_s * 1e3:.1f} ms a step"
+        return (f"roofline {d.name}: {d.flops / 1e12:.3g} TFLOP/s x {d.matmul_efficiency}, "
+                f"{d.bandwidth / 1e12:.3g} TB/s x {d.bandwidth_efficiency}, {d.step_overhead_s * 1e3:.1f} ms a step"
                 + (f", TP {self.tp}" if self.tp > 1 else ""))
 
 
@@ -310,8 +315,9 @@ def model_summary(model: ModelConfig) -> dict:
 
 
 def fit_profile(shapes: Sequence[StepShape], seconds: Sequence[float]) -> tuple[dict[str, float], float]:
-    """Non-negative least squares of step seconds on the shapes' terms, relative to each
-    step's time (so that short decode steps count as much as long prefills).
+    """Non-negative least squares (Lawson-Hanson) of step seconds on the shapes' terms,
+    relative to each step's time (so that short decode steps count as much as long
+    prefills).
 
     Returns:
         The coefficients by term (terms no step exercises are 0), and the mean absolute
@@ -322,33 +328,98 @@ def fit_profile(shapes: Sequence[StepShape], seconds: Sequence[float]) -> tuple[
     if len(y) < len(TERMS):
         raise ValueError(f"fitting needs at least {len(TERMS)} steps, got {len(y)}")
     weights = 1 / np.maximum(y, 1e-6)
-    active = [i for i in range(len(TERMS)) if np.any(x[:, i])]
+    used = [i for i in range(len(TERMS)) if np.any(x[:, i])]
+    scale = np.maximum(np.abs(x[:, used]).max(axis=0), 1e-30)
     coef = np.zeros(len(TERMS))
-    # NOTE: an active-set loop: solve, drop the most negative term, solve again.
-    while active:
-        scale = np.maximum(np.abs(x[:, active]).max(axis=0), 1e-30)
-        solution = np.linalg.lstsq(x[:, active] / scale * weights[:, None], y * weights, rcond=None)[0] / scale
-        if solution.min() >= 0:
-            coef[active] = solution
-            break
-        active.pop(int(np.argmin(solution)))
+    coef[used] = _nnls(x[:, used] / scale * weights[:, None], y * weights) / scale
     error = float(np.mean(np.abs(x @ coef - y) / np.maximum(y, 1e-9)) * 100)
     return dict(zip(TERMS, coef.tolist())), error
 
 
+def probe_cpu(seconds: float = 0.5) -> DeviceSpec:
+    """A roofline device for this CPU from two quick measurements with numpy: the rate of a
+    float32 matrix product (BLAS, every core) and of a large copy (memory bandwidth). They
+    are rates reached, not peaks, so the efficiencies are 1; ``pagoda bench step-time``
+    measures how far this first-principles estimate is from the engine's real steps."""
+    import os
+    import time as _time
+
+    def rate(work: float, run) -> float:
+        run()  # warm-up
+        best, deadline = 0.0, _time.perf_counter() + seconds / 2
+        while _time.perf_counter() < deadline:
+            start = _time.perf_counter()
+            run()
+            best = max(best, work / (_time.perf_counter() - start))
+        return best
+
+    n = 1024
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    flops = rate(2 * n**3, lambda: a @ a)
+    source = np.ones(64 * 1024 * 1024 // 8)  # 64 MiB: well past the caches
+    target = np.empty_like(source)
+    bandwidth = rate(2 * source.nbytes, lambda: np.copyto(target, source))
+    name = cpu_model_name()
+    return DeviceSpec(f"{name} ({os.cpu_count()} cores, measured)", flops, bandwidth, memory_bytes=0.0,
+                      link_bandwidth=bandwidth, host_bandwidth=bandwidth, matmul_efficiency=1.0,
+                      attention_efficiency=1.0, bandwidth_efficiency=1.0, step_overhead_s=1e-3)
+
+
+def cpu_model_name() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), or the platform's processor."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nnls(a: np.ndarray, b: np.ndarray, iterations: int = 100) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method)."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    for _ in range(iterations):
+        gradient = a.T @ (b - a @ x)
+        free = ~passive & (gradient > 1e-12 * max(1.0, np.abs(gradient).max()))
+        if not free.any():
+            break
+        passive[np.argmax(np.where(free, gradient, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if z[passive].min() > 0:
+                x = z
+                break
+            # step back to the boundary, and drop the terms that reach 0
+            blocked = passive & (z <= 0)
+            alpha = np.min(x[blocked] / np.maximum(x[blocked] - z[blocked], 1e-300))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+    return x
+
+
 def load_step_time(device: str, model: ModelConfig, block_size: int, dtype_bytes: int = 2, kv_dtype_bytes: int = 2,
                    tensor_parallel_size: int = 1) -> StepTimeModel:
-    """The model ``--device`` names: h100, h200, a100, l4, or a profile file.
+    """The model ``--device`` names: h100, h200, a100, l4, cpu (this CPU, probed), or a
+    profile file.
 
     Raises:
         ValueError: An unknown name, an unreadable file, or a profile of another model.
     """
     name = device.lower()
-    if name in DEVICES:
-        return Roofline(DEVICES[name], model, dtype_bytes, kv_dtype_bytes, tensor_parallel_size).with_block_size(block_size)
+    if name in DEVICES or name == "cpu":
+        spec = probe_cpu() if name == "cpu" else DEVICES[name]
+        return Roofline(spec, model, dtype_bytes, kv_dtype_bytes, tensor_parallel_size).with_block_size(block_size)
     path = Path(device)
     if not path.is_file():
-        raise ValueError(f"unknown device {device!r}: expected one of {sorted(DEVICES)} or a profile file from "
+        raise ValueError(f"unknown device {device!r}: expected one of {sorted([*DEVICES, 'cpu'])} or a profile file from "
                          "`pagoda bench step-time`")
     profile = FittedProfile.load(path)
     profile.check_model(model)

@@ -78,6 +78,10 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     if not requests:
         raise TraceError(f"{path}: the trace holds no request")
     requests.sort(key=lambda r: r.arrival)
+    # NOTE: arrivals from the first request on (a trace may hold epoch seconds).
+    start = requests[0].arrival
+    for request in requests:
+        request.arrival -= start
     return requests[:limit] if limit is not None else requests
 
 
@@ -150,6 +154,8 @@ def _read_azure_csv(f, path: Path) -> list[TraceRequest]:
                          f"this one has {reader.fieldnames}")
     rows = []
     for number, row in enumerate(reader, 2):
+        if any(row.get(c) is None for c in columns):
+            raise TraceError(f"{path}:{number}: expected {len(columns)} columns ({', '.join(columns)})")
         try:
             stamp = _azure_seconds(row["TIMESTAMP"])
         except ValueError:
@@ -245,6 +251,12 @@ def synthetic_trace(num_requests: int, rate: float, prompt_len: str = "lognormal
         raise ValueError(f"arrival must be poisson or gamma, got {arrival!r}")
     if prefix_groups and prefix_len < 1:
         raise ValueError("prefix groups need --prefix-len >= 1")
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if priorities < 1 or clients < 0 or prefix_groups < 0:
+        raise ValueError("priorities must be >= 1, clients and prefix groups >= 0")
+    if not 0 <= prefix_fraction <= 1:
+        raise ValueError(f"the prefix fraction must be in [0, 1], got {prefix_fraction}")
     rng = np.random.default_rng(seed)
     if math.isinf(rate):
         arrivals = np.zeros(num_requests)

@@ -32,9 +32,9 @@ def test_jsonl_trace_round_trips_and_sorts_by_arrival(tmp_path):
     path = tmp_path / "t.jsonl"
     save_trace(trace, path)
     loaded = load_trace(path)
-    assert [r.arrival for r in loaded] == [0.25, 1.5]
-    assert loaded[1] == trace[0]
-    assert load_trace(path, limit=1) == [trace[1]]
+    assert [r.arrival for r in loaded] == [0.0, 1.25]  # from the first request on
+    assert loaded[1] == TraceRequest(1.25, 10, 3, prefix_group="a", prefix_len=4, priority=2, client="x")
+    assert load_trace(path, limit=1) == [TraceRequest(0.0, 7, 1)]
 
 
 @pytest.mark.parametrize("line, message", [
@@ -63,6 +63,9 @@ def test_azure_trace_csv_is_read_as_published(tmp_path):
     assert trace[0].arrival == 0
     assert trace[1].arrival == pytest.approx(0.68059)
     assert trace[2].arrival == pytest.approx(4.995169)
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,374\n")
+    with pytest.raises(TraceError, match=r"csv:2: expected 3 columns"):
+        load_trace(path)
     path.write_text("time,in,out\n1,2,3\n")
     with pytest.raises(TraceError, match="TIMESTAMP, ContextTokens, GeneratedTokens"):
         load_trace(path)
@@ -288,10 +291,36 @@ def test_simulate_command_compares_policies_and_writes_json_and_plots(tmp_path, 
     (["--model", "no-such-model"], "model 'no-such-model'"),
     (["--scheduling-policy", "fcfs,lifo"], "unknown scheduling policy 'lifo'"),
     (["--slo", "ttft=fast"], "not a number of seconds"),
+    (["--limit", "0"], "--limit must be >= 1"),
+    (["--arrival", "gamma", "--burstiness", "0"], "burstiness must be > 0"),
+    (["--output", "/nonexistent/dir/r.json"], "its folder does not exist"),
     (["--trace", "/nonexistent.jsonl"], "does not exist"),
+    (["--model", "smollm2-135m", "--device", "h100", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
 ])
 def test_simulate_command_errors_are_clear(capsys, argv, message):
     from pagoda.cli.main import main
 
     assert main(["simulate", "--num-requests", "5", "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_simulate_on_this_cpu_and_on_a_measured_profile(tmp_path, capsys):
+    """`--device cpu` probes this machine; a profile file carries the measured engine's
+    settings (budget, async scheduling) and its model's shape."""
+    from pagoda.cli.main import main
+    from pagoda.simulator.step_time import model_summary, probe_cpu
+
+    spec = probe_cpu(seconds=0.1)
+    assert spec.flops > 1e9 and spec.bandwidth > 1e9
+    model = load_model_shape("smollm2-135m")
+    FittedProfile({"step": 0.01, "token": 2e-4, "kv_token": 1e-7}, model=model_summary(model),
+                  fit={"async_scheduling": False, "max_num_batched_tokens": 512}).save(tmp_path / "p.json")
+    for device in ("cpu", str(tmp_path / "p.json")):
+        out = tmp_path / "r.json"
+        assert main(["simulate", "--model", "smollm2-135m", "--device", device, "--num-requests", "40",
+                     "--request-rate", "4", "--no-progress", "--output", str(out)]) == 0
+        text = capsys.readouterr().out
+        assert "async scheduling off" in text
+        data = json.loads(out.read_text())
+        assert data["runs"][0]["finished"] + data["runs"][0]["rejected_too_long"] == 40
+        assert data["max_num_batched_tokens"] == (2048 if device == "cpu" else 512)

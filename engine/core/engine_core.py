@@ -211,12 +211,12 @@ class EngineCore:
                 sent = scheduler_output.has_work
                 if sent:
                     worker.send(scheduler_output)
-                    if self.step_observer is not None:
-                        self.step_observer.sent(scheduler_output)
                     in_flight.append((scheduler_output, was_idle))
                     stats.max_in_flight = max(stats.max_in_flight, len(in_flight))
                     was_idle = False
                 stats.schedule_seconds += time.perf_counter() - start
+                if sent and self.step_observer is not None:
+                    self.step_observer.sent(scheduler_output)
                 if not in_flight:
                     await asyncio.sleep(0.001)  # nothing runnable yet; do not spin
                     was_idle = True
