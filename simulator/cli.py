@@ -29,6 +29,9 @@ def add_simulate_parser(sub) -> None:
     t.add_argument("--trace", default=None, help="JSONL (arrival, prompt_len, output_len, ...) or an Azure LLM "
                                                  "inference trace CSV")
     t.add_argument("--limit", type=int, default=None, help="only the first N requests of --trace")
+    t.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply every arrival time (0.5: the same trace at twice the rate), e.g. to fit a "
+                        "cluster's trace to one replica")
     t.add_argument("--num-requests", type=int, default=1000)
     t.add_argument("--request-rate", type=float, default=10.0, help="requests per second (inf: all at once)")
     t.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
@@ -87,6 +90,11 @@ def _trace(args):
         trace = synthetic_trace(args.num_requests, args.request_rate, args.prompt_len, args.output_len, args.arrival,
                                 args.burstiness, args.prefix_groups, args.prefix_len, args.prefix_fraction,
                                 args.priorities, args.clients, args.retain_prefixes, seed=args.seed)
+    if not args.time_scale > 0:
+        raise ValueError(f"--time-scale must be > 0, got {args.time_scale}")
+    if args.time_scale != 1.0:
+        for request in trace:
+            request.arrival *= args.time_scale
     if args.save_trace:
         save_trace(trace, args.save_trace)
     return trace

@@ -279,11 +279,15 @@ def test_simulate_command_compares_policies_and_writes_json_and_plots(tmp_path, 
     assert len(load_trace(trace)) == 200
     for name in ("latency_cdf.png", "kv_usage.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # the same trace file gives the same result
+    # the same trace file gives the same result; at four times the rate, longer queues
     assert main(["simulate", "--device", "a100", "--trace", str(trace), "--priorities", "2", "--output",
                  str(tmp_path / "again.json"), "--no-progress"]) == 0
     again = json.loads((tmp_path / "again.json").read_text())["runs"][0]
     assert again["ttft_s"] == run["ttft_s"]
+    assert main(["simulate", "--device", "a100", "--trace", str(trace), "--time-scale", "0.25", "--output",
+                 str(tmp_path / "faster.json"), "--no-progress"]) == 0
+    faster = json.loads((tmp_path / "faster.json").read_text())["runs"][0]
+    assert faster["ttft_s"]["p50"] > run["ttft_s"]["p50"] and faster["queue_max"] > run["queue_max"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -292,6 +296,7 @@ def test_simulate_command_compares_policies_and_writes_json_and_plots(tmp_path, 
     (["--scheduling-policy", "fcfs,lifo"], "unknown scheduling policy 'lifo'"),
     (["--slo", "ttft=fast"], "not a number of seconds"),
     (["--limit", "0"], "--limit must be >= 1"),
+    (["--time-scale", "0"], "--time-scale must be > 0"),
     (["--arrival", "gamma", "--burstiness", "0"], "burstiness must be > 0"),
     (["--output", "/nonexistent/dir/r.json"], "its folder does not exist"),
     (["--trace", "/nonexistent.jsonl"], "does not exist"),
