@@ -204,7 +204,6 @@ class Simulation:
         bar = tqdm(total=n, desc="simulating", unit="req", disable=None if progress is None else not progress,
                    smoothing=0.05, mininterval=0.5)
         i = 0
-        done = 0
         while True:
             t_arrival = arrival[i] if i < n else math.inf
             busy = min(replicas, key=lambda r: r.next_finish)
@@ -224,7 +223,6 @@ class Simulation:
                     request = trace[i]
                     if request.prompt_len >= max_model_len:
                         rejected[i] = True
-                        done += 1
                         bar.update(1)
                     else:
                         touched.add(self._add(i, request, now))
@@ -250,7 +248,6 @@ class Simulation:
                     finish[index] = now
                     finished += 1
             if finished:
-                done += finished
                 bar.update(finished)
             busy.fill(now, on_step)
             running = sum(r.scheduler.num_running for r in replicas)

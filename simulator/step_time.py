@@ -16,6 +16,9 @@ Two models:
 from __future__ import annotations
 
 import json
+import os
+import platform
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -341,16 +344,13 @@ def probe_cpu(seconds: float = 0.5) -> DeviceSpec:
     float32 matrix product (BLAS, every core) and of a large copy (memory bandwidth). They
     are rates reached, not peaks, so the efficiencies are 1; ``pagoda bench step-time``
     measures how far this first-principles estimate is from the engine's real steps."""
-    import os
-    import time as _time
-
     def rate(work: float, run) -> float:
         run()  # warm-up
-        best, deadline = 0.0, _time.perf_counter() + seconds / 2
-        while _time.perf_counter() < deadline:
-            start = _time.perf_counter()
+        best, deadline = 0.0, time.perf_counter() + seconds / 2
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
             run()
-            best = max(best, work / (_time.perf_counter() - start))
+            best = max(best, work / (time.perf_counter() - start))
         return best
 
     n = 1024
@@ -367,8 +367,6 @@ def probe_cpu(seconds: float = 0.5) -> DeviceSpec:
 
 def cpu_model_name() -> str:
     """This CPU's model name (``/proc/cpuinfo``), or the platform's processor."""
-    import platform
-
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
