@@ -47,8 +47,8 @@ def run_kv_dtype_bench(args: argparse.Namespace) -> int:
             baseline = baseline or seconds
             read = 2 * requests * context * args.num_kv_heads * args.head_dim * dtype.itemsize
             print(json.dumps({"requests": requests, "context": context, "kv_cache_dtype": name,
-                              "ms": round(seconds * 1e3, 2), "speedup": round(baseline / seconds, 2),
-                              "cache_gb_per_s": round(read * args.layers / seconds / 1e9, 1)}))
+                              "ms": _figure(seconds * 1e3), "speedup": round(baseline / seconds, 2),
+                              "cache_gb_per_s": _figure(read * args.layers / seconds / 1e9)}))
     return 0
 
 
@@ -69,3 +69,8 @@ def add_kv_dtype_bench_parser(bench_sub) -> None:
                    help="comma-separated, the first is the baseline (default auto,fp8_e4m3,fp8_e5m2)")
     add_decode_step_args(p, repeats=5)
     p.set_defaults(func=run_kv_dtype_bench)
+
+
+def _figure(value: float) -> float:
+    """Three significant digits (a small case's time or rate never rounds to 0)."""
+    return float(f"{value:.3g}")
