@@ -1,4 +1,4 @@
-"""The CPU kernels in csrc/ (paged attention, the bfloat16 linear layer), built on first use
+"""The CPU kernels in csrc/ (paged attention, the bfloat16 and quantized linear layers), built on first use
 with the machine's C compiler into one library.
 
 The library is compiled for this CPU (``-march=native``; ``PAGODA_CPU_MARCH=x86-64-v3``
@@ -33,7 +33,8 @@ _FP8_FACTOR = {torch.float8_e4m3fn: 256.0, torch.float8_e5m2: 1.0}
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "paged_attention.c", _CSRC / "packed_linear.c", _CSRC / "tile_attention.c")
+SOURCES = (_CSRC / "paged_attention.c", _CSRC / "packed_linear.c", _CSRC / "tile_attention.c",
+           _CSRC / "quant_linear.c")
 HEADERS = (_CSRC / "avx512_exp.h", _CSRC / "amx_tiles.h")
 DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
 # NOTE: never -ffast-math: linking with it turns on flush-to-zero for the whole process
@@ -149,7 +150,12 @@ def load() -> ctypes.CDLL:
     lib.prefill_attention_bf16.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, i64,
                                            i64, i64, i64, i64, ctypes.c_float, pointer]
     lib.prefill_attention_bf16.restype = ctypes.c_int
-    for name in ("packed_linear_available", "amx_probe"):
+    lib.quant_linear.argtypes = [pointer, i64, i64, ctypes.c_int, i64, pointer, ctypes.c_int, ctypes.c_int, i64,
+                                 pointer, pointer, i64, ctypes.c_int]
+    lib.quant_linear.restype = ctypes.c_int
+    lib.quant_group_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.quant_group_bytes.restype = i64
+    for name in ("packed_linear_available", "amx_probe", "quant_linear_vnni"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
     return lib
@@ -402,4 +408,42 @@ def packed_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, intermediate_s
     if m:
         _kernel("packed_silu_mul_linear_bf16")(x.data_ptr(), m, x.stride(0), weight.data_ptr(), intermediate_size,
                                                k, out.data_ptr(), intermediate_size, amx_min_rows)
+    return out
+
+
+# -- the quantized linear layer (csrc/quant_linear.c) ---------------------------------------
+
+QUANT_GROUP = 32  # input features per scale
+QUANT_BLOCK = 16  # output features per block of the packed layout
+
+
+def quant_linear_vnni() -> bool:
+    """Whether the quantized kernel was built with AVX512-VNNI (else its portable C loop)."""
+    return available() and bool(load().quant_linear_vnni())
+
+
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, bits: int,
+                 has_min: bool, out_f32: bool = False) -> torch.Tensor:
+    """x @ W.T + bias for a 2-D bfloat16 or float32 x and a weight packed by
+    engine/models/quantized.py (``bits`` 8 or 4, with or without minimums); bias float32.
+
+    Returns:
+        [x rows, out_features] in x's dtype, or float32 with ``out_f32``.
+    """
+    assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == torch.uint8
+    m, k = x.shape
+    assert k % QUANT_GROUP == 0 and weight.is_contiguous()
+    blocks = -(-out_features // QUANT_BLOCK)
+    assert weight.numel() == blocks * (k // QUANT_GROUP) * _kernel("quant_group_bytes")(bits, int(has_min))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (out_features,)
+    out_f32 = out_f32 or x.dtype == torch.float32
+    out = torch.empty(m, out_features, dtype=torch.float32 if out_f32 else x.dtype)
+    if m and _kernel("quant_linear")(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.float32), k,
+                                     weight.data_ptr(), bits, int(has_min), out_features,
+                                     None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+                                     int(out_f32)):
+        raise MemoryError("quant_linear: out of memory for the quantized activations")
     return out

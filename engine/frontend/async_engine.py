@@ -35,7 +35,7 @@ from pagoda.engine.executor.base import Executor, create_executor
 from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
 from pagoda.engine.messages import WorkerInit
 from pagoda.engine.model_config import ModelConfig
-from pagoda.engine.model_loader import load_tokenizer, resolve_model
+from pagoda.engine.model_loader import load_tokenizer, plan_quantization, resolve_model
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.platform import attention_shape, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine.reasoning import REASONING_PARSERS, ReasoningParser
@@ -88,6 +88,7 @@ class AsyncEngine:
         model_dir = await asyncio.to_thread(resolve_model, config.model)
         logger.info("model: %s", model_dir)
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
+        plan_quantization(config.quantization, model_dir, device, config.tensor_parallel_size)  # NOTE: a clear error before the worker starts
         get_attention_backend(config.attention_backend, device, kv_dtype,
                               attention_shape(model_config, resolve_dtype(config.dtype, device)))
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
@@ -112,8 +113,8 @@ class AsyncEngine:
                                async_scheduling=self.uses_async_scheduling())
         logger.info("starting the worker process")
         ready = await self.core.start()
-        logger.info("worker ready: %s, %s, attention backend %s, %.2f GiB of KV cache%s; async scheduling %s",
-                    ready.device, ready.dtype, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
+        logger.info("worker ready: %s, %s, %s, attention backend %s, %.2f GiB of KV cache%s; async scheduling %s",
+                    ready.device, ready.dtype, ready.weights, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
                     f", model compiled in {ready.compile_seconds:.1f} s" if ready.compile_seconds else "",
                     "on" if self.core.async_scheduling else "off")
 
@@ -155,7 +156,8 @@ class AsyncEngine:
         attention backend, KV capacity, policies and plugins (for the start-up log)."""
         ready, model = self.worker.ready, self.model_config
         plugins = plugin_names(self.plugin_manager)
-        return (f"{model.architecture} ({model.num_hidden_layers} layers) on {ready.device} in {ready.dtype}, "
+        return (f"{model.architecture} ({model.num_hidden_layers} layers) on {ready.device} in {ready.dtype} "
+                f"({ready.weights}), "
                 f"attention backend {ready.attention_backend}, KV cache {self.kv_cache_size.num_tokens} tokens"
                 f"{'' if self.config.kv_cache_dtype == 'auto' else ' in ' + self.config.kv_cache_dtype}, "
                 f"max_model_len {self.max_model_len}, scheduling policy {self.config.scheduling_policy}, "

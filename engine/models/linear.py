@@ -19,6 +19,10 @@ Three packings, chosen per machine by :func:`choose_packing`:
 
 ``PAGODA_CPU_LINEAR=amx|blocked|onednn|none`` overrides the choice (for A/B measurements).
 
+Quantized weights (engine/models/quantized.py: GGUF files' own types, ``--quantization int8``)
+have their own packings, ``"q8"``, ``"q8m"``, ``"q4"`` and ``"q4m"`` (bits, "m": with
+minimums), multiplied by csrc/quant_linear.c (``pagoda::quant_linear``), whatever the dtype.
+
 Each packing is an opaque op (``pagoda::blocked_linear``, ``pagoda::onednn_linear``, and
 ``pagoda::blocked_silu_mul_linear`` for :class:`GateUpLinear`; "amx" runs the blocked ops
 with a row count from which they use the tiles) to torch.compile. NOTE:
@@ -41,6 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.attention_backends import cpu_kernels
+from pagoda.engine.models.quantized import QUANT_PACKINGS, GroupQuantized
+from pagoda.engine.models.quantized import pack as pack_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +58,8 @@ _library = torch.library.Library("pagoda", "FRAGMENT")
 _library.define("blocked_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, int amx_min_rows) -> Tensor")
 _library.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _library.define("blocked_silu_mul_linear(Tensor x, Tensor weight, int intermediate_size, int amx_min_rows) -> Tensor")
+_library.define("quant_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, int bits, bool has_min, "
+                "bool out_f32) -> Tensor")
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -61,6 +69,7 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 _library.impl("blocked_linear", cpu_kernels.packed_linear, "CompositeExplicitAutograd")
 _library.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
 _library.impl("blocked_silu_mul_linear", cpu_kernels.packed_silu_mul_linear, "CompositeExplicitAutograd")
+_library.impl("quant_linear", cpu_kernels.quant_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pagoda::blocked_linear")
@@ -76,6 +85,11 @@ def _(x, weight, bias):
 @torch.library.register_fake("pagoda::blocked_silu_mul_linear")
 def _(x, weight, intermediate_size, amx_min_rows):
     return x.new_empty(x.shape[0], intermediate_size)
+
+
+@torch.library.register_fake("pagoda::quant_linear")
+def _(x, weight, bias, out_features, bits, has_min, out_f32):
+    return x.new_empty(x.shape[0], out_features, dtype=torch.float32 if out_f32 else x.dtype)
 
 
 @functools.cache
@@ -151,12 +165,14 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     "amx" packing's, from :func:`amx_min_rows`) is where the tiles take over."""
     if packing in BLOCKED_LAYOUT:
         return torch.ops.pagoda.blocked_linear(x, weight, bias, out_features, amx_min_rows)
+    if packing in QUANT_PACKINGS:
+        return torch.ops.pagoda.quant_linear(x, weight, bias, out_features, *QUANT_PACKINGS[packing], False)
     return torch.ops.pagoda.onednn_linear(x, weight, bias)
 
 
 def logits_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packing: str,
                   out_features: int, amx_min_rows: int = 0) -> torch.Tensor:
-    """An LM head's product: with Pagoda's kernel ("amx", "blocked"), the float32 sums as they
+    """An LM head's product: with Pagoda's kernels ("amx", "blocked", quantized), the float32 sums as they
     are, never rounded to bfloat16 (at bfloat16's resolution near candidates tie: the default
     model's answer to "What is the capital of France?" went astray on such a tie); with
     oneDNN, in x's dtype (the caller then breaks bfloat16 ties, llama.break_bfloat16_ties).
@@ -164,6 +180,8 @@ def logits_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if packing in BLOCKED_LAYOUT:
         return cpu_kernels.packed_linear(x if x.is_contiguous() else x.contiguous(), weight, bias, out_features,
                                          amx_min_rows, out_dtype=torch.float32)
+    if packing in QUANT_PACKINGS:
+        return cpu_kernels.quant_linear(x, weight, bias, out_features, *QUANT_PACKINGS[packing], out_f32=True)
     return packed_linear(x, weight, bias, packing, out_features, amx_min_rows)
 
 
@@ -258,6 +276,15 @@ class Linear(nn.Linear):
         if packing == "amx":
             self.amx_min_rows = 1 if batch_invariant else amx_min_rows(self.weight, self.out_features)
 
+    def quantize(self, weight: GroupQuantized) -> None:
+        """Replaces the float weight by ``weight`` (for this layer's [out, in] shape),
+        multiplied by the quantized kernel from now on; a bias becomes float32."""
+        assert weight.shape == (self.out_features, self.in_features), (weight.shape, self.weight.shape)
+        self.weight = nn.Parameter(pack_quantized(weight), requires_grad=False)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
+        self.packing = weight.packing
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packing is not None:
             return packed_linear(x, self.weight, self.bias, self.packing, self.out_features, self.amx_min_rows)
@@ -279,7 +306,7 @@ class GateUpLinear(Linear):
     """
 
     def pack(self, packing: str, batch_invariant: bool = False) -> None:
-        if packing not in BLOCKED_LAYOUT:
+        if packing not in BLOCKED_LAYOUT:  # NOTE: quantized weights are not packed again
             return super().pack(packing, batch_invariant)
         assert self.bias is None, "the fused kernel has no bias"
         with torch.no_grad():

@@ -24,7 +24,7 @@ down to the rank's share, and the row-parallel outputs and the embedding are all
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,8 @@ from pagoda.engine.worker.distributed import TensorParallelGroup
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.models.linear import (BLOCKED_LAYOUT, GateUpLinear, Linear, amx_min_rows, logits_linear,
                                           pack_weight)
+from pagoda.engine.models.quantized import GroupQuantized
+from pagoda.engine.models.quantized import pack as pack_quantized
 from pagoda.engine.models.rope import compute_inv_freq
 
 
@@ -262,16 +264,50 @@ class LlamaForCausalLM(nn.Module):
         self._regions = tuple(torch.compile(fn, dynamic=True, options={"size_asserts": False})
                               for fn in self._regions)
 
+    def quantize_weights(self, pick: Callable[[tuple[str, ...], torch.Tensor], GroupQuantized | None]) -> list[str]:
+        """Quantizes the linear layers and the LM head that ``pick`` gives a weight for.
+
+        ``pick(names, weight)`` gets the checkpoint names a layer's weight was loaded from
+        ("layers.0.self_attn.q_proj.weight", ... for the fused q/k/v; "embed_tokens.weight"
+        for a tied LM head) and the float weight as loaded, and returns the quantized
+        weight, or None to keep the layer in floats. Returns the packings used, one per
+        quantized layer.
+
+        Raises:
+            ValueError: Under tensor parallelism (not supported with quantized weights).
+        """
+        if self.tp.is_parallel:
+            raise ValueError("quantized weights do not run under tensor parallelism yet; pass --quantization none")
+        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+        packings = []
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            prefix, _, last = name.rpartition(".")
+            parts = fused.get(last, (last,))
+            names = tuple(f"{prefix}.{part}.weight" if prefix else f"{part}.weight" for part in parts)
+            weight = pick(names, module.weight)
+            if weight is not None:
+                module.quantize(weight)
+                packings.append(weight.packing)
+        if self.lm_head is None:
+            weight = pick(("embed_tokens.weight",), self.embed_tokens.weight)
+            if weight is not None:
+                self._packed_lm_head = (pack_quantized(weight), weight.packing, 0)
+                packings.append(weight.packing)
+        return packings
+
     def pack_weights(self, packing: str, batch_invariant: bool = False) -> None:
-        """Repacks every linear weight (and a tied LM head) for ``packing``; see
-        engine/models/linear.py (Linear.pack)."""
-        if self.lm_head is not None and not self.tp.is_parallel and packing not in BLOCKED_LAYOUT:
+        """Repacks every linear weight (and a tied LM head) for ``packing``, but those
+        already quantized (quantize_weights); see engine/models/linear.py (Linear.pack)."""
+        if (self.lm_head is not None and self.lm_head.packing is None and not self.tp.is_parallel
+                and packing not in BLOCKED_LAYOUT):
             # NOTE: kept for break_bfloat16_ties (Pagoda's kernel gives float32 logits instead).
             self._unpacked_lm_head = self.lm_head.weight
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.packing is None:
                 module.pack(packing, batch_invariant)
-        if self.lm_head is None:
+        if self.lm_head is None and self._packed_lm_head is None:
             weight = pack_weight(self.embed_tokens.weight, packing)
             rows = 0
             if packing == "amx":

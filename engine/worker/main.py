@@ -72,7 +72,8 @@ def ready_message(runner):
 
     return WorkerReady(device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
                        attention_backend=runner.attention_backend.name, kv_cache_bytes=runner.kv_cache_bytes,
-                       pid=os.getpid(), compile_seconds=runner.compile_seconds)
+                       pid=os.getpid(), compile_seconds=runner.compile_seconds,
+                       weights=runner.weights_description)
 
 
 def lead(runner, receive, send) -> None:

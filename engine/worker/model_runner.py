@@ -21,10 +21,11 @@ from pagoda.engine.tensor_parallel import head_share
 from pagoda.engine.worker.distributed import init_tensor_parallel
 from pagoda.engine.worker.input_batch import InputBatch
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
-from pagoda.engine.model_loader import load_weights
+from pagoda.engine.model_loader import load_weights, plan_quantization
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
+from pagoda.engine.models.quantized import GroupQuantized, quantize_int8, quantized_weights
 from pagoda.engine.platform import attention_shape, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine.worker.prompt_scoring import score_prompts
 from pagoda.engine.worker.sampler import Sampler
@@ -119,15 +120,39 @@ class ModelRunner:
         start = time.perf_counter()
         progress(f"loading weights from {model_dir} ({self.device}, {str(self.dtype).removeprefix('torch.')})")
         model.load_weights(load_weights(model_dir))
+        quantized = self._quantize(model, model_dir, config.quantization)
         packing = choose_packing(self.device, self.dtype, config.batch_invariant)
         if packing is not None:
             model.pack_weights(packing, config.batch_invariant)
-        progress(f"weights loaded in {time.perf_counter() - start:.1f} s"
+        resident = sum(t.nbytes for t in model.parameters()) + sum(
+            t.nbytes for t in (model._packed_lm_head or ())[:1])
+        self.weights_description = f"{quantized}{resident / 1e6:.0f} MB of weights"
+        progress(f"weights loaded in {time.perf_counter() - start:.1f} s ({self.weights_description})"
                  + (f", packed for the {packing} matrix kernel" if packing else "")
                  + (f" (AMX tiles from {describe_amx_rows(model)} rows; measured in "
                     f"{linear.calibration_seconds * 1e3:.0f} ms)" if packing == "amx" and not config.batch_invariant
                     else ""))
         return model.eval(), backend
+
+    def _quantize(self, model: LlamaForCausalLM, model_dir, quantization: str) -> str:
+        """Quantizes the model's linear layers as EngineConfig.quantization says (see
+        model_loader.plan_quantization); returns what was done, for the start-up line."""
+        mode = plan_quantization(quantization, model_dir, self.device, self.tp.world_size)
+        if mode is None:
+            return ""
+        if mode == "gguf":
+            checkpoint = quantized_weights(model_dir)
+
+            def pick(names, weight):
+                parts = [checkpoint.get(name) for name in names]
+                return None if any(part is None for part in parts) else GroupQuantized.cat(parts)
+        else:
+            def pick(names, weight):
+                return quantize_int8(weight) if weight.shape[1] % 32 == 0 else None
+        packings = model.quantize_weights(pick)
+        counts = {name: packings.count(name) for name in sorted(set(packings))}
+        return (f"{'GGUF types' if mode == 'gguf' else 'int8'}: "
+                + ", ".join(f"{count} layers {name}" for name, count in counts.items()) + "; ")
 
     def _allocate_caches(self, backend, model_config, init: WorkerInit) -> tuple[list, list]:
         """A model's KV cache (zeroed) and its swap space, one (key, value) pair per layer."""

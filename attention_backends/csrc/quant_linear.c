@@ -1,0 +1,339 @@
+/*
+ * y = x @ w.T (+ bias) for the CPU from weights quantized in groups of 32 input features:
+ * 8-bit (signed) or 4-bit (unsigned) integers with a float16 scale per group and, optionally,
+ * a float16 minimum: w[n][k] = scale[n][g] * q[n][k] + min[n][g], g = k / 32. This holds
+ * GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K exactly (engine/models/quantized.py
+ * converts them) and Pagoda's own int8.
+ *
+ * As llama.cpp does, each row of x is quantized too, per group of 32, to int8 with a float32
+ * scale (round to nearest, |q| <= 127): the products are then integer dot products, four
+ * byte pairs a lane in one instruction (AVX512-VNNI's vpdpbusd, unsigned x signed):
+ *   sum_k w x = scale * xscale * sum_k q xq + min * xscale * sum_k xq   (per group)
+ * 8-bit weights are stored with 128 added (unsigned), so the sum over a group starts at
+ * -128 * sum_k xq; 4-bit weights are 0..15 already.
+ *
+ * Layout of the weight, for each block of 16 output features (zero past N), for each group:
+ *   8-bit: 512 bytes [8][16][4]: vector j holds, for each feature, q[4j .. 4j+3] + 128
+ *   4-bit: 256 bytes [4][16][4]: vector j's byte i holds q[8j + i] in its low nibble and
+ *          q[8j + 4 + i] in its high one
+ *   then 16 float16 scales, then (with mins) 16 float16 minimums.
+ * So a block is one contiguous stretch that a tile of rows reads front to back once.
+ *
+ * x is [M, K] bfloat16 (or float32 with x_f32), K a multiple of 32; y [M, N] bfloat16 (or
+ * float32 with out_f32: the LM head's logits unrounded); bias float32 [N] or NULL. Threads
+ * take contiguous ranges of feature blocks. Every output is summed in the same order
+ * whatever M is, so a row's result does not depend on its batch.
+ *
+ * Without AVX512-VNNI a plain C loop computes the same integer sums (the compiler
+ * vectorizes what it can): correct everywhere, fast only with the instructions.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#define QGROUP 32
+#define QBLOCK 16
+#define QROWS 4
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalize */
+            float f = (float)mant * (1.0f / 16777216.0f); /* mant * 2^-24 */
+            memcpy(&bits, &f, 4);
+            bits |= sign;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* to nearest even */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+}
+
+int64_t quant_group_bytes(int bits, int has_min) {
+    return (bits == 8 ? 512 : 256) + 2 * QBLOCK + (has_min ? 2 * QBLOCK : 0);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+int quant_linear_vnni(void) { return 1; }
+
+/* Row m of x quantized per group: xq [K] int8, xs [K/32] scales, xsum [K/32] sums of xq. */
+static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *xq, float *xs, int32_t *xsum) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t g = 0; g < K / QGROUP; g++) {
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t k = g * QGROUP + 16 * h;
+            v[h] = x_f32 ? _mm512_loadu_ps((const float *)x + k)
+                         : _mm512_castsi512_ps(_mm512_slli_epi32(
+                               _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k))),
+                               16));
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], sign), _mm512_and_ps(v[1], sign)));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int h = 0; h < 2; h++) {
+            /* to nearest even, as nearbyintf in the default rounding mode */
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(xq + g * QGROUP + 16 * h), _mm512_cvtepi32_epi8(q));
+            sum += _mm512_reduce_add_epi32(q);
+        }
+        xs[g] = amax / 127.0f;
+        xsum[g] = sum;
+    }
+}
+
+static inline __m512 load_halves(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+static inline __mmask16 qtail_mask(int64_t n, int64_t N) {
+    return N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
+}
+
+static inline __m256i to_bf16(__m512 v) { /* to nearest even (no AVX512-BF16 needed) */
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* rows rows of quantized x against vecs blocks of 16 features (consecutive, block_bytes
+ * apart) over all groups. The weight vectors of a group are loaded once for all rows, each
+ * broadcast of x serves every block. */
+static inline __attribute__((always_inline)) void quant_tile(
+        const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, const int rows, const uint8_t *wb,
+        int64_t block_bytes, const int vecs, const int bits, const int has_min, const float *bias, void *y,
+        int64_t ldy, int64_t n0, int64_t N, int out_f32) {
+    const int64_t groups = K / QGROUP, gbytes = quant_group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
+    __m512 acc[QROWS][2];
+    for (int m = 0; m < rows; m++)
+        for (int v = 0; v < vecs; v++) acc[m][v] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i isum[QROWS][2];
+        for (int m = 0; m < rows; m++) {
+            const __m512i start = _mm512_set1_epi32(bits == 8 ? -128 * xsum[m * groups + g] : 0);
+            for (int v = 0; v < vecs; v++) isum[m][v] = start;
+        }
+        for (int j = 0; j < (bits == 8 ? 8 : 4); j++) {
+            __m512i w[2][2];
+            for (int v = 0; v < vecs; v++) {
+                const __m512i raw = _mm512_loadu_si512(wb + v * block_bytes + g * gbytes + 64 * j);
+                if (bits == 8) {
+                    w[v][0] = raw;
+                } else {
+                    w[v][0] = _mm512_and_si512(raw, low);
+                    w[v][1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                }
+            }
+            for (int m = 0; m < rows; m++) {
+                const int8_t *a = xq + m * K + g * QGROUP;
+                for (int h = 0; h < (bits == 8 ? 1 : 2); h++) {
+                    int32_t four;
+                    __builtin_memcpy(&four, a + 4 * (bits == 8 ? j : 2 * j + h), 4);
+                    const __m512i b = _mm512_set1_epi32(four);
+                    for (int v = 0; v < vecs; v++) isum[m][v] = _mm512_dpbusd_epi32(isum[m][v], w[v][h], b);
+                }
+            }
+        }
+        for (int v = 0; v < vecs; v++) {
+            const uint8_t *p = wb + v * block_bytes + g * gbytes + vbytes;
+            const __m512 scale = load_halves(p);
+            const __m512 mins = has_min ? load_halves(p + 2 * QBLOCK) : _mm512_setzero_ps();
+            for (int m = 0; m < rows; m++) {
+                const float d = xs[m * groups + g];
+                acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][v]), _mm512_mul_ps(scale, _mm512_set1_ps(d)),
+                                            acc[m][v]);
+                if (has_min) acc[m][v] = _mm512_fmadd_ps(mins, _mm512_set1_ps(d * (float)xsum[m * groups + g]),
+                                                         acc[m][v]);
+            }
+        }
+    }
+    for (int v = 0; v < vecs; v++) {
+        const int64_t n = n0 + 16 * v;
+        const __mmask16 mask = qtail_mask(n, N);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+        for (int m = 0; m < rows; m++) {
+            const __m512 out = _mm512_add_ps(acc[m][v], b);
+            if (out_f32)
+                _mm512_mask_storeu_ps((float *)y + m * ldy + n, mask, out);
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)y + m * ldy + n, mask, to_bf16(out));
+        }
+    }
+}
+
+#define QTILE(R, V, B, H) quant_tile(xq + m * K, xs + m * groups, xsum + m * groups, K, R, wb, block_bytes, V, \
+                                     B, H, bias, (char *)y + m * ldy * esize, ldy, n0, N, out_f32)
+
+/* Every row of x against V blocks from wb. */
+#define DEFINE_QUANT_ROWS(NAME, V, B, H)                                                                  \
+static void NAME(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,            \
+                 const uint8_t *wb, int64_t block_bytes, const float *bias, void *y, int64_t ldy,         \
+                 int64_t n0, int64_t N, int out_f32) {                                                     \
+    const int64_t groups = K / QGROUP, esize = out_f32 ? 4 : 2;                                            \
+    int64_t m = 0;                                                                                         \
+    for (; m + QROWS <= M; m += QROWS) QTILE(QROWS, V, B, H);                                              \
+    switch (M - m) {                                                                                       \
+    case 1: QTILE(1, V, B, H); break;                                                                      \
+    case 2: QTILE(2, V, B, H); break;                                                                      \
+    case 3: QTILE(3, V, B, H); break;                                                                      \
+    }                                                                                                      \
+}
+DEFINE_QUANT_ROWS(rows_q8, 1, 8, 0)
+DEFINE_QUANT_ROWS(rows_q8_min, 1, 8, 1)
+DEFINE_QUANT_ROWS(rows_q4, 1, 4, 0)
+DEFINE_QUANT_ROWS(rows_q4_min, 1, 4, 1)
+DEFINE_QUANT_ROWS(rows2_q8, 2, 8, 0)
+DEFINE_QUANT_ROWS(rows2_q8_min, 2, 8, 1)
+DEFINE_QUANT_ROWS(rows2_q4, 2, 4, 0)
+DEFINE_QUANT_ROWS(rows2_q4_min, 2, 4, 1)
+
+static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
+                         const uint8_t *w, int bits, int has_min, const float *bias, void *y, int64_t ldy,
+                         int64_t N, int out_f32, int64_t first, int64_t last) {
+    const int64_t block_bytes = (K / QGROUP) * quant_group_bytes(bits, has_min);
+    int64_t nb = first;
+    for (; nb + 2 <= last; nb += 2) {
+        const uint8_t *wb = w + nb * block_bytes;
+        if (bits == 8)
+            (has_min ? rows2_q8_min : rows2_q8)(xq, xs, xsum, M, K, wb, block_bytes, bias, y, ldy, nb * QBLOCK, N,
+                                                out_f32);
+        else
+            (has_min ? rows2_q4_min : rows2_q4)(xq, xs, xsum, M, K, wb, block_bytes, bias, y, ldy, nb * QBLOCK, N,
+                                                out_f32);
+    }
+    if (nb < last) {
+        const uint8_t *wb = w + nb * block_bytes;
+        if (bits == 8)
+            (has_min ? rows_q8_min : rows_q8)(xq, xs, xsum, M, K, wb, block_bytes, bias, y, ldy, nb * QBLOCK, N,
+                                              out_f32);
+        else
+            (has_min ? rows_q4_min : rows_q4)(xq, xs, xsum, M, K, wb, block_bytes, bias, y, ldy, nb * QBLOCK, N,
+                                              out_f32);
+    }
+}
+
+#else /* the portable path */
+
+int quant_linear_vnni(void) { return 0; }
+
+/* Row m of x quantized per group: xq [K] int8, xs [K/32] scales, xsum [K/32] sums of xq. */
+static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *xq, float *xs, int32_t *xsum) {
+    float v[QGROUP];
+    for (int64_t g = 0; g < K / QGROUP; g++) {
+        float amax = 0.0f;
+        for (int i = 0; i < QGROUP; i++) {
+            v[i] = x_f32 ? ((const float *)x)[g * QGROUP + i] : bf16_to_float(((const uint16_t *)x)[g * QGROUP + i]);
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+        const float d = amax / 127.0f, id = d > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < QGROUP; i++) {
+            const int32_t q = (int32_t)nearbyintf(v[i] * id);
+            xq[g * QGROUP + i] = (int8_t)q;
+            sum += q;
+        }
+        xs[g] = d;
+        xsum[g] = sum;
+    }
+}
+
+
+
+static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
+                         const uint8_t *w, int bits, int has_min, const float *bias, void *y, int64_t ldy,
+                         int64_t N, int out_f32, int64_t first, int64_t last) {
+    const int64_t groups = K / QGROUP, gbytes = quant_group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
+    for (int64_t nb = first; nb < last; nb++) {
+        const uint8_t *wb = w + nb * groups * gbytes;
+        for (int64_t m = 0; m < M; m++) {
+            float acc[QBLOCK] = {0};
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *p = wb + g * gbytes;
+                const int8_t *a = xq + m * K + g * QGROUP;
+                const int32_t s = xsum[m * groups + g];
+                const float d = xs[m * groups + g];
+                for (int n = 0; n < QBLOCK; n++) {
+                    int32_t isum = bits == 8 ? -128 * s : 0;
+                    for (int k = 0; k < QGROUP; k++) {
+                        int32_t q;
+                        if (bits == 8) {
+                            q = p[(k / 4) * 64 + n * 4 + k % 4];
+                        } else {
+                            const int j = k / 8, i = k % 8;
+                            const uint8_t byte = p[j * 64 + n * 4 + (i & 3)];
+                            q = i < 4 ? (byte & 0x0f) : (byte >> 4);
+                        }
+                        isum += q * a[k];
+                    }
+                    uint16_t sh, mh = 0;
+                    memcpy(&sh, p + vbytes + 2 * n, 2);
+                    if (has_min) memcpy(&mh, p + vbytes + 2 * QBLOCK + 2 * n, 2);
+                    acc[n] += (float)isum * (half_to_float(sh) * d);
+                    if (has_min) acc[n] += half_to_float(mh) * (d * (float)s);
+                }
+            }
+            for (int n = 0; n < QBLOCK && nb * QBLOCK + n < N; n++) {
+                const int64_t col = nb * QBLOCK + n;
+                const float out = acc[n] + (bias ? bias[col] : 0.0f);
+                if (out_f32)
+                    ((float *)y)[m * ldy + col] = out;
+                else
+                    ((uint16_t *)y)[m * ldy + col] = float_to_bf16(out);
+            }
+        }
+    }
+}
+#endif
+
+/* The entry point (see the top of the file); returns 0, or -1 if memory ran out. */
+int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
+                 int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32) {
+    const int64_t groups = K / QGROUP;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *xs = malloc((size_t)(M * groups) * sizeof(float));
+    int32_t *xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
+    if (!xq || !xs || !xsum) {
+        free(xq), free(xs), free(xsum);
+        return -1;
+    }
+    const int64_t esize = x_f32 ? 4 : 2, blocks = (N + QBLOCK - 1) / QBLOCK;
+    const int threads = omp_get_max_threads();
+#pragma omp parallel num_threads(M * K >= 4096 || blocks >= 2 * threads ? threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row((const char *)x + m * ldx * esize, x_f32, K, xq + m * K, xs + m * groups, xsum + m * groups);
+        /* contiguous ranges of blocks, one per thread */
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        quant_blocks(xq, xs, xsum, M, K, w, bits, has_min, bias, y, ldy, N, out_f32, blocks * t / nt,
+                     blocks * (t + 1) / nt);
+    }
+    free(xq), free(xs), free(xsum);
+    return 0;
+}

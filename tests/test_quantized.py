@@ -1,0 +1,267 @@
+"""Quantized weights: GGUF blocks read exactly (engine/models/quantized.py), the quantized
+kernel (attention_backends/csrc/quant_linear.c) against dequantize-then-multiply, the
+engine's --quantization, and what the formats cost in perplexity on the default model."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.attention_backends import cpu_kernels
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.model_loader import QUANTIZED_FILE, default_gguf_path, plan_quantization, resolve_model
+from pagoda.engine.models import quantized as Q
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs the CPU kernels (a C compiler)")
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random GGUF blocks of ``type_name`` for a [rows, cols] tensor, with finite float16
+    scales (random bytes elsewhere: every quant value and bit pattern occurs)."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // block_elems, block_bytes), dtype=np.uint8)
+    halves = 2 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q8_1") else 1
+    scales = (rng.uniform(0.001, 0.05, size=(blocks.shape[0], halves)) * rng.choice([-1, 1], (blocks.shape[0], 1)))
+    blocks[:, : 2 * halves] = scales.astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", Q.EXACT_GGUF_TYPES)
+def test_gguf_blocks_are_read_as_gguf_dequantizes_them(type_name):
+    rows, cols = 24, 512
+    blocks = random_blocks(type_name, rows, cols, seed=len(type_name))
+    expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]),
+                                           dtype=np.float32).reshape(rows, cols))
+    weight = Q.from_gguf(blocks, type_name, (rows, cols))
+    assert weight.values.shape == (rows, cols) and weight.scales.shape == (rows, cols // 32)
+    got = weight.dequantize()
+    if type_name.endswith("_K"):
+        # a sub-block's scale and minimum (float16 x 6-bit integer) are rounded to float16 here
+        expand = lambda t: t.repeat_interleave(32, 1)  # noqa: E731
+        bound = 2**-11 * (weight.values.float().abs() * expand(weight.scales).abs() + expand(weight.mins).abs())
+        assert ((got - expected).abs() <= bound * 1.01 + 1e-7).all()
+        assert not torch.equal(weight.values[:, :32], weight.values[:, 32:64])  # sub-blocks not mixed up
+    else:
+        assert torch.equal(got, expected)
+    assert weight.bits == (4 if type_name.startswith("Q4") else 8)
+    assert int(weight.values.min()) >= (-128 if weight.bits == 8 else 0) and int(weight.values.max()) <= 127
+
+
+def test_other_gguf_types_are_quantized_again_to_8_bits():
+    blocks = random_blocks("Q6_K", 8, 256, seed=6)
+    expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K),
+                                           dtype=np.float32).reshape(8, 256))
+    weight = Q.from_gguf(blocks, "Q6_K", (8, 256))
+    assert weight.bits == 8 and weight.mins is None
+    step = expected.abs().reshape(8, 8, 32).amax(2).repeat_interleave(32, 1) / 127
+    assert ((weight.dequantize() - expected).abs() <= step * 0.5 + 1e-3 * step).all()
+
+
+def test_int8_quantization_is_symmetric_per_group_of_32():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 96, generator=gen)
+    q = Q.quantize_int8(weight)
+    assert q.values.dtype == torch.int8 and q.mins is None and q.packing == "q8"
+    assert (q.values.reshape(40, 3, 32).abs().amax(2) == 127).all()
+    step = q.scales.repeat_interleave(32, 1)
+    assert ((q.dequantize() - weight).abs() <= step * 0.51).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q.quantize_int8(torch.randn(4, 33))
+
+
+def test_mixed_types_concatenate_as_8_bit_with_minimums():
+    four = Q.from_gguf(random_blocks("Q4_1", 8, 64, 1), "Q4_1", (8, 64))
+    eight = Q.from_gguf(random_blocks("Q8_0", 4, 64, 2), "Q8_0", (4, 64))
+    both = Q.GroupQuantized.cat([four, eight])
+    assert both.packing == "q8m" and both.shape == (12, 64)
+    assert torch.equal(both.dequantize(), torch.cat([four.dequantize(), eight.dequantize()]))
+
+
+# -- the kernel ------------------------------------------------------------------------------
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: int8 per group of 32 with scale max|x| / 127, dequantized."""
+    m, k = x.shape
+    groups = x.float().reshape(m, k // 32, 32)
+    amax = groups.abs().amax(2, keepdim=True)
+    q = torch.round(groups * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (q * amax / 127).reshape(m, k)
+
+
+def example_weights(n: int, k: int, seed: int) -> dict[str, Q.GroupQuantized]:
+    gen = torch.Generator().manual_seed(seed)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.1).half().float()
+    mins = (torch.randn(n, k // 32, generator=gen) * 0.1).half().float()
+    nibbles = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8)
+    return {"q8": Q.quantize_int8(torch.randn(n, k, generator=gen)),
+            "q8m": Q.GroupQuantized(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8), scales,
+                                    mins, 8),
+            "q4": Q.GroupQuantized(nibbles, scales, None, 4),
+            "q4m": Q.GroupQuantized(nibbles, scales, mins, 4)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("packing", list(Q.QUANT_PACKINGS))
+@pytest.mark.parametrize("out_features,in_features", [(40, 64), (16, 32), (97, 160), (576, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 6, 13])
+def test_kernel_matches_dequantize_then_multiply(packing, out_features, in_features, rows):
+    weight = example_weights(out_features, in_features, seed=rows + out_features)[packing]
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    bits, has_min = Q.QUANT_PACKINGS[packing]
+    out = cpu_kernels.quant_linear(x, Q.pack(weight), None, out_features, bits, has_min, out_f32=True)
+    assert out.shape == (rows, out_features) and out.dtype == torch.float32
+    if not rows:
+        return
+    expected = quantize_activations(x).double() @ weight.dequantize().double().T
+    scale = expected.abs().max()
+    # float32 sums, and now and then one activation rounded the other way at a tie
+    assert ((out.double() - expected).abs() <= 4e-3 * scale).all()
+    # and the activations' quantization costs little against the exact product
+    exact = x.double() @ weight.dequantize().double().T
+    assert ((out.double() - exact).abs() <= 0.03 * scale).all()
+
+
+@needs_kernels
+def test_kernel_bias_bfloat16_output_and_float32_input():
+    weight = example_weights(50, 96, seed=3)["q4m"]
+    packed = Q.pack(weight)
+    x = torch.randn(5, 96)
+    bias = torch.randn(50)
+    plain = cpu_kernels.quant_linear(x.bfloat16(), packed, None, 50, 4, True, out_f32=True)
+    with_bias = cpu_kernels.quant_linear(x.bfloat16(), packed, bias, 50, 4, True)
+    assert with_bias.dtype == torch.bfloat16
+    assert torch.equal(with_bias, (plain + bias).bfloat16())
+    from_f32 = cpu_kernels.quant_linear(x, packed, bias, 50, 4, True)
+    assert from_f32.dtype == torch.float32
+    expected = quantize_activations(x).double() @ weight.dequantize().double().T + bias.double()
+    assert ((from_f32.double() - expected).abs() <= 4e-3 * expected.abs().max()).all()
+
+
+@needs_kernels
+def test_a_rows_result_does_not_depend_on_its_batch():
+    weight = example_weights(3072, 576, seed=9)["q4m"]
+    packed = Q.pack(weight)
+    x = torch.randn(29, 576).to(torch.bfloat16)
+    batched = cpu_kernels.quant_linear(x, packed, None, 3072, 4, True)
+    for i in (0, 5, 28):
+        assert torch.equal(cpu_kernels.quant_linear(x[i : i + 1], packed, None, 3072, 4, True), batched[i : i + 1])
+
+
+@needs_kernels
+def test_portable_path_gives_the_vector_paths_results(tmp_path):
+    """The kernel built for an AVX2 CPU (x86-64-v3: no AVX512-VNNI) runs the plain C loop:
+    the same integer sums, so the same results up to float32 rounding."""
+    weights = example_weights(37, 128, seed=5)
+    x = torch.randn(7, 128).to(torch.bfloat16)
+    torch.save({"weights": {name: Q.pack(w) for name, w in weights.items()}, "x": x}, tmp_path / "in.pt")
+    script = f"""
+import torch
+from pagoda.attention_backends import cpu_kernels
+from pagoda.engine.models import quantized as Q
+data = torch.load({str(tmp_path / 'in.pt')!r})
+assert not cpu_kernels.quant_linear_vnni()
+torch.save({{name: cpu_kernels.quant_linear(data["x"], packed, None, 37, *Q.QUANT_PACKINGS[name], out_f32=True)
+            for name, packed in data["weights"].items()}}, {str(tmp_path / 'out.pt')!r})
+"""
+    env = dict(os.environ, PAGODA_CPU_MARCH="x86-64-v3", PAGODA_CACHE_DIR=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    portable = torch.load(tmp_path / "out.pt")
+    for name, packed in ((name, Q.pack(w)) for name, w in weights.items()):
+        vector = cpu_kernels.quant_linear(x, packed, None, 37, *Q.QUANT_PACKINGS[name], out_f32=True)
+        assert torch.allclose(portable[name], vector, rtol=1e-5, atol=1e-4 * vector.abs().max().item()), name
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+def test_converted_gguf_keeps_the_blocks_of_its_quantized_tensors():
+    """The default model's file: Q4_1 layers and a Q8_0 embedding, read from
+    quantized.safetensors, equal the float weights the converter wrote (q/k rows un-permuted
+    alike)."""
+    from safetensors import safe_open
+
+    model_dir = resolve_model(None)
+    checkpoint = Q.quantized_weights(model_dir)
+    assert checkpoint is not None and checkpoint.type_counts() == {"Q4_1": 210, "Q8_0": 1}
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as floats:
+        for name in ("layers.0.self_attn.q_proj.weight", "layers.3.self_attn.k_proj.weight",
+                     "layers.7.mlp.down_proj.weight", "embed_tokens.weight"):
+            assert torch.equal(checkpoint.get(name).dequantize(), floats.get_tensor("model." + name)), name
+    assert checkpoint.get("norm.weight") is None  # kept in floats
+    assert (model_dir / QUANTIZED_FILE).is_file() and default_gguf_path().is_file()
+
+
+def test_quantization_choice_and_its_errors(tiny_llama_dir, tmp_path):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert plan_quantization("auto", tiny_llama_dir, cpu) is None  # a float checkpoint stays in floats
+    assert plan_quantization("none", resolve_model(None), cpu) is None
+    if cpu_kernels.available():
+        assert plan_quantization("auto", resolve_model(None), cpu) == "gguf"
+        assert plan_quantization("int8", tiny_llama_dir, cpu) == "int8"
+    assert plan_quantization("auto", resolve_model(None), cuda) is None  # dequantized on CUDA
+    with pytest.raises(ValueError, match="int8 runs on the CPU"):
+        plan_quantization("int8", tiny_llama_dir, cuda)
+    assert plan_quantization("auto", resolve_model(None), cpu, tensor_parallel_size=2) is None
+    with pytest.raises(ValueError, match="int8 does not run under tensor parallelism"):
+        plan_quantization("int8", tiny_llama_dir, cpu, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8"):
+        EngineConfig(quantization="fp4")
+    gptq = tmp_path / "gptq"
+    gptq.mkdir()
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (gptq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized with 'gptq', which Pagoda does not read"):
+        plan_quantization("auto", gptq, cpu)
+
+
+@needs_kernels
+def test_int8_engine_runs_a_float_checkpoint(tiny_llama_dir):
+    """--quantization int8 on a tiny model: every linear layer and the tied LM head in 8
+    bits, and its greedy tokens track the float model's logits (the first token equal)."""
+    prompts = [[1, 5, 9, 2, 7], [3, 3, 8]]
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1)
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, quantization="int8") as llm:
+        assert "int8" in llm.engine.describe() and "q8" in llm.engine.describe()
+        quantized = llm.generate(prompts, params)
+    with LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, quantization="none") as llm:
+        assert "q8" not in llm.engine.describe()
+        floats = llm.generate(prompts, params)
+    for q, f in zip(quantized, floats):
+        assert q.outputs[0].token_ids[0] == f.outputs[0].token_ids[0]
+
+
+def perplexity(llm, text: str) -> float:
+    import math
+
+    ids = llm.tokenizer.encode(text)
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    logprobs = [entry.logprob for entry in out.prompt_logprobs[1:]]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+@needs_kernels
+def test_quantized_formats_cost_the_default_model_little_perplexity():
+    """SmolLM2-135M (its Q4_1 file): the file's own types through the quantized kernel, and
+    int8, each within 1% of the dequantized bfloat16 model's perplexity (docs/quantization.md
+    gives the figures)."""
+    from test_kv_cache_dtype import TEXT
+
+    results = {}
+    for quantization in ("none", "auto", "int8"):
+        with LLM(dtype="bfloat16", enforce_eager=True, max_model_len=512, quantization=quantization) as llm:
+            results[quantization] = perplexity(llm, TEXT)
+            if quantization != "none":
+                assert "q8" in llm.engine.describe()
+    assert results["none"] < 60, results
+    assert results["auto"] < results["none"] * 1.01, results
+    assert results["int8"] < results["none"] * 1.01, results
