@@ -417,6 +417,11 @@ QUANT_GROUP = 32  # input features per scale
 QUANT_BLOCK = 16  # output features per block of the packed layout
 
 
+@functools.cache
+def _quant_group_bytes(bits: int, has_min: bool) -> int:
+    return _kernel("quant_group_bytes")(bits, int(has_min))
+
+
 def quant_linear_vnni() -> bool:
     """Whether the quantized kernel was built with AVX512-VNNI (else its portable C loop)."""
     return available() and bool(load().quant_linear_vnni())
@@ -434,7 +439,7 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     m, k = x.shape
     assert k % QUANT_GROUP == 0 and weight.is_contiguous()
     blocks = -(-out_features // QUANT_BLOCK)
-    assert weight.numel() == blocks * (k // QUANT_GROUP) * _kernel("quant_group_bytes")(bits, int(has_min))
+    assert weight.numel() == blocks * (k // QUANT_GROUP) * _quant_group_bytes(bits, has_min)
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None:

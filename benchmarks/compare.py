@@ -153,7 +153,9 @@ def run_compare(args: argparse.Namespace) -> int:
         if not args.llamacpp_python:
             raise ValueError("--peer llamacpp needs --llamacpp-python, the python of a virtual environment with "
                              "llama-cpp-python (see docs/benchmarks.md)")
-        if args.gguf is None:
+        if args.gguf is None and str(args.model or "").endswith(".gguf"):
+            args.gguf = args.model
+        elif args.gguf is None:
             from pagoda.engine.model_loader import default_gguf_path
 
             args.gguf = default_gguf_path()
@@ -203,8 +205,8 @@ def add_compare_parser(bench_sub) -> None:
     p.add_argument("--llamacpp-python", default=os.environ.get("PAGODA_LLAMACPP_PYTHON"),
                    help="python of the virtual environment holding llama-cpp-python (default: "
                         "$PAGODA_LLAMACPP_PYTHON)")
-    p.add_argument("--gguf", default=None, help="the GGUF file llama.cpp runs (default: the default model's, "
-                                                 "the file Pagoda loads)")
+    p.add_argument("--gguf", default=None, help="the GGUF file llama.cpp runs (default: --model where that is a "
+                                                 "GGUF file, else the default model's: the file Pagoda loads)")
     p.add_argument("--output", default=None, help="also write every run's figures to this JSON file")
     p.add_argument("--bench-seed", type=int, default=0)
     add_engine_args(p)

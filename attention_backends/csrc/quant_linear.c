@@ -37,6 +37,7 @@
 #define QGROUP 32
 #define QBLOCK 16
 #define QROWS 4
+#define QVECS 4 /* blocks of 16 features a tile, at most */
 
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
@@ -123,24 +124,31 @@ static inline __m256i to_bf16(__m512 v) { /* to nearest even (no AVX512-BF16 nee
 
 /* rows rows of quantized x against vecs blocks of 16 features (consecutive, block_bytes
  * apart) over all groups. The weight vectors of a group are loaded once for all rows, each
- * broadcast of x serves every block. */
+ * broadcast of x serves every block. With one or two rows each integer sum is kept in two
+ * halves (the weight vectors alternate between them): the dot products of a group then form
+ * two dependency chains a block instead of one, which a single row needs to keep the
+ * multipliers busy (vpdpbusd's latency is several cycles); four rows have chains enough. */
 static inline __attribute__((always_inline)) void quant_tile(
         const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, const int rows, const uint8_t *wb,
         int64_t block_bytes, const int vecs, const int bits, const int has_min, const float *bias, void *y,
         int64_t ldy, int64_t n0, int64_t N, int out_f32) {
     const int64_t groups = K / QGROUP, gbytes = quant_group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
-    __m512 acc[QROWS][2];
+    const int halves = rows <= 2 ? 2 : 1;
+    __m512 acc[QROWS][QVECS];
     for (int m = 0; m < rows; m++)
         for (int v = 0; v < vecs; v++) acc[m][v] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t g = 0; g < groups; g++) {
-        __m512i isum[QROWS][2];
+        __m512i isum[QROWS][QVECS][2];
         for (int m = 0; m < rows; m++) {
             const __m512i start = _mm512_set1_epi32(bits == 8 ? -128 * xsum[m * groups + g] : 0);
-            for (int v = 0; v < vecs; v++) isum[m][v] = start;
+            for (int v = 0; v < vecs; v++) {
+                isum[m][v][0] = start;
+                isum[m][v][1] = _mm512_setzero_si512();
+            }
         }
         for (int j = 0; j < (bits == 8 ? 8 : 4); j++) {
-            __m512i w[2][2];
+            __m512i w[QVECS][2];
             for (int v = 0; v < vecs; v++) {
                 const __m512i raw = _mm512_loadu_si512(wb + v * block_bytes + g * gbytes + 64 * j);
                 if (bits == 8) {
@@ -156,7 +164,9 @@ static inline __attribute__((always_inline)) void quant_tile(
                     int32_t four;
                     __builtin_memcpy(&four, a + 4 * (bits == 8 ? j : 2 * j + h), 4);
                     const __m512i b = _mm512_set1_epi32(four);
-                    for (int v = 0; v < vecs; v++) isum[m][v] = _mm512_dpbusd_epi32(isum[m][v], w[v][h], b);
+                    const int half = halves == 2 ? (bits == 8 ? j & 1 : h) : 0;
+                    for (int v = 0; v < vecs; v++)
+                        isum[m][v][half] = _mm512_dpbusd_epi32(isum[m][v][half], w[v][h], b);
                 }
             }
         }
@@ -166,7 +176,8 @@ static inline __attribute__((always_inline)) void quant_tile(
             const __m512 mins = has_min ? load_halves(p + 2 * QBLOCK) : _mm512_setzero_ps();
             for (int m = 0; m < rows; m++) {
                 const float d = xs[m * groups + g];
-                acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][v]), _mm512_mul_ps(scale, _mm512_set1_ps(d)),
+                const __m512i sum = halves == 2 ? _mm512_add_epi32(isum[m][v][0], isum[m][v][1]) : isum[m][v][0];
+                acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(d)),
                                             acc[m][v]);
                 if (has_min) acc[m][v] = _mm512_fmadd_ps(mins, _mm512_set1_ps(d * (float)xsum[m * groups + g]),
                                                          acc[m][v]);
@@ -204,6 +215,16 @@ static void NAME(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t
     case 3: QTILE(3, V, B, H); break;                                                                      \
     }                                                                                                      \
 }
+/* One row (decode of one sequence) against V blocks: more blocks at once, each with its two
+ * chains, while the bytes stream in. (Two rows so have too few registers: they take two blocks.) */
+#define DEFINE_QUANT_ONE_ROW(NAME, V, B, H)                                                              \
+static void NAME(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,            \
+                 const uint8_t *wb, int64_t block_bytes, const float *bias, void *y, int64_t ldy,         \
+                 int64_t n0, int64_t N, int out_f32) {                                                     \
+    const int64_t groups = K / QGROUP, esize = out_f32 ? 4 : 2, m = 0;                                     \
+    (void)M;                                                                                               \
+    QTILE(1, V, B, H);                                                                                     \
+}
 DEFINE_QUANT_ROWS(rows_q8, 1, 8, 0)
 DEFINE_QUANT_ROWS(rows_q8_min, 1, 8, 1)
 DEFINE_QUANT_ROWS(rows_q4, 1, 4, 0)
@@ -212,30 +233,30 @@ DEFINE_QUANT_ROWS(rows2_q8, 2, 8, 0)
 DEFINE_QUANT_ROWS(rows2_q8_min, 2, 8, 1)
 DEFINE_QUANT_ROWS(rows2_q4, 2, 4, 0)
 DEFINE_QUANT_ROWS(rows2_q4_min, 2, 4, 1)
+DEFINE_QUANT_ONE_ROW(one4_q8, 4, 8, 0)
+DEFINE_QUANT_ONE_ROW(one4_q8_min, 4, 8, 1)
+DEFINE_QUANT_ONE_ROW(one4_q4, 4, 4, 0)
+DEFINE_QUANT_ONE_ROW(one4_q4_min, 4, 4, 1)
+
+typedef void (*quant_rows_fn)(const int8_t *, const float *, const int32_t *, int64_t, int64_t, const uint8_t *,
+                              int64_t, const float *, void *, int64_t, int64_t, int64_t, int);
 
 static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
                          const uint8_t *w, int bits, int has_min, const float *bias, void *y, int64_t ldy,
                          int64_t N, int out_f32, int64_t first, int64_t last) {
     const int64_t block_bytes = (K / QGROUP) * quant_group_bytes(bits, has_min);
+    const int kind = (bits == 8 ? 0 : 2) + (has_min ? 1 : 0);
+    static const quant_rows_fn one4[4] = {one4_q8, one4_q8_min, one4_q4, one4_q4_min};
+    static const quant_rows_fn two[4] = {rows2_q8, rows2_q8_min, rows2_q4, rows2_q4_min};
+    static const quant_rows_fn one[4] = {rows_q8, rows_q8_min, rows_q4, rows_q4_min};
     int64_t nb = first;
-    for (; nb + 2 <= last; nb += 2) {
-        const uint8_t *wb = w + nb * block_bytes;
-        if (bits == 8)
-            (has_min ? rows2_q8_min : rows2_q8)(xq, xs, xsum, M, K, wb, block_bytes, bias, y, ldy, nb * QBLOCK, N,
-                                                out_f32);
-        else
-            (has_min ? rows2_q4_min : rows2_q4)(xq, xs, xsum, M, K, wb, block_bytes, bias, y, ldy, nb * QBLOCK, N,
-                                                out_f32);
-    }
-    if (nb < last) {
-        const uint8_t *wb = w + nb * block_bytes;
-        if (bits == 8)
-            (has_min ? rows_q8_min : rows_q8)(xq, xs, xsum, M, K, wb, block_bytes, bias, y, ldy, nb * QBLOCK, N,
-                                              out_f32);
-        else
-            (has_min ? rows_q4_min : rows_q4)(xq, xs, xsum, M, K, wb, block_bytes, bias, y, ldy, nb * QBLOCK, N,
-                                              out_f32);
-    }
+    if (M == 1)
+        for (; nb + 4 <= last; nb += 4)
+            one4[kind](xq, xs, xsum, M, K, w + nb * block_bytes, block_bytes, bias, y, ldy, nb * QBLOCK, N, out_f32);
+    for (; nb + 2 <= last; nb += 2)
+        two[kind](xq, xs, xsum, M, K, w + nb * block_bytes, block_bytes, bias, y, ldy, nb * QBLOCK, N, out_f32);
+    if (nb < last)
+        one[kind](xq, xs, xsum, M, K, w + nb * block_bytes, block_bytes, bias, y, ldy, nb * QBLOCK, N, out_f32);
 }
 
 #else /* the portable path */

@@ -174,10 +174,8 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Group
                           None if mins is None else _half(mins).reshape(n, k // GROUP), bits)
 
 
-# -- the kernel's layout ---------------------------------------------------------------------
-
 class QuantizedCheckpoint:
-    """A converted GGUF file's quantized tensors (``quantized.safetensors``), read one at a
+    """A converted GGUF file's quantized tensors (``gguf/blocks.safetensors``), read one at a
     time on request: ``get(name)`` gives the tensor as GroupQuantized, or None where the
     file holds it in floats."""
 
@@ -208,6 +206,8 @@ def quantized_weights(model_dir: Path) -> QuantizedCheckpoint | None:
     path = Path(model_dir) / QUANTIZED_FILE
     return QuantizedCheckpoint(path) if path.is_file() else None
 
+
+# -- the kernel's layout ---------------------------------------------------------------------
 
 def pack(weight: GroupQuantized) -> torch.Tensor:
     """The uint8 layout csrc/quant_linear.c reads (see the top of that file)."""
