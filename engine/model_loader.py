@@ -435,13 +435,22 @@ def plan_quantization(quantization: str, model_dir: Path, device: torch.device,
         if not cpu_kernels.available():
             raise ValueError("--quantization int8 needs Pagoda's CPU kernels, which could not be built here "
                              "(a C compiler; see the log)")
+        if not cpu_kernels.quant_linear_vnni():
+            raise ValueError("--quantization int8 needs a CPU with AVX512-VNNI (without it the quantized kernel "
+                             "is a plain loop, many times slower than the float kernels)")
         return "int8"
     if (Path(model_dir) / QUANTIZED_FILE).is_file():
-        if device.type == "cpu" and tensor_parallel_size == 1 and cpu_kernels.available():
+        if device.type != "cpu":
+            reason = "no quantized kernel on CUDA yet"
+        elif tensor_parallel_size > 1:
+            reason = "not under tensor parallelism yet"
+        elif not cpu_kernels.available():
+            reason = "no CPU kernels"
+        elif not cpu_kernels.quant_linear_vnni():
+            reason = "no AVX512-VNNI: the quantized kernel's plain loop is slower than the float kernels"
+        else:
             return "gguf"
-        logger.info("the GGUF file's quantized weights are dequantized (%s)",
-                    "no quantized kernel on CUDA yet" if device.type != "cpu"
-                    else "not under tensor parallelism yet" if tensor_parallel_size > 1 else "no CPU kernels")
+        logger.info("the GGUF file's quantized weights are dequantized (%s)", reason)
     return None
 
 
