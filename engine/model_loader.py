@@ -448,6 +448,10 @@ def plan_quantization(quantization: str, model_dir: Path, device: torch.device,
             reason = "no CPU kernels"
         elif not cpu_kernels.quant_linear_vnni():
             reason = "no AVX512-VNNI: the quantized kernel's plain loop is slower than the float kernels"
+        elif cpu_kernels.packed_linear_amx_available():
+            # NOTE: not measured against each other yet: the bfloat16 kernel on AMX tiles is
+            # several times denser than AVX512-VNNI on batches and prefill (docs/quantization.md).
+            reason = "AMX tiles run here, and the quantized kernel is not yet measured against them"
         else:
             return "gguf"
         logger.info("the GGUF file's quantized weights are dequantized (%s)", reason)

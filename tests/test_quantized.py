@@ -218,10 +218,11 @@ def test_quantization_choice_and_its_errors(tiny_llama_dir, tmp_path):
     assert plan_quantization("auto", tiny_llama_dir, cpu) is None  # a float checkpoint stays in floats
     assert plan_quantization("none", resolve_model(None), cpu) is None
     if cpu_kernels.quant_linear_vnni():
-        assert plan_quantization("auto", resolve_model(None), cpu) == "gguf"
         assert plan_quantization("int8", tiny_llama_dir, cpu) == "int8"
-    else:  # the portable loop is there for correctness, not chosen for speed
-        assert plan_quantization("auto", resolve_model(None), cpu) is None
+    # the portable loop is there for correctness, not chosen for speed; AMX machines keep
+    # their bfloat16 tiles until the two are measured against each other
+    auto_quantizes = cpu_kernels.quant_linear_vnni() and not cpu_kernels.packed_linear_amx_available()
+    assert plan_quantization("auto", resolve_model(None), cpu) == ("gguf" if auto_quantizes else None)
     assert plan_quantization("auto", resolve_model(None), cuda) is None  # dequantized on CUDA
     with pytest.raises(ValueError, match="int8 runs on the CPU"):
         plan_quantization("int8", tiny_llama_dir, cuda)
@@ -305,7 +306,8 @@ def test_quantized_formats_cost_the_default_model_little_perplexity(tmp_path):
             results[name] = perplexity(llm)
             prompt = llm.tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
             answers[name] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0].text
-            assert ("GGUF types" in llm.engine.describe()) == (quantization == "auto"), llm.engine.describe()
+            quantized = quantization == "auto" and not cpu_kernels.packed_linear_amx_available()
+            assert ("GGUF types" in llm.engine.describe()) == quantized, llm.engine.describe()
     print(results, answers)  # pytest -s shows the figures
     assert results["bf16"] < 60, results
     for name, bound in {"Q8_0": 1.005, "int8": 1.005, "Q4_1": 1.01}.items():
