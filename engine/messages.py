@@ -207,6 +207,7 @@ class WorkerReady:
     kv_cache_bytes: int
     pid: int = 0
     compile_seconds: float = 0.0
+    compiled: str = ""  # the compiled regions loaded from disk and compiled, for the start-up line
     weights: str = ""  # their format and resident size, for the start-up line
 
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -160,6 +161,8 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
     engine_config = engine_config_from_args(args)
+    if engine_config.standby_worker is None:  # auto: a server keeps a standby worker for restarts
+        engine_config = dataclasses.replace(engine_config, standby_worker=True)
     config = server_config_from_args(args)
     try:
         return run_server(engine_config, config)

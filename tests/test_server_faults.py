@@ -49,10 +49,10 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 
 @pytest.mark.parametrize("options", [
-    {},
+    pytest.param({"standby_worker": True}, id="float32-standby"),
     pytest.param({"dtype": "bfloat16", "batch_invariant": True}, id="bfloat16-batch-invariant",
                  marks=pytest.mark.skipif(not packing_available("blocked"), reason="needs the blocked kernel")),
-], ids=lambda o: "float32" if not o else None)
+])
 def test_kill_9_during_16_streams_restarts_the_worker_and_every_stream_finishes_unchanged(tiny_llama_dir, options):
     with ServerThread(tiny_engine(tiny_llama_dir, **options)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
@@ -81,6 +81,8 @@ def test_kill_9_during_16_streams_restarts_the_worker_and_every_stream_finishes_
             t.start()
         started.wait(60)  # every stream has its first tokens
         old_pid = server.engine.worker.pid
+        standby_pid = server.engine.standby.pid if options.get("standby_worker") else None
+        assert (standby_pid is None) == (server.engine.standby is None)
         killed_at.append(time.time())
         os.kill(old_pid, signal.SIGKILL)
         for t in threads:
@@ -88,6 +90,9 @@ def test_kill_9_during_16_streams_restarts_the_worker_and_every_stream_finishes_
         assert finish == ["length"] * len(PROMPTS)
         assert texts == expected
         assert server.engine.num_worker_restarts == 1 and server.engine.worker.pid != old_pid
+        if standby_pid is not None:  # the standby took over, and a new one waits
+            assert server.engine.worker.pid == standby_pid
+            assert server.engine.standby.pid not in (None, old_pid, standby_pid)
         metrics = http_request(server.url + "/metrics").text
         assert 'pagoda:worker_restarts_total{engine="0",model_name=' in metrics
         assert [line for line in metrics.splitlines() if line.startswith("pagoda:worker_restarts_total")][0] \
@@ -107,6 +112,13 @@ def children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         pids += [int(p) for p in (task / "children").read_text().split()]
     return pids
+
+
+def worker_of(pid: int) -> int | None:
+    """The serving worker of a server process: its oldest child (the standby is younger)."""
+    pids = children(pid)
+    return min(pids, key=lambda p: int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[19]),
+               default=None)
 
 
 def serve_tiny(tiny_llama_dir, log, *flags: str) -> tuple[subprocess.Popen, str]:
@@ -136,10 +148,12 @@ def test_a_crash_loop_past_the_budget_turns_health_503_and_sigterm_still_exits_c
     try:
         body = {"prompt": "Hello", "max_tokens": 3}
         for round_ in range(3):
-            (worker,) = children(proc.pid)
+            # NOTE: pagoda serve keeps a standby worker: two children once it has started.
+            wait_until(lambda: len(children(proc.pid)) == 2, 60, "the standby worker")
+            worker = worker_of(proc.pid)
             os.kill(worker, signal.SIGKILL)
             if round_ < 2:  # restarted: a new worker serves again
-                wait_until(lambda: children(proc.pid) and children(proc.pid) != [worker], 60, "a new worker")
+                wait_until(lambda: worker_of(proc.pid) not in (None, worker), 60, "a new worker")
                 wait_until(lambda: http_request(url + "/v1/completions", "POST", json=body).status == 200, 60,
                            "the restarted worker to serve")
         wait_until(lambda: http_request(url + "/health").status == 503, 30, "/health to give up")
@@ -165,11 +179,14 @@ def test_past_the_restart_budget_the_server_exits_with_status_1(tiny_llama_dir, 
     log = open(tmp_path / "server.log", "w")
     proc, url = serve_tiny(tiny_llama_dir, log, "--max-worker-restarts", "0")
     try:
-        (worker,) = children(proc.pid)
+        wait_until(lambda: len(children(proc.pid)) == 2, 60, "the standby worker")
+        worker = worker_of(proc.pid)
+        (standby,) = set(children(proc.pid)) - {worker}
         os.kill(worker, signal.SIGKILL)
         wait_until(lambda: http_request(url + "/health").status == 503, 30, "/health to give up")
         result = http_request(url + "/v1/completions", "POST", json={"prompt": "Hello", "max_tokens": 3})
         assert result.status == 503 and result.json()["error"]["code"] == "engine_dead"
+        assert not Path(f"/proc/{standby}").exists()  # the standby went with the engine
         assert proc.wait(60) == 1
     finally:
         if proc.poll() is None:

@@ -111,6 +111,7 @@ class EngineCore:
         self._loop_task: asyncio.Task | None = None
         self.dead: BaseException | None = None
         self._restart_times: list[float] = []
+        self.standby: Executor | None = None  # the next worker's process, started ahead
         self.num_worker_restarts = 0
         # (when the last worker death was noticed, when its replacement was ready), time.time()
         self.last_restart: tuple[float, float] | None = None
@@ -128,6 +129,7 @@ class EngineCore:
         """
         self.worker = self._make_executor(self._wakeup.set)
         ready = await self.worker.start()
+        self._spawn_standby()
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="pagoda-engine-loop")
         return ready
 
@@ -139,8 +141,23 @@ class EngineCore:
                 await self._loop_task
             self._loop_task = None
         self._fail_all(EngineDeadError("the engine was shut down"))
+        await self._stop_standby()
         if self.worker is not None:
             await self.worker.shutdown()
+
+    def _spawn_standby(self) -> None:
+        """Starts the next worker's process ahead when config.standby_worker says so (see
+        EngineConfig), for the executors that can (processes, not Ray actors)."""
+        if self.config.standby_worker and self.standby is None:
+            standby = self._make_executor(self._wakeup.set)
+            if hasattr(standby, "spawn"):
+                standby.spawn()
+                self.standby = standby
+
+    async def _stop_standby(self) -> None:
+        standby, self.standby = self.standby, None
+        if standby is not None:
+            await standby.shutdown(timeout=1.0)
 
     @property
     def is_running(self) -> bool:
@@ -246,19 +263,25 @@ class EngineCore:
         while True:
             if not self._take_restart(exc):
                 await self.worker.shutdown(timeout=1.0)
+                await self._stop_standby()
                 return False
             await self.worker.shutdown(timeout=1.0)
             # NOTE: the KV cache and the swap space died with the worker: every request
             # starts over from its tokens so far (the prompt and the output already streamed).
             self.scheduler.reset_after_worker_loss()
-            self.worker = self._make_executor(self._wakeup.set)
+            standby, self.standby = self.standby, None
+            self.worker = standby or self._make_executor(self._wakeup.set)
             try:
-                await self.worker.start()
+                ready = await self.worker.start()
             except WorkerDiedError as start_exc:
                 exc = start_exc
                 continue
             self.last_restart = (detected, time.time())
-            logger.info("worker restarted (pid %s) in %.1f s", self.worker.pid, self.last_restart[1] - detected)
+            logger.info("worker restarted (pid %s%s) in %.1f s%s", self.worker.pid, ", the standby" if standby else "",
+                        self.last_restart[1] - detected,
+                        f" (model compiled in {ready.compile_seconds:.1f} s: {ready.compiled})"
+                        if ready.compile_seconds else "")
+            self._spawn_standby()
             self._wakeup.set()
             return True
 

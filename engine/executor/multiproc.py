@@ -96,23 +96,42 @@ class WorkerProcess:
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None and self._death is None
 
-    async def start(self) -> WorkerReady:
-        """Starts the worker and waits until it has loaded the model.
+    def spawn(self) -> None:
+        """Starts the process as a standby: it imports torch and the model's code (at idle
+        priority) and waits; :meth:`start` then tells it what to load. A restart that takes
+        a standby skips those seconds."""
+        self._spawn(standby=True)
 
-        Raises:
-            WorkerDiedError: The worker failed to start; the message holds its traceback.
-        """
+    def _spawn(self, standby: bool) -> None:
         ours, theirs = socket.socketpair()
-        env = {"GLIBC_TUNABLES": WORKER_MALLOC_TUNABLES, **os.environ, **self._env}
+        from pagoda.engine.model_loader import default_cache_dir
+
+        # NOTE: inductor's code beside Pagoda's compiled regions, not in /tmp: they name its
+        # libraries, and rebuilding them after /tmp was cleared took 7 s of a (re)start.
+        env = {"GLIBC_TUNABLES": WORKER_MALLOC_TUNABLES,
+               "TORCHINDUCTOR_CACHE_DIR": str(default_cache_dir() / "inductor"), **os.environ, **self._env}
+        config = self._init.config
+        compiles = not (config.enforce_eager or config.batch_invariant or self._init.world_size > 1)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "pagoda.engine.worker.main", "--fd", str(theirs.fileno())],
+                [sys.executable, "-m", "pagoda.engine.worker.main", "--fd", str(theirs.fileno()),
+                 *(["--standby"] if standby else []), *(["--preload-compiler"] if standby and compiles else [])],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         finally:
             # NOTE: closing our copy of the worker's end is what makes its death show up
             # as end-of-file on our end.
             theirs.close()
         self._conn = Connection(ours.detach())
+
+    async def start(self) -> WorkerReady:
+        """Starts the worker (or takes the standby :meth:`spawn` started) and waits until it
+        has loaded the model.
+
+        Raises:
+            WorkerDiedError: The worker failed to start; the message holds its traceback.
+        """
+        if self._proc is None:
+            self._spawn(standby=False)
         loop = asyncio.get_running_loop()
         self._inbox = asyncio.Queue()
         self._reader = threading.Thread(target=self._read, args=(loop,), name="pagoda-worker-reader", daemon=True)
@@ -228,6 +247,14 @@ class WorkerProcess:
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Asks the worker to exit, then terminates and finally kills it if it lingers."""
         proc, conn = self._proc, self._conn
+        if self._reader is None:  # a standby never started: nothing to drain
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                await asyncio.get_running_loop().run_in_executor(None, proc.wait)
+            if conn is not None:
+                conn.close()
+                self._conn = None
+            return
         if conn is not None and self._death is None:
             self._outbox.put(Shutdown())
         if proc is not None:
@@ -302,6 +329,11 @@ class WorkerGroup:
 
     def is_alive(self) -> bool:
         return all(w.is_alive() for w in self.workers)
+
+    def spawn(self) -> None:
+        """Starts every rank's process as a standby (see WorkerProcess.spawn)."""
+        for worker in self.workers:
+            worker.spawn()
 
     async def start(self) -> WorkerReady:
         results = await asyncio.gather(*(w.start() for w in self.workers), return_exceptions=True)

@@ -115,7 +115,7 @@ class AsyncEngine:
         ready = await self.core.start()
         logger.info("worker ready: %s, %s, %s, attention backend %s, %.2f GiB of KV cache%s; async scheduling %s",
                     ready.device, ready.dtype, ready.weights, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
-                    f", model compiled in {ready.compile_seconds:.1f} s" if ready.compile_seconds else "",
+                    f", model compiled in {ready.compile_seconds:.1f} s ({ready.compiled})" if ready.compile_seconds else "",
                     "on" if self.core.async_scheduling else "off")
 
     def _draft_model(self, model_config: ModelConfig) -> tuple[Path | None, ModelConfig | None]:
@@ -185,6 +185,11 @@ class AsyncEngine:
     @property
     def worker(self) -> Executor | None:
         return self.core.worker if self.core is not None else None
+
+    @property
+    def standby(self) -> Executor | None:
+        """The next worker's process, started ahead (EngineConfig.standby_worker)."""
+        return self.core.standby if self.core is not None else None
 
     @property
     def step_stats(self) -> StepStats:

@@ -25,6 +25,7 @@ down to the rank's share, and the row-parallel outputs and the embedding are all
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from pagoda.engine.worker.distributed import TensorParallelGroup
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.models.linear import (BLOCKED_LAYOUT, GateUpLinear, Linear, amx_min_rows, logits_linear,
                                           pack_weight)
+from pagoda.engine.models.precompiled import PrecompiledRegion
 from pagoda.engine.models.quantized import GroupQuantized
 from pagoda.engine.models.quantized import pack as pack_quantized
 from pagoda.engine.models.rope import compute_inv_freq
@@ -254,15 +256,24 @@ class LlamaForCausalLM(nn.Module):
         # An untied LM head's weight as loaded, once the head is packed (break_bfloat16_ties).
         self._unpacked_lm_head: torch.Tensor | None = None
 
-    def compile_regions(self) -> None:
-        """Compiles the three regions with torch.compile (inductor, dynamic shapes)."""
+    def compile_regions(self, directory: Path | None = None) -> None:
+        """Compiles the three regions with torch.compile (inductor, dynamic shapes), ahead of
+        time per variant of their inputs, kept in ``directory`` for later starts (see
+        engine/models/precompiled.py; None: not kept)."""
         # NOTE: floats specialized, so RMSNorm's eps is a constant in the code rather than a
         # 0-dim tensor input built on every call; and no size asserts on the inputs (the
         # guards have checked them). With both, one token's forward: 13.6-15.2 -> 13.0-13.2 ms
         # (10th percentile), 15.2-17.8 -> 13.8-14.4 ms (median).
         torch._dynamo.config.specialize_float = True
-        self._regions = tuple(torch.compile(fn, dynamic=True, options={"size_asserts": False})
-                              for fn in self._regions)
+        self._regions = tuple(PrecompiledRegion(fn, directory, {"size_asserts": False})
+                              for fn in (before_first_attention, between_attentions, after_last_attention))
+
+    def describe_code(self) -> tuple:
+        """What the compiled regions' code depends on beyond the sources and the CPU: the
+        configuration, the dtype and each linear layer's packing (see precompiled.cache_key)."""
+        return (self.config, self.embed_tokens.weight.dtype,
+                sorted({(type(m).__name__, m.packing, getattr(m, "amx_min_rows", None))
+                        for m in self.modules() if isinstance(m, Linear)}, key=repr))
 
     def quantize_weights(self, pick: Callable[[tuple[str, ...], torch.Tensor], GroupQuantized | None]) -> list[str]:
         """Quantizes the linear layers and the LM head that ``pick`` gives a weight for.

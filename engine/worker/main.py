@@ -18,17 +18,25 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
 
 
-def serve(conn: Connection) -> None:
-    """Loads the model described by the first message, then runs steps until told to stop."""
+def serve(conn: Connection, preloading: threading.Thread | None = None) -> None:
+    """Loads the model described by the first message, then runs steps until told to stop.
+
+    Args:
+        conn: The engine's socket.
+        preloading: A standby's imports (:func:`preload`), finished before the model loads.
+    """
     try:
         init = conn.recv()
     except (EOFError, OSError):
         return
+    if preloading is not None:
+        preloading.join()
     def progress(message: str) -> None:
         from pagoda.engine.messages import WorkerProgress
 
@@ -44,6 +52,26 @@ def serve(conn: Connection) -> None:
         lead(runner, conn.recv, conn.send)
     else:
         follow(runner)
+
+
+def preload(compiler: bool) -> None:
+    """A standby worker's imports, made while the engine's current worker serves: torch, the
+    model runner and, with ``compiler``, what loading compiled regions needs (several seconds,
+    most of a restart).
+
+    Runs in a thread of its own scheduled SCHED_IDLE (Linux), so it takes only CPU time that
+    nothing else wants; the thread's priority goes with it, the rest of the worker runs at
+    the normal one.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+    except (AttributeError, OSError):
+        pass
+    import pagoda.engine.worker.model_runner  # noqa: F401 - torch with it
+    if compiler:
+        from pagoda.engine.models.precompiled import import_loader
+
+        import_loader()
 
 
 def build_runner(init, progress=None):
@@ -73,6 +101,7 @@ def ready_message(runner):
     return WorkerReady(device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
                        attention_backend=runner.attention_backend.name, kv_cache_bytes=runner.kv_cache_bytes,
                        pid=os.getpid(), compile_seconds=runner.compile_seconds,
+                       compiled=runner.compile_description,
                        weights=runner.weights_description)
 
 
@@ -133,6 +162,10 @@ def _send_failure(conn: Connection, error: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagoda.engine.worker.main", description="Pagoda's model worker")
     parser.add_argument("--fd", type=int, required=True, help="file descriptor of the engine's socket")
+    parser.add_argument("--standby", action="store_true",
+                        help="import torch and the model's code before the engine says what to load")
+    parser.add_argument("--preload-compiler", action="store_true",
+                        help="with --standby: import what loading the compiled model needs too")
     args = parser.parse_args(argv)
     # NOTE: Ctrl-C reaches the whole process group; the engine process decides when the
     # worker stops (it drains requests first), so the worker leaves SIGINT to it.
@@ -141,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     # the socket (the engine notices a dead worker by that).
     os.set_inheritable(args.fd, False)
     conn = Connection(args.fd)
+    preloading = None
+    if args.standby:
+        preloading = threading.Thread(target=preload, args=(args.preload_compiler,), name="pagoda-preload",
+                                      daemon=True)
+        preloading.start()
     try:
-        serve(conn)
+        serve(conn, preloading)
     finally:
         conn.close()
     return 0

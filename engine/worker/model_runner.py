@@ -21,10 +21,11 @@ from pagoda.engine.tensor_parallel import head_share
 from pagoda.engine.worker.distributed import init_tensor_parallel
 from pagoda.engine.worker.input_batch import InputBatch
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
-from pagoda.engine.model_loader import load_weights, plan_quantization
+from pagoda.engine.model_loader import default_cache_dir, load_weights, plan_quantization
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
+from pagoda.engine.models.precompiled import cache_key
 from pagoda.engine.models.quantized import GroupQuantized, quantize_int8, quantized_weights
 from pagoda.engine.platform import attention_shape, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine.worker.prompt_scoring import score_prompts
@@ -84,6 +85,7 @@ class ModelRunner:
                                 list(model_config.eos_token_ids), self.device)
         self._failed: set[str] = set()
         self.compile_seconds = 0.0
+        self.compile_description = ""
         # NOTE: compiled on the CPU only for now: the compiled path has not been checked on
         # a GPU yet, so CUDA runs eagerly; and not across tensor-parallel ranks, whose
         # all-reduces sit inside the compiled regions.
@@ -91,13 +93,18 @@ class ModelRunner:
         # code rounds differently from the many-row code's.
         compiles = not config.enforce_eager and not config.batch_invariant
         if compiles and self.device.type == "cpu" and not tp.is_parallel:
-            progress("compiling the model with torch.compile (tens of seconds at the first start; later "
-                     "starts reuse torch's compile cache; --enforce-eager skips it)")
+            directory = default_cache_dir() / "compiled" / cache_key(*self.model.describe_code())
+            progress(f"compiling the model with torch.compile (tens of seconds at the first start; later "
+                     f"starts load it from {directory}; --enforce-eager skips it)")
             start = time.perf_counter()
-            self.model.compile_regions()
+            self.model.compile_regions(directory)
             self._warm_up()
             self.compile_seconds = time.perf_counter() - start
-            logger.info("compiled the model in %.1f s", self.compile_seconds)
+            regions = self.model._regions
+            loaded, compiled = sum(r.loaded for r in regions), sum(r.compiled for r in regions)
+            self.compile_description = (f"{loaded} compiled regions loaded" + (f", {compiled} compiled" if compiled
+                                                                               else ""))
+            logger.info("compiled the model in %.1f s (%s)", self.compile_seconds, self.compile_description)
 
     def _load_model(self, model_dir, model_config, backend_cls, init: WorkerInit,
                     progress: Callable[[str], None]) -> tuple[LlamaForCausalLM, object]:
