@@ -101,6 +101,8 @@ class _EngineCollector:
                    labels, grammars.compile_seconds if grammars else 0.0)
             sample(counter, "worker_restarts", "Times the worker process died and was restarted.", labels,
                    engine.num_worker_restarts)
+            sample(counter, "worker_restart_seconds", "Seconds from a worker's death noticed to its replacement "
+                   "ready, summed over restarts.", labels, engine.worker_restart_seconds)
             ready = engine.worker.ready if engine.worker is not None else None
             if ready is not None:
                 info = families.get("engine")

@@ -113,6 +113,7 @@ class EngineCore:
         self._restart_times: list[float] = []
         self.standby: Executor | None = None  # the next worker's process, started ahead
         self.num_worker_restarts = 0
+        self.worker_restart_seconds = 0.0  # from each death noticed to its replacement ready, summed
         # (when the last worker death was noticed, when its replacement was ready), time.time()
         self.last_restart: tuple[float, float] | None = None
         self.step_stats = StepStats()
@@ -277,6 +278,7 @@ class EngineCore:
                 exc = start_exc
                 continue
             self.last_restart = (detected, time.time())
+            self.worker_restart_seconds += self.last_restart[1] - detected
             logger.info("worker restarted (pid %s%s) in %.1f s%s", self.worker.pid, ", the standby" if standby else "",
                         self.last_restart[1] - detected,
                         f" (model compiled in {ready.compile_seconds:.1f} s: {ready.compiled})"

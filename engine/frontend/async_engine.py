@@ -200,6 +200,11 @@ class AsyncEngine:
         return self.core.num_worker_restarts if self.core is not None else 0
 
     @property
+    def worker_restart_seconds(self) -> float:
+        """Seconds from each worker death noticed to its replacement ready, summed."""
+        return self.core.worker_restart_seconds if self.core is not None else 0.0
+
+    @property
     def last_restart(self) -> tuple[float, float] | None:
         """(when the last worker death was noticed, when its replacement was ready)."""
         return self.core.last_restart if self.core is not None else None

@@ -90,6 +90,10 @@ class DataParallelEngine:
         return sum(r.num_worker_restarts for r in self.replicas)
 
     @property
+    def worker_restart_seconds(self) -> float:
+        return sum(r.worker_restart_seconds for r in self.replicas)
+
+    @property
     def num_kv_tokens(self) -> int:
         return sum(engine.num_kv_tokens for engine in self.engines)
 

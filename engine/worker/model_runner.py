@@ -94,8 +94,11 @@ class ModelRunner:
         compiles = not config.enforce_eager and not config.batch_invariant
         if compiles and self.device.type == "cpu" and not tp.is_parallel:
             directory = default_cache_dir() / "compiled" / cache_key(*self.model.describe_code())
-            progress(f"compiling the model with torch.compile (tens of seconds at the first start; later "
-                     f"starts load it from {directory}; --enforce-eager skips it)")
+            if directory.is_dir() and any(directory.glob("*.bin")):
+                progress(f"loading the compiled model from {directory}")
+            else:
+                progress(f"compiling the model with torch.compile (tens of seconds; later starts load it from "
+                         f"{directory}; --enforce-eager skips it)")
             start = time.perf_counter()
             self.model.compile_regions(directory)
             self._warm_up()
