@@ -411,51 +411,64 @@ def checkpoint_quantization(model_dir: Path) -> str | None:
 
 def plan_quantization(quantization: str, model_dir: Path, device: torch.device,
                       tensor_parallel_size: int = 1) -> str | None:
-    """How the linear weights will be quantized: "gguf" (the file's own types), "int8", or
-    None (floats), for EngineConfig.quantization on ``device``. (Quantized weights do not
-    run under tensor parallelism yet: "auto" then dequantizes.)
+    """How the linear weights will be quantized: "gguf" (the file's own types),
+    "compressed-tensors" (the checkpoint's int8 weights), "int8", or None (floats), for
+    EngineConfig.quantization on ``device``. (Quantized weights do not run under tensor
+    parallelism yet: "auto" then dequantizes.)
 
     Raises:
         ValueError: A checkpoint quantized in a format Pagoda does not read; int8 off the
             CPU, without the CPU kernels or under tensor parallelism.
     """
-    method = checkpoint_quantization(model_dir)
-    if method is not None:
-        raise ValueError(f"{model_dir}: the checkpoint is quantized with {method!r}, which Pagoda does not read; "
-                         "use its bf16/fp16 checkpoint (with --quantization int8 for 8-bit weights) or a GGUF file")
+    from pagoda.engine.models.compressed_tensors import check_scheme, quantization_config
+
+    compressed = quantization_config(model_dir)
+    if compressed is not None:
+        check_scheme(compressed)
+    else:
+        method = checkpoint_quantization(model_dir)
+        if method is not None:
+            raise ValueError(f"{model_dir}: the checkpoint is quantized with {method!r}, which Pagoda does not read "
+                             "(it reads compressed-tensors int8 and GGUF files); use its bf16/fp16 checkpoint (with "
+                             "--quantization int8 for 8-bit weights) or a GGUF file")
     if quantization == "none":
         return None
+    problem = _quantized_kernel_problem(device, tensor_parallel_size)
+    if quantization == "int8":
+        if problem is not None:
+            raise ValueError(f"--quantization int8 cannot run here: {problem}")
+        return "int8" if compressed is None else "compressed-tensors"
+    if compressed is None and not (Path(model_dir) / QUANTIZED_FILE).is_file():
+        return None
+    if problem is None and not _amx_tiles_run():
+        return "gguf" if compressed is None else "compressed-tensors"
+    # NOTE: on AMX, not measured against each other yet: the bfloat16 kernel on AMX tiles
+    # is several times denser than AVX512-VNNI on batches and prefill (docs/quantization.md).
+    logger.info("the checkpoint's quantized weights are dequantized (%s)",
+                problem or "AMX tiles run here, and the quantized kernel is not yet measured against them")
+    return None
+
+
+def _quantized_kernel_problem(device: torch.device, tensor_parallel_size: int) -> str | None:
+    """Why the quantized kernel (csrc/quant_linear.c) cannot run here; None where it can."""
     from pagoda.attention_backends import cpu_kernels
 
-    if quantization == "int8":
-        if tensor_parallel_size > 1:
-            raise ValueError("--quantization int8 does not run under tensor parallelism yet")
-        if device.type != "cpu":
-            raise ValueError(f"--quantization int8 runs on the CPU (Pagoda's quantized kernel); this is {device}")
-        if not cpu_kernels.available():
-            raise ValueError("--quantization int8 needs Pagoda's CPU kernels, which could not be built here "
-                             "(a C compiler; see the log)")
-        if not cpu_kernels.quant_linear_vnni():
-            raise ValueError("--quantization int8 needs a CPU with AVX512-VNNI (without it the quantized kernel "
-                             "is a plain loop, many times slower than the float kernels)")
-        return "int8"
-    if (Path(model_dir) / QUANTIZED_FILE).is_file():
-        if device.type != "cpu":
-            reason = "no quantized kernel on CUDA yet"
-        elif tensor_parallel_size > 1:
-            reason = "not under tensor parallelism yet"
-        elif not cpu_kernels.available():
-            reason = "no CPU kernels"
-        elif not cpu_kernels.quant_linear_vnni():
-            reason = "no AVX512-VNNI: the quantized kernel's plain loop is slower than the float kernels"
-        elif cpu_kernels.packed_linear_amx_available():
-            # NOTE: not measured against each other yet: the bfloat16 kernel on AMX tiles is
-            # several times denser than AVX512-VNNI on batches and prefill (docs/quantization.md).
-            reason = "AMX tiles run here, and the quantized kernel is not yet measured against them"
-        else:
-            return "gguf"
-        logger.info("the GGUF file's quantized weights are dequantized (%s)", reason)
+    if device.type != "cpu":
+        return f"the quantized kernel runs on the CPU, this is {device}"
+    if tensor_parallel_size > 1:
+        return "it does not run under tensor parallelism yet"
+    if not cpu_kernels.available():
+        return "Pagoda's CPU kernels could not be built here (a C compiler; see the log)"
+    if not cpu_kernels.quant_linear_vnni():
+        return ("no AVX512-VNNI: the quantized kernel is a plain loop there, many times slower than the float "
+                "kernels")
     return None
+
+
+def _amx_tiles_run() -> bool:
+    from pagoda.attention_backends import cpu_kernels
+
+    return cpu_kernels.packed_linear_amx_available()
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

@@ -224,10 +224,10 @@ def test_quantization_choice_and_its_errors(tiny_llama_dir, tmp_path):
     auto_quantizes = cpu_kernels.quant_linear_vnni() and not cpu_kernels.packed_linear_amx_available()
     assert plan_quantization("auto", resolve_model(None), cpu) == ("gguf" if auto_quantizes else None)
     assert plan_quantization("auto", resolve_model(None), cuda) is None  # dequantized on CUDA
-    with pytest.raises(ValueError, match="int8 runs on the CPU"):
+    with pytest.raises(ValueError, match="int8 cannot run here: the quantized kernel runs on the CPU, this is cuda"):
         plan_quantization("int8", tiny_llama_dir, cuda)
     assert plan_quantization("auto", resolve_model(None), cpu, tensor_parallel_size=2) is None
-    with pytest.raises(ValueError, match="int8 does not run under tensor parallelism"):
+    with pytest.raises(ValueError, match="int8 cannot run here: it does not run under tensor parallelism"):
         plan_quantization("int8", tiny_llama_dir, cpu, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization must be one of auto, none, int8"):
         EngineConfig(quantization="fp4")

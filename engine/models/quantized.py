@@ -77,7 +77,7 @@ def _group_bytes(bits: int, has_min: bool) -> int:
     return (512 if bits == 8 else 256) + 2 * BLOCK * (2 if has_min else 1)
 
 
-def _half(values: np.ndarray | torch.Tensor) -> torch.Tensor:
+def float16_rounded(values: np.ndarray | torch.Tensor) -> torch.Tensor:
     """float32 holding the float16 nearest to each value."""
     tensor = torch.as_tensor(np.asarray(values, dtype=np.float32))
     return tensor.half().float()
@@ -170,8 +170,8 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Group
             bits = 8
         scales, mins = scales.reshape(-1), mins.reshape(-1)
     values = torch.from_numpy(np.ascontiguousarray(values).astype(np.int8).reshape(n, k))
-    return GroupQuantized(values, _half(scales).reshape(n, k // GROUP),
-                          None if mins is None else _half(mins).reshape(n, k // GROUP), bits)
+    return GroupQuantized(values, float16_rounded(scales).reshape(n, k // GROUP),
+                          None if mins is None else float16_rounded(mins).reshape(n, k // GROUP), bits)
 
 
 class QuantizedCheckpoint:

@@ -24,6 +24,7 @@ from pagoda.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs,
 from pagoda.engine.model_loader import default_cache_dir, load_weights, plan_quantization
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
+from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint, quantization_config
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pagoda.engine.models.precompiled import cache_key
 from pagoda.engine.models.quantized import GroupQuantized, quantize_int8, quantized_weights
@@ -129,8 +130,13 @@ class ModelRunner:
         model.rotary = RotaryEmbedding(model_config, init.max_model_len).to(self.device)
         start = time.perf_counter()
         progress(f"loading weights from {model_dir} ({self.device}, {str(self.dtype).removeprefix('torch.')})")
-        model.load_weights(load_weights(model_dir))
-        quantized = self._quantize(model, model_dir, config.quantization)
+        weights = load_weights(model_dir)
+        compressed = quantization_config(model_dir)
+        if compressed is not None:  # int8 weights: read as they are, dequantized for the float model
+            compressed = CompressedTensorsCheckpoint(compressed)
+            weights = compressed.dequantizing(weights)
+        model.load_weights(weights)
+        quantized = self._quantize(model, model_dir, config.quantization, compressed)
         packing = choose_packing(self.device, self.dtype, config.batch_invariant)
         if packing is not None:
             model.pack_weights(packing, config.batch_invariant)
@@ -144,14 +150,15 @@ class ModelRunner:
                     else ""))
         return model.eval(), backend
 
-    def _quantize(self, model: LlamaForCausalLM, model_dir, quantization: str) -> str:
+    def _quantize(self, model: LlamaForCausalLM, model_dir, quantization: str,
+                  compressed: CompressedTensorsCheckpoint | None) -> str:
         """Quantizes the model's linear layers as EngineConfig.quantization says (see
         model_loader.plan_quantization); returns what was done, for the start-up line."""
         mode = plan_quantization(quantization, model_dir, self.device, self.tp.world_size)
         if mode is None:
             return ""
-        if mode == "gguf":
-            checkpoint = quantized_weights(model_dir)
+        if mode in ("gguf", "compressed-tensors"):
+            checkpoint = quantized_weights(model_dir) if mode == "gguf" else compressed.quantized
 
             def pick(names, weight):
                 parts = [checkpoint.get(name) for name in names]
@@ -161,7 +168,8 @@ class ModelRunner:
                 return quantize_int8(weight) if weight.shape[1] % 32 == 0 else None
         packings = model.quantize_weights(pick)
         counts = {name: packings.count(name) for name in sorted(set(packings))}
-        return (f"{'GGUF types' if mode == 'gguf' else 'int8'}: "
+        source = {"gguf": "GGUF types", "int8": "int8"}.get(mode) or f"compressed-tensors {compressed.description}"
+        return (f"{source}: "
                 + ", ".join(f"{count} layers {name}" for name, count in counts.items()) + "; ")
 
     def _allocate_caches(self, backend, model_config, init: WorkerInit) -> tuple[list, list]:
