@@ -397,16 +397,73 @@ def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
-def checkpoint_quantization(model_dir: Path) -> str | None:
-    """The ``quant_method`` of a Hugging Face checkpoint's quantization_config, if any."""
+def _quantization_config(model_dir: Path) -> dict:
+    """A Hugging Face checkpoint's quantization_config ({} when there is none)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    quantization = config.get("quantization_config")
+        return {}
+    return config.get("quantization_config") or {}
+
+
+def checkpoint_quantization(model_dir: Path) -> str | None:
+    """The ``quant_method`` of a Hugging Face checkpoint's quantization_config, if any."""
+    quantization = _quantization_config(model_dir)
     if not quantization:
         return None
     return str(quantization.get("quant_method") or quantization.get("format") or "unknown")
+
+
+COMPRESSED_TENSORS = "compressed-tensors"
+COMPRESSED_TENSORS_FORMATS = ("int-quantized", "naive-quantized")
+COMPRESSED_TENSORS_STRATEGIES = ("channel", "tensor", "group")
+
+
+def compressed_tensors_config(model_dir: Path) -> dict | None:
+    """The checkpoint's quantization_config when its method is compressed-tensors, else None."""
+    quantization = _quantization_config(model_dir)
+    return quantization if quantization.get("quant_method") == COMPRESSED_TENSORS else None
+
+
+def check_compressed_tensors_scheme(quantization: dict) -> str:
+    """A short description of a compressed-tensors config Pagoda reads ("W8A8 int8, per
+    channel"), or ValueError naming what it does not read."""
+    def fail(what: str) -> ValueError:
+        return ValueError(f"this compressed-tensors checkpoint has {what}, which Pagoda does not read; it reads "
+                          "8-bit integer weights (int-quantized/naive-quantized, symmetric, per channel, tensor or "
+                          "group of a multiple of 32): use its bf16/fp16 checkpoint or a GGUF file otherwise")
+
+    if quantization.get("sparsity_config"):
+        raise fail("a sparsity config")
+    status = quantization.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise fail(f"quantization_status {status!r}")
+    groups = quantization.get("config_groups") or {}
+    if not groups:
+        raise fail("no config_groups")
+    schemes = set()
+    for name, group in groups.items():
+        group_format = group.get("format") or quantization.get("format")
+        if group_format not in COMPRESSED_TENSORS_FORMATS:
+            raise fail(f"the format {group_format!r} (group {name})")
+        weights = group.get("weights") or {}
+        if (weights.get("type"), weights.get("num_bits")) != ("int", 8):
+            raise fail(f"{weights.get('num_bits')}-bit {weights.get('type')} weights (group {name})")
+        if not weights.get("symmetric", True):
+            raise fail(f"asymmetric weights with zero points (group {name})")
+        strategy = weights.get("strategy")
+        if strategy not in COMPRESSED_TENSORS_STRATEGIES:
+            raise fail(f"weights quantized per {strategy} (group {name})")
+        if strategy == "group" and (weights.get("group_size") or 0) % 32:  # NOTE: the quantized kernel's group (quantized.GROUP)
+            raise fail(f"a group size of {weights.get('group_size')} (group {name})")
+        if weights.get("dynamic"):
+            raise fail(f"dynamic weight scales (group {name})")
+        activations = group.get("input_activations")
+        if activations and (activations.get("type"), activations.get("num_bits")) != ("int", 8):
+            raise fail(f"{activations.get('num_bits')}-bit {activations.get('type')} activations (group {name})")
+        by = f"per {strategy}" + (f" of {weights['group_size']}" if strategy == "group" else "")
+        schemes.add(f"W8A{'8' if activations else '16'} int8 weights {by}")
+    return "; ".join(sorted(schemes))
 
 
 def plan_quantization(quantization: str, model_dir: Path, device: torch.device,
@@ -420,11 +477,9 @@ def plan_quantization(quantization: str, model_dir: Path, device: torch.device,
         ValueError: A checkpoint quantized in a format Pagoda does not read; int8 off the
             CPU, without the CPU kernels or under tensor parallelism.
     """
-    from pagoda.engine.models.compressed_tensors import check_scheme, quantization_config
-
-    compressed = quantization_config(model_dir)
+    compressed = compressed_tensors_config(model_dir)
     if compressed is not None:
-        check_scheme(compressed)
+        check_compressed_tensors_scheme(compressed)
     else:
         method = checkpoint_quantization(model_dir)
         if method is not None:

@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from pagoda import LLM, SamplingParams
 from pagoda.attention_backends import cpu_kernels
+from pagoda.engine.model_loader import check_compressed_tensors_scheme as check_scheme
 from pagoda.engine.model_loader import plan_quantization
-from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint, check_scheme
+from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
 from helpers import hf_greedy
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -18,68 +18,12 @@ asymmetric weights with zero points, 2:4 sparsity) fail with an error that names
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 import torch
 
+from pagoda.engine.model_loader import check_compressed_tensors_scheme
 from pagoda.engine.models.quantized import GROUP, GroupQuantized, float16_rounded
-
-METHOD = "compressed-tensors"
-FORMATS = ("int-quantized", "naive-quantized")
-STRATEGIES = ("channel", "tensor", "group")
-
-
-def quantization_config(model_dir: Path) -> dict | None:
-    """The checkpoint's quantization_config when its method is compressed-tensors, else None."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    quantization = config.get("quantization_config") or {}
-    return quantization if quantization.get("quant_method") == METHOD else None
-
-
-def check_scheme(quantization: dict) -> str:
-    """A short description of a compressed-tensors config Pagoda reads ("W8A8 int8, per
-    channel"), or ValueError naming what it does not read."""
-    def fail(what: str) -> ValueError:
-        return ValueError(f"this compressed-tensors checkpoint has {what}, which Pagoda does not read; it reads "
-                          "8-bit integer weights (int-quantized/naive-quantized, symmetric, per channel, tensor or "
-                          "group of a multiple of 32): use its bf16/fp16 checkpoint or a GGUF file otherwise")
-
-    if quantization.get("sparsity_config"):
-        raise fail("a sparsity config")
-    status = quantization.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise fail(f"quantization_status {status!r}")
-    groups = quantization.get("config_groups") or {}
-    if not groups:
-        raise fail("no config_groups")
-    schemes = set()
-    for name, group in groups.items():
-        group_format = group.get("format") or quantization.get("format")
-        if group_format not in FORMATS:
-            raise fail(f"the format {group_format!r} (group {name})")
-        weights = group.get("weights") or {}
-        if (weights.get("type"), weights.get("num_bits")) != ("int", 8):
-            raise fail(f"{weights.get('num_bits')}-bit {weights.get('type')} weights (group {name})")
-        if not weights.get("symmetric", True):
-            raise fail(f"asymmetric weights with zero points (group {name})")
-        strategy = weights.get("strategy")
-        if strategy not in STRATEGIES:
-            raise fail(f"weights quantized per {strategy} (group {name})")
-        if strategy == "group" and (weights.get("group_size") or 0) % GROUP:
-            raise fail(f"a group size of {weights.get('group_size')} (group {name})")
-        if weights.get("dynamic"):
-            raise fail(f"dynamic weight scales (group {name})")
-        activations = group.get("input_activations")
-        if activations and (activations.get("type"), activations.get("num_bits")) != ("int", 8):
-            raise fail(f"{activations.get('num_bits')}-bit {activations.get('type')} activations (group {name})")
-        by = f"per {strategy}" + (f" of {weights['group_size']}" if strategy == "group" else "")
-        schemes.add(f"W8A{'8' if activations else '16'} int8 weights {by}")
-    return "; ".join(sorted(schemes))
 
 
 class CompressedTensorsCheckpoint:
@@ -88,7 +32,7 @@ class CompressedTensorsCheckpoint:
     :attr:`quantized` (checkpoint name, "model." dropped -> GroupQuantized) on the way."""
 
     def __init__(self, quantization: dict) -> None:
-        self.description = check_scheme(quantization)
+        self.description = check_compressed_tensors_scheme(quantization)
         self.quantized: dict[str, GroupQuantized] = {}
 
     def dequantizing(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

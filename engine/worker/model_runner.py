@@ -21,10 +21,10 @@ from pagoda.engine.tensor_parallel import head_share
 from pagoda.engine.worker.distributed import init_tensor_parallel
 from pagoda.engine.worker.input_batch import InputBatch
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
-from pagoda.engine.model_loader import default_cache_dir, load_weights, plan_quantization
+from pagoda.engine.model_loader import compressed_tensors_config, default_cache_dir, load_weights, plan_quantization
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
-from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint, quantization_config
+from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pagoda.engine.models.precompiled import cache_key
 from pagoda.engine.models.quantized import GroupQuantized, quantize_int8, quantized_weights
@@ -131,7 +131,7 @@ class ModelRunner:
         start = time.perf_counter()
         progress(f"loading weights from {model_dir} ({self.device}, {str(self.dtype).removeprefix('torch.')})")
         weights = load_weights(model_dir)
-        compressed = quantization_config(model_dir)
+        compressed = compressed_tensors_config(model_dir)
         if compressed is not None:  # int8 weights: read as they are, dequantized for the float model
             compressed = CompressedTensorsCheckpoint(compressed)
             weights = compressed.dequantizing(weights)
