@@ -174,6 +174,7 @@ def test_a_crash_loop_past_the_budget_turns_health_503_and_sigterm_still_exits_c
         log.close()
     text = (tmp_path / "server.log").read_text()
     assert "restarting it (restart 1)" in text and "giving up" in text
+    assert "standby worker started" in text and ", the standby) in " in text  # pagoda serve's default
 
 
 def test_past_the_restart_budget_the_server_exits_with_status_1(tiny_llama_dir, tmp_path):

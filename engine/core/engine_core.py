@@ -151,9 +151,15 @@ class EngineCore:
         EngineConfig), for the executors that can (processes, not Ray actors)."""
         if self.config.standby_worker and self.standby is None:
             standby = self._make_executor(self._wakeup.set)
-            if hasattr(standby, "spawn"):
+            if not hasattr(standby, "spawn"):
+                return
+            try:
                 standby.spawn()
-                self.standby = standby
+            except OSError as exc:  # e.g. out of processes or memory: serving goes on without one
+                logger.warning("could not start a standby worker: %s", exc)
+                return
+            self.standby = standby
+            logger.info("standby worker started (pid %s) for the next restart", standby.pid)
 
     async def _stop_standby(self) -> None:
         standby, self.standby = self.standby, None
