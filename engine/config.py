@@ -62,8 +62,9 @@ class EngineConfig:
         worker_restart_window: The window of max_worker_restarts, in seconds.
         standby_worker: Keep a second worker process started and waiting, with torch and the
             compiled model's code imported (at idle priority), so that a restart after a
-            crash skips those seconds (about 420 MB of memory; process workers only, not
-            Ray). None (auto): on under ``pagoda serve``, off elsewhere.
+            crash skips those seconds (about 420 MB of memory, per data-parallel replica; a
+            single worker process only, not tensor-parallel ranks or Ray). None (auto): on
+            under ``pagoda serve``, off elsewhere.
         enforce_eager: Run the model eagerly instead of compiling it with torch.compile
             at start-up (compiling takes seconds to a minute; steps then run faster).
         enable_prefix_caching: Reuse the KV of shared prompt prefixes.
@@ -181,3 +182,10 @@ def _positive_int(config: EngineConfig, name: str) -> None:
     value = getattr(config, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+
+def compiles_model(config: EngineConfig, device_type: str, world_size: int) -> bool:
+    """Whether the worker compiles the model (torch.compile of its regions): on the CPU, one
+    rank, unless enforce_eager or batch_invariant (a GPU runs eagerly for now)."""
+    return device_type == "cpu" and world_size == 1 and not (config.enforce_eager or config.batch_invariant)

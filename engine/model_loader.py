@@ -435,6 +435,8 @@ def check_compressed_tensors_scheme(quantization: dict) -> str:
 
     if quantization.get("sparsity_config"):
         raise fail("a sparsity config")
+    if quantization.get("kv_cache_scheme"):
+        raise fail("a quantized KV cache scheme (use --kv-cache-dtype instead)")
     status = quantization.get("quantization_status", "compressed")
     if status != "compressed":
         raise fail(f"quantization_status {status!r}")
@@ -454,8 +456,12 @@ def check_compressed_tensors_scheme(quantization: dict) -> str:
         strategy = weights.get("strategy")
         if strategy not in COMPRESSED_TENSORS_STRATEGIES:
             raise fail(f"weights quantized per {strategy} (group {name})")
-        if strategy == "group" and (weights.get("group_size") or 0) % 32:  # NOTE: the quantized kernel's group (quantized.GROUP)
-            raise fail(f"a group size of {weights.get('group_size')} (group {name})")
+        size = weights.get("group_size")
+        # NOTE: 32 is the quantized kernel's group (quantized.GROUP).
+        if strategy == "group" and not (isinstance(size, int) and size > 0 and size % 32 == 0):
+            raise fail(f"a group size of {size} (group {name})")
+        if weights.get("actorder") in ("group", "weight", True):
+            raise fail(f"activation-ordered weight columns (actorder {weights.get('actorder')!r}, group {name})")
         if weights.get("dynamic"):
             raise fail(f"dynamic weight scales (group {name})")
         activations = group.get("input_activations")
@@ -479,7 +485,10 @@ def plan_quantization(quantization: str, model_dir: Path, device: torch.device,
     """
     compressed = compressed_tensors_config(model_dir)
     if compressed is not None:
-        check_compressed_tensors_scheme(compressed)
+        try:
+            check_compressed_tensors_scheme(compressed)
+        except ValueError as exc:
+            raise ValueError(f"{model_dir}: {exc}") from None
     else:
         method = checkpoint_quantization(model_dir)
         if method is not None:
@@ -488,13 +497,14 @@ def plan_quantization(quantization: str, model_dir: Path, device: torch.device,
                              "--quantization int8 for 8-bit weights) or a GGUF file")
     if quantization == "none":
         return None
-    problem = _quantized_kernel_problem(device, tensor_parallel_size)
     if quantization == "int8":
+        problem = _quantized_kernel_problem(device, tensor_parallel_size)
         if problem is not None:
             raise ValueError(f"--quantization int8 cannot run here: {problem}")
         return "int8" if compressed is None else "compressed-tensors"
     if compressed is None and not (Path(model_dir) / QUANTIZED_FILE).is_file():
         return None
+    problem = _quantized_kernel_problem(device, tensor_parallel_size)
     if problem is None and not _amx_tiles_run():
         return "gguf" if compressed is None else "compressed-tensors"
     # NOTE: on AMX, not measured against each other yet: the bfloat16 kernel on AMX tiles

@@ -110,6 +110,10 @@ def test_every_weight_strategy_reads_into_the_kernels_groups(tiny_llama_dir, tmp
     quantized = reader.quantized[name.removeprefix("model.")]
     assert quantized.bits == 8 and quantized.mins is None and torch.equal(quantized.values, tensors[name])
     assert "input_scale" not in " ".join(floats)
+    # Where the kernel will not run them, nothing is kept and the scales are the checkpoint's own.
+    exact = CompressedTensorsCheckpoint(scheme(strategy), keep=False)
+    floats = dict(exact.dequantizing(tensors.items()))
+    assert not exact.quantized and torch.equal(floats[name], expected)
 
 
 @needs_vnni
@@ -119,7 +123,10 @@ def test_w8a8_engine_tracks_transformers_on_the_same_checkpoint(compressed_dir):
     chosen token is within the kernel's rounding of transformers' best."""
     hf = hf_dequantized(compressed_dir)
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
-    with LLM(str(compressed_dir), dtype="float32", enforce_eager=True, max_model_len=64, num_kv_blocks=64) as llm:
+    # NOTE: int8 runs the checkpoint's own weights through the kernel wherever it runs (auto
+    # keeps floats on CPUs whose AMX tiles run).
+    with LLM(str(compressed_dir), dtype="float32", enforce_eager=True, max_model_len=64, num_kv_blocks=64,
+             quantization="int8") as llm:
         description = llm.engine.describe()
         assert "compressed-tensors W8A8 int8 weights per channel" in description and ": 8 layers q8;" in description  # fused q/k/v, gate/up
         outputs = llm.generate(PROMPTS, params)
@@ -150,6 +157,9 @@ def test_schemes_pagoda_does_not_read_fail_with_their_name(compressed_dir, tmp_p
         "8-bit float activations": {**scheme(), "config_groups": {"group_0": {
             **scheme()["config_groups"]["group_0"], "input_activations": {"num_bits": 8, "type": "float"}}}},
         "a sparsity config": {**scheme(), "sparsity_config": {"format": "sparse-24-bitmask"}},
+        "a group size of None": scheme("group", group_size=None),
+        "activation-ordered weight columns": scheme("group", actorder="group"),
+        "a quantized KV cache scheme": {**scheme(), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
     }
     for words, config in cases.items():
         with pytest.raises(ValueError, match=words):

@@ -106,6 +106,8 @@ def test_a_second_start_loads_every_region_and_generates_the_same_tokens(tiny_ll
             results.append([(o.outputs[0].token_ids, [p.logprob for p in o.outputs[0].logprobs])
                             for o in outputs])
             compiled = llm.engine.worker.ready.compiled
-    # NOTE: the first start may have loaded them too (an earlier run, same code and model shape).
-    assert compiled == "6 compiled regions loaded"  # 3 regions x (one token, more)
+    # NOTE: the first start may have loaded them too (an earlier run, same code and model
+    # shape); the second compiles nothing: 3 regions x (one token, more) at least are loaded.
+    loaded = int(compiled.split()[0])
+    assert compiled == f"{loaded} compiled regions loaded" and loaded >= 6
     assert results[0] == results[1]

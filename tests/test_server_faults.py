@@ -119,9 +119,13 @@ def children(pid: int) -> list[int]:
 
 def worker_of(pid: int) -> int | None:
     """The serving worker of a server process: its oldest child (the standby is younger)."""
-    pids = children(pid)
-    return min(pids, key=lambda p: int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[19]),
-               default=None)
+    started = {}
+    for child in children(pid):
+        try:
+            started[child] = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # reaped meanwhile
+    return min(started, key=started.get, default=None)
 
 
 def serve_tiny(tiny_llama_dir, log, *flags: str) -> tuple[subprocess.Popen, str]:
@@ -190,7 +194,7 @@ def test_past_the_restart_budget_the_server_exits_with_status_1(tiny_llama_dir, 
         wait_until(lambda: http_request(url + "/health").status == 503, 30, "/health to give up")
         result = http_request(url + "/v1/completions", "POST", json={"prompt": "Hello", "max_tokens": 3})
         assert result.status == 503 and result.json()["error"]["code"] == "engine_dead"
-        assert not Path(f"/proc/{standby}").exists()  # the standby went with the engine
+        wait_until(lambda: not Path(f"/proc/{standby}").exists(), 10, "the standby to go with the engine")
         assert proc.wait(60) == 1
     finally:
         if proc.poll() is None:

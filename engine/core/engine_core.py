@@ -277,6 +277,9 @@ class EngineCore:
             # starts over from its tokens so far (the prompt and the output already streamed).
             self.scheduler.reset_after_worker_loss()
             standby, self.standby = self.standby, None
+            if standby is not None and not standby.is_alive():  # killed meanwhile: not worth a restart
+                await standby.shutdown(timeout=1.0)
+                standby = None
             self.worker = standby or self._make_executor(self._wakeup.set)
             try:
                 ready = await self.worker.start()

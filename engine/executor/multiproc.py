@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from pagoda.engine.config import compiles_model
 from pagoda.engine.exceptions import WorkerDiedError
 
 #: glibc's allocator for the worker, unless GLIBC_TUNABLES is set already: blocks up to 64 MiB
@@ -105,13 +106,20 @@ class WorkerProcess:
     def _spawn(self, standby: bool) -> None:
         ours, theirs = socket.socketpair()
         from pagoda.engine.model_loader import default_cache_dir
+        from pagoda.engine.platform import resolve_device
 
+        env = {"GLIBC_TUNABLES": WORKER_MALLOC_TUNABLES, **os.environ, **self._env}
         # NOTE: inductor's code beside Pagoda's compiled regions, not in /tmp: they name its
-        # libraries, and rebuilding them after /tmp was cleared took 7 s of a (re)start.
-        env = {"GLIBC_TUNABLES": WORKER_MALLOC_TUNABLES,
-               "TORCHINDUCTOR_CACHE_DIR": str(default_cache_dir() / "inductor"), **os.environ, **self._env}
-        config = self._init.config
-        compiles = not (config.enforce_eager or config.batch_invariant or self._init.world_size > 1)
+        # libraries, and rebuilding them after /tmp was cleared took 7 s of a (re)start. Where
+        # that directory cannot be made (a read-only home), inductor keeps its default.
+        inductor = default_cache_dir() / "inductor"
+        try:
+            inductor.mkdir(parents=True, exist_ok=True)
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+        except OSError:
+            pass
+        init = self._init
+        compiles = compiles_model(init.config, resolve_device(init.config.device).type, init.world_size)
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "pagoda.engine.worker.main", "--fd", str(theirs.fileno()),
@@ -329,11 +337,6 @@ class WorkerGroup:
 
     def is_alive(self) -> bool:
         return all(w.is_alive() for w in self.workers)
-
-    def spawn(self) -> None:
-        """Starts every rank's process as a standby (see WorkerProcess.spawn)."""
-        for worker in self.workers:
-            worker.spawn()
 
     async def start(self) -> WorkerReady:
         results = await asyncio.gather(*(w.start() for w in self.workers), return_exceptions=True)

@@ -7,10 +7,12 @@ Such a checkpoint's ``config.json`` has a ``quantization_config`` with ``quant_m
 so that ``w = weight_scale * weight``; static activation scales (``input_scale``) may be
 there too. Pagoda reads the integers as they are into :class:`GroupQuantized` (the form
 csrc/quant_linear.c multiplies: a scale per group of 32 inputs, here the layer's scale
-repeated, rounded to float16: a relative error under 2^-11) and quantizes activations itself,
-per row and group of 32 at run time (finer than the per-token or static scales the checkpoint
-was calibrated with; a static ``input_scale`` is not used). Where the quantized kernel does not
-run (EngineConfig.quantization ``none``, a GPU, no AVX512-VNNI), the weights are dequantized.
+repeated, rounded to float16: a relative error under 2^-11 for scales from 2^-14 up) and
+quantizes activations itself, per row and group of 32 at run time (finer than the per-token or
+static scales the checkpoint was calibrated with; a static ``input_scale`` is not used). Where
+the quantized kernel does not run (EngineConfig.quantization ``none``, a GPU, no AVX512-VNNI,
+tensor parallelism, and under ``auto`` a CPU whose AMX tiles run), the weights are dequantized
+with the checkpoint's exact scales.
 
 Other compressed-tensors schemes (4-bit ``pack-quantized``, fp8 ``float-quantized``,
 asymmetric weights with zero points, 2:4 sparsity) fail with an error that names them.
@@ -28,11 +30,14 @@ from pagoda.engine.models.quantized import GROUP, GroupQuantized, float16_rounde
 
 class CompressedTensorsCheckpoint:
     """Reads a compressed-tensors checkpoint's tensors: :meth:`dequantizing` passes the float
-    tensors on and turns each quantized layer's integers into a float weight, keeping them in
-    :attr:`quantized` (checkpoint name, "model." dropped -> GroupQuantized) on the way."""
+    tensors on and turns each quantized layer's integers into a float weight. With ``keep``
+    (the quantized kernel will run them) it keeps the integers in :attr:`quantized`
+    (checkpoint name, "model." dropped -> GroupQuantized) on the way; without, the float
+    weight is the checkpoint's exact ``weight_scale * weight`` and nothing is kept."""
 
-    def __init__(self, quantization: dict) -> None:
+    def __init__(self, quantization: dict, keep: bool = True) -> None:
         self.description = check_compressed_tensors_scheme(quantization)
+        self.keep = keep
         self.quantized: dict[str, GroupQuantized] = {}
 
     def dequantizing(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -50,13 +55,26 @@ class CompressedTensorsCheckpoint:
             parts[last] = tensor
             if len(parts) == 2:
                 del pending[prefix]
-                weight = self._group_quantized(prefix, parts["weight"], parts["weight_scale"])
+                values, scale = parts["weight"], parts["weight_scale"]
+                if not self.keep:
+                    yield f"{prefix}.weight", self._dequantized(prefix, values, scale)
+                    continue
+                weight = self._group_quantized(prefix, values, scale)
                 self.quantized[f"{prefix}.weight".removeprefix("model.")] = weight
                 yield f"{prefix}.weight", weight.dequantize()
         if pending:
             missing = ", ".join(f"{prefix}.{'weight' if 'weight_scale' in parts else 'weight_scale'}"
                                 for prefix, parts in sorted(pending.items()))
             raise ValueError(f"quantized weights without their pair: {missing}")
+
+    @staticmethod
+    def _dequantized(prefix: str, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        n, k = values.shape
+        scale = scale.float().reshape(-1, 1) if scale.numel() in (1, n) else scale.float()
+        if scale.shape[0] not in (1, n) or k % scale.shape[1]:
+            raise ValueError(f"{prefix}.weight_scale: shape {tuple(scale.shape)} does not fit a weight of "
+                             f"{tuple(values.shape)}")
+        return values.float() * scale.repeat_interleave(k // scale.shape[1], dim=1)
 
     @staticmethod
     def _group_quantized(prefix: str, values: torch.Tensor, scale: torch.Tensor) -> GroupQuantized:

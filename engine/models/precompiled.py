@@ -15,9 +15,11 @@ compiled there and then, and saved beside the others (``<directory>/<region>-<id
 written under a temporary name and renamed, so concurrent workers never read half a file).
 
 The directory is named by everything that shapes the code (:func:`cache_key`): the sources
-of engine/models/, torch's and Python's versions, the CPU's flags (and ATEN_CPU_CAPABILITY and
-PAGODA_CPU_MARCH), the model's configuration, the dtype and the weights' packings. The guards
-are checked on every call all the same.
+the regions trace, torch's and Python's versions, the CPU's flags and count, the threads, the
+environment that changes inductor's code (ATEN_CPU_CAPABILITY, PAGODA_CPU_MARCH,
+TORCHINDUCTOR_*), the model's configuration, the dtype and the weights' packings. The guards
+are checked on every call all the same. Loading a file unpickles it: the cache directory must
+be as trusted as inductor's own cache.
 
 NOTE: ``aot_compile`` is marked experimental in torch 2.13 (the version the ``cpu`` extra
 pins). Wherever it fails (a region with a graph break, caches turned off), the region falls
@@ -30,7 +32,7 @@ import hashlib
 import logging
 import os
 import sys
-import uuid
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,19 +41,24 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(sorted(Path(__file__).parent.glob("*.py")))
+# The code the regions trace: the model's modules, and the tensor-parallel helpers they call.
+SOURCES = (*sorted(Path(__file__).parent.glob("*.py")), Path(__file__).parent.parent / "worker" / "distributed.py")
 
 
 def cache_key(*parts: object) -> str:
     """A digest of ``parts`` (anything that shapes the compiled code, by repr) with the
-    sources of engine/models/, the versions of torch and Python and the CPU's flags."""
+    sources the regions trace, the versions of torch and Python, the CPU's flags, the
+    threads, and the environment variables that change inductor's code."""
     from pagoda.attention_backends.cpu_kernels import MARCH_ENV, cpu_flags
 
-    # NOTE: ATEN_CPU_CAPABILITY caps inductor's vector code (inductor's own cache does not key on it).
-    environment = [os.environ.get(name, "") for name in ("ATEN_CPU_CAPABILITY", MARCH_ENV)]
+    # NOTE: ATEN_CPU_CAPABILITY caps inductor's vector code (inductor's own cache does not key on
+    # it); inductor writes the thread count into its code unless it is the CPU count.
+    environment = sorted((name, value) for name, value in os.environ.items()
+                         if name in ("ATEN_CPU_CAPABILITY", MARCH_ENV, "OMP_NUM_THREADS")
+                         or name.startswith("TORCHINDUCTOR_") and name != "TORCHINDUCTOR_CACHE_DIR")
     digest = hashlib.sha256()
-    for part in (torch.__version__, sys.version, cpu_flags(), *environment, *(p.read_bytes() for p in SOURCES),
-                 *map(repr, parts)):
+    for part in (torch.__version__, sys.version, cpu_flags(), torch.get_num_threads(), os.cpu_count(),
+                 *map(repr, environment), *(p.read_bytes() for p in SOURCES), *map(repr, parts)):
         digest.update(part if isinstance(part, bytes) else str(part).encode())
         digest.update(b"\0")
     return digest.hexdigest()[:16]
@@ -139,7 +146,15 @@ class PrecompiledRegion:
         if self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
-                compiled.save_compiled_function(str(self.directory / f"{self.name}-{uuid.uuid4().hex[:12]}.bin"))
+                # NOTE: named by content, so workers that compile the same variant at once
+                # write one file, not a copy each.
+                data = type(compiled).serialize(compiled).serialized_data
+                path = self.directory / f"{self.name}-{hashlib.sha256(data).hexdigest()[:12]}.bin"
+                if not path.exists():
+                    fd, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                    os.replace(temporary, path)
             except Exception as exc:  # noqa: BLE001 - serving goes on; the next start compiles again
                 logger.warning("could not save the compiled region %s in %s: %s", self.name, self.directory, exc)
         return compiled

@@ -35,12 +35,20 @@ def serve(conn: Connection, preloading: threading.Thread | None = None) -> None:
         init = conn.recv()
     except (EOFError, OSError):
         return
+    waited = time.perf_counter()
     if preloading is not None:
         preloading.join()
+    waited = time.perf_counter() - waited
+
     def progress(message: str) -> None:
         from pagoda.engine.messages import WorkerProgress
 
         conn.send(WorkerProgress(message))
+
+    if preloading is not None and waited > 0.1 and init.rank == 0:
+        # NOTE: its imports run at idle priority, and a machine busy since it started may not
+        # have left them time.
+        progress(f"the standby's imports were not done: waited {waited:.1f} s for them")
 
     try:
         runner = build_runner(init, progress if init.rank == 0 else None)

@@ -21,6 +21,7 @@ from pagoda.engine.tensor_parallel import head_share
 from pagoda.engine.worker.distributed import init_tensor_parallel
 from pagoda.engine.worker.input_batch import InputBatch
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
+from pagoda.engine.config import compiles_model
 from pagoda.engine.model_loader import compressed_tensors_config, default_cache_dir, load_weights, plan_quantization
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
@@ -92,8 +93,7 @@ class ModelRunner:
         # all-reduces sit inside the compiled regions.
         # NOTE: not with batch_invariant: inductor compiles a one-row batch apart, and its
         # code rounds differently from the many-row code's.
-        compiles = not config.enforce_eager and not config.batch_invariant
-        if compiles and self.device.type == "cpu" and not tp.is_parallel:
+        if compiles_model(config, self.device.type, tp.world_size):
             directory = default_cache_dir() / "compiled" / cache_key(*self.model.describe_code())
             if directory.is_dir() and any(directory.glob("*.bin")):
                 progress(f"loading the compiled model from {directory}")
@@ -131,12 +131,13 @@ class ModelRunner:
         start = time.perf_counter()
         progress(f"loading weights from {model_dir} ({self.device}, {str(self.dtype).removeprefix('torch.')})")
         weights = load_weights(model_dir)
+        mode = plan_quantization(config.quantization, model_dir, self.device, self.tp.world_size)
         compressed = compressed_tensors_config(model_dir)
-        if compressed is not None:  # int8 weights: read as they are, dequantized for the float model
-            compressed = CompressedTensorsCheckpoint(compressed)
+        if compressed is not None:  # int8 weights, dequantized for the float model (and kept if used)
+            compressed = CompressedTensorsCheckpoint(compressed, keep=mode == "compressed-tensors")
             weights = compressed.dequantizing(weights)
         model.load_weights(weights)
-        quantized = self._quantize(model, model_dir, config.quantization, compressed)
+        quantized = self._quantize(model, model_dir, mode, compressed)
         packing = choose_packing(self.device, self.dtype, config.batch_invariant)
         if packing is not None:
             model.pack_weights(packing, config.batch_invariant)
@@ -150,11 +151,10 @@ class ModelRunner:
                     else ""))
         return model.eval(), backend
 
-    def _quantize(self, model: LlamaForCausalLM, model_dir, quantization: str,
+    def _quantize(self, model: LlamaForCausalLM, model_dir, mode: str | None,
                   compressed: CompressedTensorsCheckpoint | None) -> str:
-        """Quantizes the model's linear layers as EngineConfig.quantization says (see
-        model_loader.plan_quantization); returns what was done, for the start-up line."""
-        mode = plan_quantization(quantization, model_dir, self.device, self.tp.world_size)
+        """Quantizes the model's linear layers as ``mode`` says (model_loader.plan_quantization
+        of EngineConfig.quantization); returns what was done, for the start-up line."""
         if mode is None:
             return ""
         if mode in ("gguf", "compressed-tensors"):
