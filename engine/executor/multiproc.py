@@ -104,7 +104,6 @@ class WorkerProcess:
         self._spawn(standby=True)
 
     def _spawn(self, standby: bool) -> None:
-        ours, theirs = socket.socketpair()
         from pagoda.engine.model_loader import default_cache_dir
         from pagoda.engine.platform import resolve_device
 
@@ -120,6 +119,7 @@ class WorkerProcess:
             pass
         init = self._init
         compiles = compiles_model(init.config, resolve_device(init.config.device).type, init.world_size)
+        ours, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "pagoda.engine.worker.main", "--fd", str(theirs.fileno()),

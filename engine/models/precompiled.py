@@ -11,8 +11,9 @@ A region gets one compiled function per variant of its inputs: torch.compile com
 one-token batch apart from larger ones, and layers whose weights are packed differently
 (a GGUF file that mixes types) take different code. Each call checks the guards of the
 variant last chosen for the same modules and batch kind; a call that no variant accepts is
-compiled there and then, and saved beside the others (``<directory>/<region>-<id>.bin``,
-written under a temporary name and renamed, so concurrent workers never read half a file).
+compiled there and then, and saved beside the others (``<directory>/<region>-<digest of its
+bytes>.bin``, written under a temporary name and renamed, so concurrent workers never read half
+a file).
 
 The directory is named by everything that shapes the code (:func:`cache_key`): the sources
 the regions trace, torch's and Python's versions, the CPU's flags and count, the threads, the
