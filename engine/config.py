@@ -184,7 +184,6 @@ def _positive_int(config: EngineConfig, name: str) -> None:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
-
 def compiles_model(config: EngineConfig, device_type: str, world_size: int) -> bool:
     """Whether the worker compiles the model (torch.compile of its regions): on the CPU, one
     rank, unless enforce_eager or batch_invariant (a GPU runs eagerly for now)."""

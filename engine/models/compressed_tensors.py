@@ -68,26 +68,26 @@ class CompressedTensorsCheckpoint:
             raise ValueError(f"quantized weights without their pair: {missing}")
 
     @staticmethod
-    def _dequantized(prefix: str, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def _scales(prefix: str, values: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+        """The layer's scale for each output row and group of ``group`` inputs, [N, K / group],
+        from a per-tensor, per-channel or per-group ``weight_scale``."""
         n, k = values.shape
         scale = scale.float().reshape(-1, 1) if scale.numel() in (1, n) else scale.float()
-        if scale.shape[0] not in (1, n) or k % scale.shape[1]:
+        scale = scale.expand(n, -1) if scale.shape[0] == 1 else scale
+        if scale.shape[0] != n or (k // group) % scale.shape[1]:
             raise ValueError(f"{prefix}.weight_scale: shape {tuple(scale.shape)} does not fit a weight of "
                              f"{tuple(values.shape)}")
-        return values.float() * scale.repeat_interleave(k // scale.shape[1], dim=1)
+        return scale.repeat_interleave(k // group // scale.shape[1], dim=1)
 
-    @staticmethod
-    def _group_quantized(prefix: str, values: torch.Tensor, scale: torch.Tensor) -> GroupQuantized:
+    @classmethod
+    def _dequantized(cls, prefix: str, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return values.float() * cls._scales(prefix, values, scale, 1)
+
+    @classmethod
+    def _group_quantized(cls, prefix: str, values: torch.Tensor, scale: torch.Tensor) -> GroupQuantized:
         if values.dtype != torch.int8 or values.dim() != 2:
             raise ValueError(f"{prefix}.weight: expected 8-bit integers [out, in], got {values.dtype} "
                              f"{tuple(values.shape)}")
-        n, k = values.shape
-        if k % GROUP:
-            raise ValueError(f"{prefix}.weight: in_features {k} is not a multiple of {GROUP}")
-        scale = scale.float().reshape(-1, 1) if scale.numel() in (1, n) else scale.float()
-        scale = scale.expand(n, -1) if scale.shape[0] == 1 else scale
-        if scale.shape[0] != n or (k // GROUP) % scale.shape[1]:
-            raise ValueError(f"{prefix}.weight_scale: shape {tuple(scale.shape)} does not fit a weight of "
-                             f"{tuple(values.shape)}")
-        scales = scale.repeat_interleave(k // GROUP // scale.shape[1], dim=1)
-        return GroupQuantized(values, float16_rounded(scales), None, 8)
+        if values.shape[1] % GROUP:
+            raise ValueError(f"{prefix}.weight: in_features {values.shape[1]} is not a multiple of {GROUP}")
+        return GroupQuantized(values, float16_rounded(cls._scales(prefix, values, scale, GROUP)), None, 8)
