@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (_CSRC / "paged_attention.c", _CSRC / "packed_linear.c", _CSRC / "tile_attention.c",
-           _CSRC / "quant_linear.c")
+           _CSRC / "quant_linear.c", _CSRC / "one_token_decode.c")
 HEADERS = (_CSRC / "avx512_exp.h", _CSRC / "amx_tiles.h")
 DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
 # NOTE: never -ffast-math: linking with it turns on flush-to-zero for the whole process
@@ -153,6 +153,10 @@ def load() -> ctypes.CDLL:
     lib.quant_linear.argtypes = [pointer, i64, i64, ctypes.c_int, i64, pointer, ctypes.c_int, ctypes.c_int, i64,
                                  pointer, pointer, i64, ctypes.c_int]
     lib.quant_linear.restype = ctypes.c_int
+    lib.one_token_decode.argtypes = [pointer, i64, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
+                                     pointer, pointer, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                                     ctypes.c_float, pointer]
+    lib.one_token_decode.restype = ctypes.c_int
     lib.quant_group_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.quant_group_bytes.restype = i64
     for name in ("packed_linear_available", "amx_probe", "quant_linear_vnni"):

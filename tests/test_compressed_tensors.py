@@ -5,74 +5,20 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pagoda import LLM, SamplingParams
 from pagoda.attention_backends import cpu_kernels
 from pagoda.engine.model_loader import check_compressed_tensors_scheme as check_scheme
 from pagoda.engine.model_loader import plan_quantization
 from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
-from helpers import hf_greedy
+from helpers import LINEARS, compress, hf_dequantized, hf_greedy, scheme
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[1, 5, 9, 2, 7, 11, 4], [3, 3, 8], [20, 40, 60, 80, 100, 120]]
 needs_vnni = pytest.mark.skipif(not cpu_kernels.quant_linear_vnni(), reason="needs AVX512-VNNI")
-
-
-def scheme(strategy: str = "channel", activations: bool = True, **weights) -> dict:
-    """A quantization_config as llm-compressor writes one for W8A8 (or W8A16) int8."""
-    group = {"targets": ["Linear"], "format": "int-quantized",
-             "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": False,
-                         "group_size": 32 if strategy == "group" else None, **weights},
-             "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                                   "dynamic": True} if activations else None}
-    return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
-
-
-def compress(source: Path, target: Path, strategy: str = "channel") -> Path:
-    """The float checkpoint ``source`` with its decoder's linear weights in int8 (symmetric,
-    scale = largest magnitude / 127 per output channel, tensor or group of 32), as
-    compressed-tensors stores them: ``weight`` int8, ``weight_scale`` float."""
-    target.mkdir(parents=True, exist_ok=True)
-    for path in source.iterdir():
-        if path.suffix != ".safetensors" and path.name != "config.json":
-            shutil.copy(path, target / path.name)
-    tensors = load_file(source / "model.safetensors")
-    out = {}
-    for name, tensor in tensors.items():
-        if name.rsplit(".", 2)[-2] not in LINEARS:
-            out[name] = tensor
-            continue
-        w = tensor.float()
-        if strategy == "channel":
-            scale = w.abs().amax(dim=1, keepdim=True) / 127
-        elif strategy == "tensor":
-            scale = w.abs().amax().reshape(1) / 127
-        else:
-            scale = w.reshape(w.shape[0], -1, 32).abs().amax(dim=2) / 127
-        expanded = scale if strategy != "group" else scale.repeat_interleave(32, dim=1)
-        out[name] = torch.round(w / expanded).clamp(-128, 127).to(torch.int8)
-        out[name + "_scale"] = scale.to(tensor.dtype)
-    save_file(out, target / "model.safetensors")
-    config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = scheme(strategy)
-    (target / "config.json").write_text(json.dumps(config))
-    return target
-
-
-def hf_dequantized(directory: Path) -> torch.nn.Module:
-    """transformers with compressed-tensors reading the checkpoint, weights decompressed to
-    float32 (the oracle; its default runs the int8 weights with activations fake-quantized)."""
-    pytest.importorskip("compressed_tensors")
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
-    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
-                                                quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ down to the rank's share, and the row-parallel outputs and the embedding are all
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -35,12 +36,15 @@ from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata
 from pagoda.engine.tensor_parallel import even_split, head_share
 from pagoda.engine.worker.distributed import TensorParallelGroup
 from pagoda.engine.model_config import ModelConfig
+from pagoda.engine.models import one_token_decode
 from pagoda.engine.models.linear import (BLOCKED_LAYOUT, GateUpLinear, Linear, amx_min_rows, logits_linear,
                                           pack_weight)
 from pagoda.engine.models.precompiled import PrecompiledRegion
 from pagoda.engine.models.quantized import GroupQuantized
 from pagoda.engine.models.quantized import pack as pack_quantized
 from pagoda.engine.models.rope import compute_inv_freq
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -255,6 +259,9 @@ class LlamaForCausalLM(nn.Module):
         self._packed_lm_head: tuple[torch.Tensor, str, int] | None = None
         # An untied LM head's weight as loaded, once the head is packed (break_bfloat16_ties).
         self._unpacked_lm_head: torch.Tensor | None = None
+        # The one-call path of one-token steps over the KV caches it was built for
+        # (prepare_one_token_decode; None: not for this model).
+        self._one_token: one_token_decode.OneTokenDecode | None = None
 
     def compile_regions(self, directory: Path | None = None) -> None:
         """Compiles the three regions with torch.compile (inductor, dynamic shapes), ahead of
@@ -332,6 +339,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        one_token = self._one_token
+        if one_token is not None and input_ids.shape[0] == 1 and kv_caches is one_token.kv_caches:
+            return one_token(input_ids, positions, metadata)
         first, between, last = self._regions
         cos, sin = self.rotary.cos_sin(positions, self.embed_tokens.weight.dtype)
         layers = self.layers
@@ -341,6 +351,15 @@ class LlamaForCausalLM(nn.Module):
             if i + 1 < len(layers):
                 q, k, v, residual = between(layer, layers[i + 1], attn, residual, cos, sin)
         return last(layers[-1], self.norm, attn, residual)
+
+    def prepare_one_token_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Has steps of one token over ``kv_caches`` run in one call where the model allows
+        (engine/models/one_token_decode.py); returns whether they will."""
+        reason = one_token_decode.unsupported_reason(self, kv_caches)
+        if reason is not None:
+            logger.debug("one-token steps run layer by layer: %s", reason)
+        self._one_token = None if reason is not None else one_token_decode.OneTokenDecode(self, kv_caches)
+        return self._one_token is not None
 
     def compute_logits(self, hidden: torch.Tensor, greedy_rows: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, vocab] logits, gathered from every tensor-parallel rank's share of the

@@ -81,6 +81,10 @@ class ModelRunner:
             self.draft_kv_caches, self.draft_cpu_caches = self._allocate_caches(self.draft_backend,
                                                                                 init.draft_model_config, init)
             self.kv_cache_bytes += sum(k.nbytes + v.nbytes for k, v in self.draft_kv_caches)
+        # Steps of one token (a single sequence's decode) in one call where the model allows.
+        self.one_token_decode = self.model.prepare_one_token_decode(self.kv_caches)
+        if self.draft is not None:
+            self.draft.prepare_one_token_decode(self.draft_kv_caches)
         # NOTE: the engine's seed drives unseeded sampling, so a run is reproducible as a whole.
         self.sampler = Sampler(config.seed)
         self.batch = InputBatch(config.max_num_seqs, init.max_model_len, self.block_size, model_config.vocab_size,

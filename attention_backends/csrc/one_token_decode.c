@@ -1,0 +1,135 @@
+/*
+ * A whole decode step of one sequence (one token) through a Llama-family model whose linear
+ * layers are all quantized (quant_linear.c), in one call from Python.
+ *
+ * The usual path runs the model as compiled regions between the attention calls: with one
+ * token, the work of each product is a few microseconds and the glue around it (the regions'
+ * guards and wrappers, the ops' dispatch from Python, the threads parked between products)
+ * cost more than the products (a Q8_0 step of the default model: about 11 of 16 ms). Here the
+ * same sequence of operations runs as C: the small element-wise steps (RMSNorm, RoPE, the
+ * residual adds, SiLU-mul) on the calling thread, the products and the attention with the
+ * kernels' own OpenMP loops, back to back, so the pool's threads never go to sleep between them.
+ *
+ * Numerics follow the compiled path: the hidden state and each product's input and output in
+ * bfloat16, every element-wise step computed in float32 from its bfloat16 inputs and rounded
+ * once; the products, the KV write and the attention are the same kernels.
+ *
+ * Layers are described by an array of struct decode_layer (every field 8 bytes, so Python
+ * builds the array as an int64 tensor).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
+                 int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32);
+void paged_write_kv_bf16(const uint16_t *key, const uint16_t *value, const int64_t *slot_mapping,
+                         uint16_t *key_cache, uint16_t *value_cache, int64_t num_tokens, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size);
+void paged_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                          const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
+                          const int32_t *query_start, uint16_t *out, float *lse, const uint8_t *skip,
+                          int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, float scale, float value_scale);
+
+/* A quantized product's weight: its packed bytes and kind (bits, with minimums). */
+struct decode_product {
+    const uint8_t *weight;
+    int64_t bits, has_min;
+};
+
+struct decode_layer {
+    const uint16_t *input_norm, *post_norm; /* bfloat16 [hidden] */
+    struct decode_product qkv, o, gate_up, down;
+    const float *qkv_bias; /* float32 [q + 2 kv] or NULL */
+    uint16_t *key_cache, *value_cache;
+};
+
+static inline float bf(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+static inline uint16_t to_bf(float f) { /* to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* out = weight * bf16(x * rsqrt(mean(x^2) + eps)), as RMSNorm in engine/models/llama.py. */
+static void rms_norm(const uint16_t *x, const uint16_t *weight, int64_t n, float eps, uint16_t *out) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += bf(x[i]) * bf(x[i]);
+    const float r = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = to_bf(bf(weight[i]) * bf(to_bf(bf(x[i]) * r)));
+}
+
+/* RoPE (rotate-half) on heads of head_dim in place; cos/sin rounded to bfloat16 as the model does. */
+static void rope(uint16_t *x, int64_t heads, int64_t head_dim, const float *cos, const float *sin) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        uint16_t *v = x + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float c = bf(to_bf(cos[i])), s = bf(to_bf(sin[i])), x1 = bf(v[i]), x2 = bf(v[i + half]);
+            v[i] = to_bf(x1 * c - x2 * s);
+            v[i + half] = to_bf(x2 * c + x1 * s);
+        }
+    }
+}
+
+static int product(const uint16_t *x, int64_t k, const struct decode_product *p, int64_t n, const float *bias,
+                   uint16_t *y) {
+    return quant_linear(x, 1, k, 0, k, p->weight, (int)p->bits, (int)p->has_min, n, bias, y, n, 0);
+}
+
+/* One token's forward: the final-normed hidden state into out (bfloat16 [hidden]). Returns 0,
+ * -1 if memory ran out, -2 if the token is not below vocab or the position not below
+ * max_positions. token, position, slot (int64), block_table and seq_len (int32) are read from
+ * the step's tensors; embed is bfloat16 [vocab, hidden], cos/sin float32 [max_positions, head_dim]. */
+int one_token_decode(const struct decode_layer *layers, int64_t num_layers, const uint16_t *embed,
+                     const int64_t *token, const int64_t *position, const int64_t *slot, const int32_t *block_table,
+                     const int32_t *seq_len, const float *cos_table, const float *sin_table,
+                     const uint16_t *final_norm, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t intermediate, int64_t block_size, int64_t vocab,
+                     int64_t max_positions, float eps, float scale, uint16_t *out) {
+    if (*token < 0 || *token >= vocab || *position < 0 || *position >= max_positions) return -2;
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    uint16_t *work = malloc(sizeof(uint16_t) * (size_t)(4 * hidden + qkv_size + q_size + 3 * intermediate));
+    if (!work) return -1;
+    uint16_t *h = work, *x = h + hidden, *o = x + hidden, *d = o + hidden, *qkv = d + hidden;
+    uint16_t *attn = qkv + qkv_size, *gate_up = attn + q_size, *act = gate_up + 2 * intermediate;
+    const float *cos = cos_table + *position * head_dim, *sin = sin_table + *position * head_dim;
+    const int32_t query_start[2] = {0, 1};
+    int failed = 0;
+    memcpy(h, embed + *token * hidden, sizeof(uint16_t) * (size_t)hidden);
+    for (int64_t l = 0; l < num_layers && !failed; l++) {
+        const struct decode_layer *layer = layers + l;
+        rms_norm(h, layer->input_norm, hidden, eps, x);
+        failed |= product(x, hidden, &layer->qkv, qkv_size, layer->qkv_bias, qkv);
+        rope(qkv, num_heads, head_dim, cos, sin);
+        rope(qkv + q_size, num_kv_heads, head_dim, cos, sin);
+        paged_write_kv_bf16(qkv + q_size, qkv + q_size + kv_size, slot, layer->key_cache, layer->value_cache, 1,
+                            num_kv_heads, head_dim, block_size);
+        paged_attention_bf16(qkv, layer->key_cache, layer->value_cache, block_table, 0, seq_len, query_start, attn,
+                             NULL, NULL, 1, num_heads, num_kv_heads, head_dim, block_size, scale, 1.0f);
+        failed |= product(attn, q_size, &layer->o, hidden, NULL, o);
+        for (int64_t i = 0; i < hidden; i++) h[i] = to_bf(bf(h[i]) + bf(o[i]));
+        rms_norm(h, layer->post_norm, hidden, eps, x);
+        failed |= product(x, hidden, &layer->gate_up, 2 * intermediate, NULL, gate_up);
+        for (int64_t i = 0; i < intermediate; i++) {
+            const float g = bf(gate_up[i]);
+            act[i] = to_bf(g / (1.0f + expf(-g)) * bf(gate_up[intermediate + i]));
+        }
+        failed |= product(act, intermediate, &layer->down, hidden, NULL, d);
+        for (int64_t i = 0; i < hidden; i++) h[i] = to_bf(bf(h[i]) + bf(d[i]));
+    }
+    if (!failed) rms_norm(h, final_norm, hidden, eps, out);
+    free(work);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,109 @@
+"""A decode step of one sequence in one C call, for models whose linear layers are quantized.
+
+With a single token in the step, each product of the model is a few microseconds of work and
+the compiled regions' glue around it (guards, wrappers, op dispatch from Python, OpenMP's
+threads going to sleep between products) costs more than the products: a Q8_0 decode step
+of the default model took about 16 ms, of which the products about 4.5. When a step holds
+one request's one token, :class:`OneTokenDecode` runs the same operations, in the same order
+and roundings, as attention_backends/csrc/one_token_decode.c (the products, the KV write and
+the attention by the same kernels), and the compiled regions are not called.
+
+It runs where the model is a single rank in bfloat16 on the CPU, every linear layer of its
+decoder is quantized (GGUF files' own types, ``--quantization int8``), the attention backend
+is ``cpu_paged`` over a bfloat16 cache, and batch invariance is not asked for (a row then
+takes one path whatever its step holds). ``PAGODA_ONE_TOKEN_DECODE=0`` turns it off (for
+A/B measurements).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from pagoda.attention_backends import cpu_kernels
+from pagoda.attention_backends.base import AttentionMetadata
+from pagoda.engine.models.quantized import QUANT_PACKINGS
+
+logger = logging.getLogger(__name__)
+
+ENV = "PAGODA_ONE_TOKEN_DECODE"
+
+
+def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Why ``model`` (a LlamaForCausalLM) cannot take the one-call path over ``kv_caches``, or None."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    if model.tp.is_parallel:
+        return "tensor parallelism"
+    if model.embed_tokens.weight.dtype != torch.bfloat16 or model.embed_tokens.weight.device.type != "cpu":
+        return "not bfloat16 on the CPU"
+    if not (cpu_kernels.available() and cpu_kernels.quant_linear_vnni()):
+        return "no quantized CPU kernel"
+    backend = model.layers[0].self_attn.backend
+    if getattr(backend, "name", None) != "cpu_paged" or backend.batch_invariant:
+        return "not the cpu_paged attention backend, or batch invariance asked for"
+    for layer in model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(p.packing not in QUANT_PACKINGS for p in products):
+            return "a linear layer is not quantized"
+        if any(p.bias is not None for p in products[1:]):
+            return "a bias beside q/k/v's"
+        if any(n.weight.dtype != torch.bfloat16 for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return "a norm's weight is not bfloat16"
+    if any(k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or not (k.is_contiguous() and v.is_contiguous())
+           for k, v in kv_caches):
+        return "the KV cache is not bfloat16"
+    return None
+
+
+class OneTokenDecode:
+    """The one-call decode of one model over one set of KV caches (see the module's doc)."""
+
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        def product(linear) -> list[int]:
+            bits, has_min = QUANT_PACKINGS[linear.packing]
+            return [linear.weight.data_ptr(), bits, int(has_min)]
+
+        rows = []
+        for layer, (key_cache, value_cache) in zip(model.layers, kv_caches, strict=True):
+            attention, mlp = layer.self_attn, layer.mlp
+            bias = attention.qkv_proj.bias
+            rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                         *product(attention.qkv_proj), *product(attention.o_proj), *product(mlp.gate_up_proj),
+                         *product(mlp.down_proj), 0 if bias is None else bias.data_ptr(), key_cache.data_ptr(),
+                         value_cache.data_ptr()])
+        # NOTE: the C side's struct decode_layer, one int64 per field.
+        self.layers = torch.tensor(rows, dtype=torch.int64)
+        self.kv_caches = kv_caches
+        self.block_size = kv_caches[0][0].shape[-1]
+        first = model.layers[0]
+        attention = first.self_attn
+        config = model.config
+        self.fn = cpu_kernels.load().one_token_decode
+        # Arguments after the step's own: everything fixed for the model.
+        self.fixed = (ctypes.c_float(config.rms_norm_eps), ctypes.c_float(attention.backend.scale))
+        self.model = model
+        self.sizes = (config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                      first.mlp.intermediate_size, self.block_size, model.embed_tokens.num_embeddings,
+                      model.rotary.cos.shape[0])
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """The final-normed hidden state [1, hidden] of the step's one token."""
+        model = self.model
+        out = torch.empty(1, self.sizes[0], dtype=torch.bfloat16)
+        rotary = model.rotary
+        failed = self.fn(self.layers.data_ptr(), len(self.layers), model.embed_tokens.weight.data_ptr(),
+                         input_ids.data_ptr(), positions.data_ptr(), metadata.slot_mapping.data_ptr(),
+                         metadata.block_tables.data_ptr(), metadata.seq_lens_tensor.data_ptr(), rotary.cos.data_ptr(),
+                         rotary.sin.data_ptr(), model.norm.weight.data_ptr(), *self.sizes, *self.fixed,
+                         out.data_ptr())
+        if failed == -2:
+            raise IndexError(f"token {int(input_ids[0])} or position {int(positions[0])} out of range "
+                             f"(vocabulary {self.sizes[6]}, positions {self.sizes[7]})")
+        if failed:
+            raise MemoryError("one_token_decode: out of memory for its activations")
+        return out
