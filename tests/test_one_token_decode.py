@@ -12,6 +12,7 @@ from pagoda.attention_backends import AttentionMetadata, cpu_kernels
 from pagoda.attention_backends.cpu_paged import CpuPagedAttentionBackend
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_weights
+from pagoda.engine.models.linear import BLOCKED_LAYOUT, choose_packing
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pagoda.engine.models.one_token_decode import ENV
 from pagoda.engine.models.quantized import quantize_int8
@@ -21,8 +22,9 @@ needs_vnni = pytest.mark.skipif(not cpu_kernels.quant_linear_vnni(), reason="nee
 BLOCK_SIZE = 16
 
 
-def int8_model(model_dir, max_positions: int = 128) -> LlamaForCausalLM:
-    """The tiny model in bfloat16 with every linear layer in int8, built as the worker builds it."""
+def tiny_model(model_dir, weights: str, max_positions: int = 128) -> LlamaForCausalLM:
+    """The tiny model in bfloat16 with every linear layer in int8 (``weights`` "int8") or
+    bfloat16 packed for this CPU ("bf16"), built as the worker builds it."""
     config = ModelConfig.from_dir(model_dir)
     backend = CpuPagedAttentionBackend(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                        config.head_dim**-0.5)
@@ -31,7 +33,15 @@ def int8_model(model_dir, max_positions: int = 128) -> LlamaForCausalLM:
     model = model._apply(lambda t: torch.empty(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype))
     model.rotary = RotaryEmbedding(config, max_positions)
     model.load_weights(load_weights(model_dir))
-    model.quantize_weights(lambda names, weight: quantize_int8(weight))
+    if weights == "int8":
+        if not cpu_kernels.quant_linear_vnni():
+            pytest.skip("the quantized kernel needs AVX512-VNNI")
+        model.quantize_weights(lambda names, weight: quantize_int8(weight))
+    else:
+        packing = choose_packing(torch.device("cpu"), torch.bfloat16)
+        if packing not in BLOCKED_LAYOUT:
+            pytest.skip(f"Pagoda's bfloat16 kernel does not run here ({packing})")
+        model.pack_weights(packing)
     return model.eval()
 
 
@@ -53,13 +63,13 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours.float() - reference).abs().max() / reference.abs().max())
 
 
-@needs_vnni
+@pytest.mark.parametrize("weights", ["int8", "bf16"])
 @torch.inference_mode()
-def test_each_step_equals_the_layer_by_layer_path_within_rounding(tiny_llama_dir):
+def test_each_step_equals_the_layer_by_layer_path_within_rounding(tiny_llama_dir, weights):
     """A 13-token prompt, then 24 decodes across two block boundaries, blocks scattered; each
     decode computed both ways from the same cache: the final hidden state and the keys and
     values written agree within bfloat16 and int8-activation rounding."""
-    model = int8_model(tiny_llama_dir)
+    model = tiny_model(tiny_llama_dir, weights)
     backend = model.layers[0].self_attn.backend
     key_shape, value_shape = backend.kv_cache_shapes(8, BLOCK_SIZE)
     caches = [(torch.zeros(key_shape, dtype=torch.bfloat16), torch.zeros(value_shape, dtype=torch.bfloat16))
@@ -124,11 +134,14 @@ def test_the_engine_takes_it_alone_and_tracks_transformers(compressed_dir, monke
             ids.append(token)
 
 
-def test_not_taken_in_float32_without_quantized_weights_or_with_batch_invariance(tiny_llama_dir, compressed_dir):
+def test_not_taken_in_float32_with_onednn_products_or_batch_invariance(tiny_llama_dir, compressed_dir, monkeypatch):
     small = dict(enforce_eager=True, max_model_len=64, num_kv_blocks=64)
-    for model, options in ((compressed_dir, dict(dtype="float32", quantization="int8")),
-                           (tiny_llama_dir, dict(dtype="bfloat16")),
-                           (compressed_dir, dict(dtype="bfloat16", quantization="int8", batch_invariant=True))):
+    for model, options, packing in ((compressed_dir, dict(dtype="float32", quantization="int8"), None),
+                                    (tiny_llama_dir, dict(dtype="bfloat16"), "onednn"),
+                                    (compressed_dir, dict(dtype="bfloat16", quantization="int8", batch_invariant=True),
+                                     None)):
+        if packing is not None:
+            monkeypatch.setenv("PAGODA_CPU_LINEAR", packing)
         with LLM(str(model), **small, **options) as llm:
             assert not llm.engine.worker.ready.one_token_decode, options
             assert "one-token steps in one call" not in llm.engine.describe()

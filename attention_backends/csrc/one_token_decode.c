@@ -1,6 +1,7 @@
 /*
  * A whole decode step of one sequence (one token) through a Llama-family model whose linear
- * layers are all quantized (quant_linear.c), in one call from Python.
+ * layers all run Pagoda's own kernels (quant_linear.c's quantized weights, packed_linear.c's
+ * bfloat16 ones), in one call from Python.
  *
  * The usual path runs the model as compiled regions between the attention calls: with one
  * token, the work of each product is a few microseconds and the glue around it (the regions'
@@ -27,22 +28,28 @@ int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, co
 void paged_write_kv_bf16(const uint16_t *key, const uint16_t *value, const int64_t *slot_mapping,
                          uint16_t *key_cache, uint16_t *value_cache, int64_t num_tokens, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size);
+void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
+                        const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t amx_min_rows, int64_t out_f32);
+void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
+                                 uint16_t *y, int64_t ldy, int64_t amx_min_rows);
 void paged_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                           const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                           const int32_t *query_start, uint16_t *out, float *lse, const uint8_t *skip,
                           int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size, float scale, float value_scale);
 
-/* A quantized product's weight: its packed bytes and kind (bits, with minimums). */
+/* A product's packed weight: QUANTIZED (a: bits, b: with minimums) or BLOCKED bfloat16
+ * (a: the rows from which AMX tiles run; gate/up packed for the SiLU-mul epilogue). */
+enum { QUANTIZED = 0, BLOCKED = 1 };
 struct decode_product {
-    const uint8_t *weight;
-    int64_t bits, has_min;
+    const void *weight;
+    int64_t kind, a, b;
 };
 
 struct decode_layer {
     const uint16_t *input_norm, *post_norm; /* bfloat16 [hidden] */
     struct decode_product qkv, o, gate_up, down;
-    const float *qkv_bias; /* float32 [q + 2 kv] or NULL */
+    const void *qkv_bias; /* [q + 2 kv] or NULL: float32 for a quantized product, else bfloat16 */
     uint16_t *key_cache, *value_cache;
 };
 
@@ -82,9 +89,28 @@ static void rope(uint16_t *x, int64_t heads, int64_t head_dim, const float *cos,
     }
 }
 
-static int product(const uint16_t *x, int64_t k, const struct decode_product *p, int64_t n, const float *bias,
+static int product(const uint16_t *x, int64_t k, const struct decode_product *p, int64_t n, const void *bias,
                    uint16_t *y) {
-    return quant_linear(x, 1, k, 0, k, p->weight, (int)p->bits, (int)p->has_min, n, bias, y, n, 0);
+    if (p->kind == BLOCKED) {
+        packed_linear_bf16(x, 1, k, p->weight, n, k, bias, y, n, p->a, 0);
+        return 0;
+    }
+    return quant_linear(x, 1, k, 0, k, p->weight, (int)p->a, (int)p->b, n, bias, y, n, 0);
+}
+
+/* act = SiLU(gate) * up of x's gate/up product. */
+static int silu_mul(const uint16_t *x, int64_t k, const struct decode_product *p, int64_t intermediate,
+                    uint16_t *gate_up, uint16_t *act) {
+    if (p->kind == BLOCKED) {
+        packed_silu_mul_linear_bf16(x, 1, k, p->weight, intermediate, k, act, intermediate, p->a);
+        return 0;
+    }
+    const int failed = product(x, k, p, 2 * intermediate, NULL, gate_up);
+    for (int64_t i = 0; i < intermediate; i++) {
+        const float g = bf(gate_up[i]);
+        act[i] = to_bf(g / (1.0f + expf(-g)) * bf(gate_up[intermediate + i]));
+    }
+    return failed;
 }
 
 /* One token's forward: the final-normed hidden state into out (bfloat16 [hidden]). Returns 0,
@@ -121,11 +147,7 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, cons
         failed |= product(attn, q_size, &layer->o, hidden, NULL, o);
         for (int64_t i = 0; i < hidden; i++) h[i] = to_bf(bf(h[i]) + bf(o[i]));
         rms_norm(h, layer->post_norm, hidden, eps, x);
-        failed |= product(x, hidden, &layer->gate_up, 2 * intermediate, NULL, gate_up);
-        for (int64_t i = 0; i < intermediate; i++) {
-            const float g = bf(gate_up[i]);
-            act[i] = to_bf(g / (1.0f + expf(-g)) * bf(gate_up[intermediate + i]));
-        }
+        failed |= silu_mul(x, hidden, &layer->gate_up, intermediate, gate_up, act);
         failed |= product(act, intermediate, &layer->down, hidden, NULL, d);
         for (int64_t i = 0; i < hidden; i++) h[i] = to_bf(bf(h[i]) + bf(d[i]));
     }

@@ -1,4 +1,4 @@
-"""A decode step of one sequence in one C call, for models whose linear layers are quantized.
+"""A decode step of one sequence in one C call, for models whose linear layers run Pagoda's kernels.
 
 With a single token in the step, each product of the model is a few microseconds of work and
 the compiled regions' glue around it (guards, wrappers, op dispatch from Python, OpenMP's
@@ -9,7 +9,8 @@ and roundings, as attention_backends/csrc/one_token_decode.c (the products, the 
 the attention by the same kernels), and the compiled regions are not called.
 
 It runs where the model is a single rank in bfloat16 on the CPU, every linear layer of its
-decoder is quantized (GGUF files' own types, ``--quantization int8``), the attention backend
+decoder runs one of Pagoda's kernels (quantized weights: GGUF files' own types, ``--quantization
+int8``; bfloat16 weights packed "blocked" or "amx", see engine/models/linear.py; not oneDNN's), the attention backend
 is ``cpu_paged`` over a bfloat16 cache, and batch invariance is not asked for (a row then
 takes one path whatever its step holds). ``PAGODA_ONE_TOKEN_DECODE=0`` turns it off (for
 A/B measurements).
@@ -25,6 +26,7 @@ import torch
 
 from pagoda.attention_backends import cpu_kernels
 from pagoda.attention_backends.base import AttentionMetadata
+from pagoda.engine.models.linear import BLOCKED_LAYOUT
 from pagoda.engine.models.quantized import QUANT_PACKINGS
 
 logger = logging.getLogger(__name__)
@@ -40,16 +42,18 @@ def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
         return "tensor parallelism"
     if model.embed_tokens.weight.dtype != torch.bfloat16 or model.embed_tokens.weight.device.type != "cpu":
         return "not bfloat16 on the CPU"
-    if not (cpu_kernels.available() and cpu_kernels.quant_linear_vnni()):
-        return "no quantized CPU kernel"
+    if not cpu_kernels.available():
+        return "no CPU kernels"
     backend = model.layers[0].self_attn.backend
     if getattr(backend, "name", None) != "cpu_paged" or backend.batch_invariant:
         return "not the cpu_paged attention backend, or batch invariance asked for"
     for layer in model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(p.packing not in QUANT_PACKINGS for p in products):
-            return "a linear layer is not quantized"
+        if any(p.packing not in QUANT_PACKINGS and p.packing not in BLOCKED_LAYOUT for p in products):
+            return "a linear layer does not run Pagoda's kernels"
+        if any(p.packing in QUANT_PACKINGS for p in products) and not cpu_kernels.quant_linear_vnni():
+            return "no vector quantized kernel"
         if any(p.bias is not None for p in products[1:]):
             return "a bias beside q/k/v's"
         if any(n.weight.dtype != torch.bfloat16 for n in (layer.input_layernorm, layer.post_attention_layernorm)):
@@ -65,8 +69,10 @@ class OneTokenDecode:
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         def product(linear) -> list[int]:
+            if linear.packing in BLOCKED_LAYOUT:
+                return [linear.weight.data_ptr(), 1, linear.amx_min_rows, 0]
             bits, has_min = QUANT_PACKINGS[linear.packing]
-            return [linear.weight.data_ptr(), bits, int(has_min)]
+            return [linear.weight.data_ptr(), 0, bits, int(has_min)]
 
         rows = []
         for layer, (key_cache, value_cache) in zip(model.layers, kv_caches, strict=True):
