@@ -153,9 +153,9 @@ def load() -> ctypes.CDLL:
     lib.quant_linear.argtypes = [pointer, i64, i64, ctypes.c_int, i64, pointer, ctypes.c_int, ctypes.c_int, i64,
                                  pointer, pointer, i64, ctypes.c_int]
     lib.quant_linear.restype = ctypes.c_int
-    lib.one_token_decode.argtypes = [pointer, i64, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
-                                     pointer, pointer, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                                     ctypes.c_float, pointer]
+    lib.one_token_decode.argtypes = [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, pointer,
+                                     pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, i64, i64,
+                                     ctypes.c_float, ctypes.c_float, pointer]
     lib.one_token_decode.restype = ctypes.c_int
     lib.quant_group_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.quant_group_bytes.restype = i64

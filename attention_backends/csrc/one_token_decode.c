@@ -53,6 +53,9 @@ struct decode_layer {
     uint16_t *key_cache, *value_cache;
 };
 
+/* Rows from which the element-wise steps are spread over the threads. */
+#define PARALLEL_ROWS 8
+
 static inline float bf(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -89,69 +92,102 @@ static void rope(uint16_t *x, int64_t heads, int64_t head_dim, const float *cos,
     }
 }
 
-static int product(const uint16_t *x, int64_t k, const struct decode_product *p, int64_t n, const void *bias,
-                   uint16_t *y) {
+static int product(const uint16_t *x, int64_t rows, int64_t k, const struct decode_product *p, int64_t n,
+                   const void *bias, uint16_t *y) {
     if (p->kind == BLOCKED) {
-        packed_linear_bf16(x, 1, k, p->weight, n, k, bias, y, n, p->a, 0);
+        packed_linear_bf16(x, rows, k, p->weight, n, k, bias, y, n, p->a, 0);
         return 0;
     }
-    return quant_linear(x, 1, k, 0, k, p->weight, (int)p->a, (int)p->b, n, bias, y, n, 0);
+    return quant_linear(x, rows, k, 0, k, p->weight, (int)p->a, (int)p->b, n, bias, y, n, 0);
 }
 
 /* act = SiLU(gate) * up of x's gate/up product. */
-static int silu_mul(const uint16_t *x, int64_t k, const struct decode_product *p, int64_t intermediate,
-                    uint16_t *gate_up, uint16_t *act) {
+static int silu_mul(const uint16_t *x, int64_t rows, int64_t k, const struct decode_product *p,
+                    int64_t intermediate, uint16_t *gate_up, uint16_t *act) {
     if (p->kind == BLOCKED) {
-        packed_silu_mul_linear_bf16(x, 1, k, p->weight, intermediate, k, act, intermediate, p->a);
+        packed_silu_mul_linear_bf16(x, rows, k, p->weight, intermediate, k, act, intermediate, p->a);
         return 0;
     }
-    const int failed = product(x, k, p, 2 * intermediate, NULL, gate_up);
-    for (int64_t i = 0; i < intermediate; i++) {
-        const float g = bf(gate_up[i]);
-        act[i] = to_bf(g / (1.0f + expf(-g)) * bf(gate_up[intermediate + i]));
-    }
+    const int failed = product(x, rows, k, p, 2 * intermediate, NULL, gate_up);
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < intermediate; i++) {
+            const float g = bf(gate_up[r * 2 * intermediate + i]);
+            act[r * intermediate + i] = to_bf(g / (1.0f + expf(-g)) * bf(gate_up[(r * 2 + 1) * intermediate + i]));
+        }
     return failed;
 }
 
-/* One token's forward: the final-normed hidden state into out (bfloat16 [hidden]). Returns 0,
- * -1 if memory ran out, -2 if the token is not below vocab or the position not below
- * max_positions. token, position, slot (int64), block_table and seq_len (int32) are read from
- * the step's tensors; embed is bfloat16 [vocab, hidden], cos/sin float32 [max_positions, head_dim]. */
-int one_token_decode(const struct decode_layer *layers, int64_t num_layers, const uint16_t *embed,
-                     const int64_t *token, const int64_t *position, const int64_t *slot, const int32_t *block_table,
-                     const int32_t *seq_len, const float *cos_table, const float *sin_table,
+/* h += y, row by row, rounded to bfloat16. */
+static void add_residual(uint16_t *h, const uint16_t *y, int64_t rows, int64_t hidden) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = r * hidden; i < (r + 1) * hidden; i++) h[i] = to_bf(bf(h[i]) + bf(y[i]));
+}
+
+/* The forward of a step in which each of ``rows`` sequences decodes one token (a sequence's
+ * first step when its prompt is one token long too): the final-normed hidden states into out
+ * (bfloat16 [rows, hidden]). Returns 0, -1 if memory ran out, -2 if a token is not below vocab
+ * or a position not below max_positions. tokens, positions, slots (int64 [rows]), block_tables
+ * (int32 [rows, block_table_stride]), seq_lens and query_start (int32 [rows], [rows + 1]) are
+ * the step's tensors; embed is bfloat16 [vocab, hidden], cos/sin float32 [max_positions,
+ * head_dim]. */
+int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int64_t rows, const uint16_t *embed,
+                     const int64_t *tokens, const int64_t *positions, const int64_t *slots,
+                     const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
+                     const int32_t *query_start, const float *cos_table, const float *sin_table,
                      const uint16_t *final_norm, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t intermediate, int64_t block_size, int64_t vocab,
                      int64_t max_positions, float eps, float scale, uint16_t *out) {
-    if (*token < 0 || *token >= vocab || *position < 0 || *position >= max_positions) return -2;
+    for (int64_t r = 0; r < rows; r++)
+        if (tokens[r] < 0 || tokens[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -2;
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    uint16_t *work = malloc(sizeof(uint16_t) * (size_t)(4 * hidden + qkv_size + q_size + 3 * intermediate));
-    if (!work) return -1;
-    uint16_t *h = work, *x = h + hidden, *o = x + hidden, *d = o + hidden, *qkv = d + hidden;
-    uint16_t *attn = qkv + qkv_size, *gate_up = attn + q_size, *act = gate_up + 2 * intermediate;
-    const float *cos = cos_table + *position * head_dim, *sin = sin_table + *position * head_dim;
-    const int32_t query_start[2] = {0, 1};
+    uint16_t *work = malloc(sizeof(uint16_t) * (size_t)(rows * (4 * hidden + qkv_size + q_size + 3 * intermediate)));
+    uint16_t *kv = malloc(sizeof(uint16_t) * (size_t)(rows * (q_size + 2 * kv_size)));
+    if (!work || !kv) {
+        free(work), free(kv);
+        return -1;
+    }
+    uint16_t *h = work, *x = h + rows * hidden, *o = x + rows * hidden, *d = o + rows * hidden;
+    uint16_t *qkv = d + rows * hidden, *attn = qkv + rows * qkv_size, *gate_up = attn + rows * q_size;
+    uint16_t *act = gate_up + rows * 2 * intermediate;
+    uint16_t *keys = kv, *values = keys + rows * kv_size, *queries = values + rows * kv_size;
     int failed = 0;
-    memcpy(h, embed + *token * hidden, sizeof(uint16_t) * (size_t)hidden);
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(h + r * hidden, embed + tokens[r] * hidden, sizeof(uint16_t) * (size_t)hidden);
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const struct decode_layer *layer = layers + l;
-        rms_norm(h, layer->input_norm, hidden, eps, x);
-        failed |= product(x, hidden, &layer->qkv, qkv_size, layer->qkv_bias, qkv);
-        rope(qkv, num_heads, head_dim, cos, sin);
-        rope(qkv + q_size, num_kv_heads, head_dim, cos, sin);
-        paged_write_kv_bf16(qkv + q_size, qkv + q_size + kv_size, slot, layer->key_cache, layer->value_cache, 1,
-                            num_kv_heads, head_dim, block_size);
-        paged_attention_bf16(qkv, layer->key_cache, layer->value_cache, block_table, 0, seq_len, query_start, attn,
-                             NULL, NULL, 1, num_heads, num_kv_heads, head_dim, block_size, scale, 1.0f);
-        failed |= product(attn, q_size, &layer->o, hidden, NULL, o);
-        for (int64_t i = 0; i < hidden; i++) h[i] = to_bf(bf(h[i]) + bf(o[i]));
-        rms_norm(h, layer->post_norm, hidden, eps, x);
-        failed |= silu_mul(x, hidden, &layer->gate_up, intermediate, gate_up, act);
-        failed |= product(act, intermediate, &layer->down, hidden, NULL, d);
-        for (int64_t i = 0; i < hidden; i++) h[i] = to_bf(bf(h[i]) + bf(d[i]));
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, layer->input_norm, hidden, eps, x + r * hidden);
+        failed |= product(x, rows, hidden, &layer->qkv, qkv_size, layer->qkv_bias, qkv);
+        /* RoPE in place, then q, k and v apart: [rows, heads, head_dim] each */
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+        for (int64_t r = 0; r < rows; r++) {
+            uint16_t *row = qkv + r * qkv_size;
+            const float *cos = cos_table + positions[r] * head_dim, *sin = sin_table + positions[r] * head_dim;
+            rope(row, num_heads, head_dim, cos, sin);
+            rope(row + q_size, num_kv_heads, head_dim, cos, sin);
+            memcpy(keys + r * kv_size, row + q_size, sizeof(uint16_t) * (size_t)kv_size);
+            memcpy(values + r * kv_size, row + q_size + kv_size, sizeof(uint16_t) * (size_t)kv_size);
+            memcpy(queries + r * q_size, row, sizeof(uint16_t) * (size_t)q_size);
+        }
+        paged_write_kv_bf16(keys, values, slots, layer->key_cache, layer->value_cache, rows, num_kv_heads, head_dim,
+                            block_size);
+        paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride, seq_lens,
+                             query_start, attn, NULL, NULL, rows, num_heads, num_kv_heads, head_dim, block_size, scale,
+                             1.0f);
+        failed |= product(attn, rows, q_size, &layer->o, hidden, NULL, o);
+        add_residual(h, o, rows, hidden);
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, layer->post_norm, hidden, eps, x + r * hidden);
+        failed |= silu_mul(x, rows, hidden, &layer->gate_up, intermediate, gate_up, act);
+        failed |= product(act, rows, intermediate, &layer->down, hidden, NULL, d);
+        add_residual(h, d, rows, hidden);
     }
-    if (!failed) rms_norm(h, final_norm, hidden, eps, out);
-    free(work);
+    if (!failed)
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, final_norm, hidden, eps, out + r * hidden);
+    free(work), free(kv);
     return failed ? -1 : 0;
 }

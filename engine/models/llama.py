@@ -340,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         one_token = self._one_token
-        if one_token is not None and input_ids.shape[0] == 1 and kv_caches is one_token.kv_caches:
+        if one_token is not None and kv_caches is one_token.kv_caches and one_token.applies(input_ids, metadata):
             return one_token(input_ids, positions, metadata)
         first, between, last = self._regions
         cos, sin = self.rotary.cos_sin(positions, self.embed_tokens.weight.dtype)

@@ -1,18 +1,22 @@
-"""A decode step of one sequence in one C call, for models whose linear layers run Pagoda's kernels.
+"""Decode steps in one C call, for models whose linear layers run Pagoda's kernels.
 
-With a single token in the step, each product of the model is a few microseconds of work and
-the compiled regions' glue around it (guards, wrappers, op dispatch from Python, OpenMP's
-threads going to sleep between products) costs more than the products: a Q8_0 decode step
-of the default model took about 16 ms, of which the products about 4.5. When a step holds
-one request's one token, :class:`OneTokenDecode` runs the same operations, in the same order
-and roundings, as attention_backends/csrc/one_token_decode.c (the products, the KV write and
-the attention by the same kernels), and the compiled regions are not called.
+When every sequence of a step decodes one token, each product of the model is small (with a
+single sequence, a few microseconds of work) and the compiled regions' glue around it (guards,
+wrappers, op dispatch from Python, OpenMP's threads waiting between products) costs as much
+or more: a Q8_0 decode step of the default model took about 15.7 ms, of which the products
+about 4.6. :class:`OneTokenDecode` runs such a step as attention_backends/csrc/one_token_decode.c:
+the same operations in the same order, the products, the KV write and the attention by the
+same kernels, the element-wise steps rounded once from float32 as the compiled code rounds
+them (tests/test_one_token_decode.py: bit for bit the eager path's so rounded). The compiled
+regions are not called.
 
 It runs where the model is a single rank in bfloat16 on the CPU, every linear layer of its
-decoder runs one of Pagoda's kernels (quantized weights: GGUF files' own types, ``--quantization
-int8``; bfloat16 weights packed "blocked" or "amx", see engine/models/linear.py; not oneDNN's), the attention backend
-is ``cpu_paged`` over a bfloat16 cache, and batch invariance is not asked for (a row then
-takes one path whatever its step holds). ``PAGODA_ONE_TOKEN_DECODE=0`` turns it off (for
+decoder runs one of Pagoda's kernels (quantized weights: GGUF files' own types,
+``--quantization int8``; bfloat16 weights packed "blocked" or "amx", see
+engine/models/linear.py; not oneDNN's), the attention backend is ``cpu_paged`` over a
+bfloat16 cache, and batch invariance is not asked for (a row then takes one path whatever its
+step holds). A step with prefill tokens, or whose sequences share a prefix that the backend
+attends to as a cascade, runs layer by layer. ``PAGODA_ONE_TOKEN_DECODE=0`` turns it off (for
 A/B measurements).
 """
 
@@ -97,18 +101,25 @@ class OneTokenDecode:
                       first.mlp.intermediate_size, self.block_size, model.embed_tokens.num_embeddings,
                       model.rotary.cos.shape[0])
 
+    @staticmethod
+    def applies(input_ids: torch.Tensor, metadata: AttentionMetadata) -> bool:
+        """Whether the step is one token for each of its sequences, without a shared prefix
+        that the backend would attend to as a cascade."""
+        return len(input_ids) == metadata.num_reqs and getattr(metadata.backend_data, "shared", None) is None
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """The final-normed hidden state [1, hidden] of the step's one token."""
-        model = self.model
-        out = torch.empty(1, self.sizes[0], dtype=torch.bfloat16)
-        rotary = model.rotary
-        failed = self.fn(self.layers.data_ptr(), len(self.layers), model.embed_tokens.weight.data_ptr(),
+        """The final-normed hidden states [rows, hidden] of the step's tokens, one a sequence."""
+        model, rows = self.model, len(input_ids)
+        out = torch.empty(rows, self.sizes[0], dtype=torch.bfloat16)
+        rotary, block_tables = model.rotary, metadata.block_tables
+        assert block_tables.stride(1) == 1 and block_tables.dtype == torch.int32
+        failed = self.fn(self.layers.data_ptr(), len(self.layers), rows, model.embed_tokens.weight.data_ptr(),
                          input_ids.data_ptr(), positions.data_ptr(), metadata.slot_mapping.data_ptr(),
-                         metadata.block_tables.data_ptr(), metadata.seq_lens_tensor.data_ptr(), rotary.cos.data_ptr(),
-                         rotary.sin.data_ptr(), model.norm.weight.data_ptr(), *self.sizes, *self.fixed,
-                         out.data_ptr())
+                         block_tables.data_ptr(), block_tables.stride(0), metadata.seq_lens_tensor.data_ptr(),
+                         metadata.query_start_loc.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
+                         model.norm.weight.data_ptr(), *self.sizes, *self.fixed, out.data_ptr())
         if failed == -2:
-            raise IndexError(f"token {int(input_ids[0])} or position {int(positions[0])} out of range "
+            raise IndexError(f"a token of {input_ids.tolist()} or a position of {positions.tolist()} out of range "
                              f"(vocabulary {self.sizes[6]}, positions {self.sizes[7]})")
         if failed:
             raise MemoryError("one_token_decode: out of memory for its activations")
