@@ -14,7 +14,7 @@ from pagoda.attention_backends.cpu_paged import CpuPagedAttentionBackend
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_weights
 from pagoda.engine.models import llama
-from pagoda.engine.models.linear import BLOCKED_LAYOUT, GateUpLinear, Linear, choose_packing
+from pagoda.engine.models.linear import BLOCKED_LAYOUT, GateUpLinear, Linear, choose_packing, packing_available
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pagoda.engine.models.one_token_decode import ENV
 from pagoda.engine.models.quantized import quantize_int8
@@ -83,18 +83,23 @@ def rounded_once(monkeypatch):
 
 
 @pytest.mark.parametrize("weights", ["int8", "bf16"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: q/k/v with a bias
 @torch.inference_mode()
-def test_each_step_equals_the_layer_by_layer_path(tiny_llama_dir, weights, rounded_once):
+def test_each_step_equals_the_layer_by_layer_path(request, architecture, weights, rounded_once):
     """Ten sequences (prompts of 1 to 20 tokens, blocks scattered over the cache) prefilled,
     then 24 decode steps across block boundaries, every sequence in the even ones, the first
     alone in the odd ones; each decode computed both ways from the same cache: the final
     hidden states and the keys and values written equal bit for bit."""
-    model = tiny_model(tiny_llama_dir, weights)
+    model = tiny_model(request.getfixturevalue(f"tiny_{architecture}_dir"), weights)
+    assert (model.layers[0].self_attn.qkv_proj.bias is not None) == (architecture == "qwen2")
     backend = model.layers[0].self_attn.backend
     key_shape, value_shape = backend.kv_cache_shapes(40, BLOCK_SIZE)
     caches = [(torch.zeros(key_shape, dtype=torch.bfloat16), torch.zeros(value_shape, dtype=torch.bfloat16))
               for _ in model.layers]
     assert model.prepare_one_token_decode(caches)
+    calls = []
+    one_call_fn = model._one_token.fn
+    model._one_token.fn = lambda *args: calls.append(args[2]) or one_call_fn(*args)  # rows
     generator = torch.Generator().manual_seed(0)
     order = torch.randperm(40, generator=generator).tolist()
     prompts = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (13, 1, 5, 20, 2, 9, 16, 17, 3, 8)]
@@ -120,6 +125,7 @@ def test_each_step_equals_the_layer_by_layer_path(tiny_llama_dir, weights, round
         for r, token in zip(which, model.compute_logits(one_call).argmax(-1).tolist()):
             tokens[r] = token
             lengths[r] += 1
+    assert calls == [10, 1] * 12  # every decode in one call, the prefill not
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +162,7 @@ def test_the_engine_takes_it_alone_and_tracks_transformers(compressed_dir, monke
             ids.append(token)
 
 
+@needs_vnni
 def test_not_taken_in_float32_with_onednn_products_or_batch_invariance(tiny_llama_dir, compressed_dir, monkeypatch):
     small = dict(enforce_eager=True, max_model_len=64, num_kv_blocks=64)
     for model, options, packing in ((compressed_dir, dict(dtype="float32", quantization="int8"), None),
@@ -163,6 +170,8 @@ def test_not_taken_in_float32_with_onednn_products_or_batch_invariance(tiny_llam
                                     (compressed_dir, dict(dtype="bfloat16", quantization="int8", batch_invariant=True),
                                      None)):
         if packing is not None:
+            if not packing_available(packing):
+                continue
             monkeypatch.setenv("PAGODA_CPU_LINEAR", packing)
         with LLM(str(model), **small, **options) as llm:
             assert not llm.engine.worker.ready.one_token_decode, options

@@ -1,15 +1,16 @@
 /*
- * A whole decode step of one sequence (one token) through a Llama-family model whose linear
+ * A whole decode step (one token for each sequence) through a Llama-family model whose linear
  * layers all run Pagoda's own kernels (quant_linear.c's quantized weights, packed_linear.c's
  * bfloat16 ones), in one call from Python.
  *
- * The usual path runs the model as compiled regions between the attention calls: with one
- * token, the work of each product is a few microseconds and the glue around it (the regions'
- * guards and wrappers, the ops' dispatch from Python, the threads parked between products)
- * cost more than the products (a Q8_0 step of the default model: about 11 of 16 ms). Here the
- * same sequence of operations runs as C: the small element-wise steps (RMSNorm, RoPE, the
- * residual adds, SiLU-mul) on the calling thread, the products and the attention with the
- * kernels' own OpenMP loops, back to back, so the pool's threads never go to sleep between them.
+ * The usual path runs the model as compiled regions between the attention calls: in a decode
+ * step the products are small (with one sequence, a few microseconds of work each) and the glue
+ * around them (the regions' guards and wrappers, the ops' dispatch from Python, the threads
+ * waiting between products) costs as much or more (a Q8_0 step of the default model: about 11
+ * of 16 ms). Here the same sequence of operations runs as C: the element-wise steps (RMSNorm,
+ * RoPE, the residual adds, SiLU-mul) row by row, spread over the threads from PARALLEL_ROWS
+ * rows, the products, the KV write and the attention with the kernels' own OpenMP loops, back
+ * to back.
  *
  * Numerics follow the compiled path: the hidden state and each product's input and output in
  * bfloat16, every element-wise step computed in float32 from its bfloat16 inputs and rounded
@@ -156,11 +157,11 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int6
     int failed = 0;
     for (int64_t r = 0; r < rows; r++)
         memcpy(h + r * hidden, embed + tokens[r] * hidden, sizeof(uint16_t) * (size_t)hidden);
-    for (int64_t l = 0; l < num_layers && !failed; l++) {
+    for (int64_t l = 0; l < num_layers; l++) {
         const struct decode_layer *layer = layers + l;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
         for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, layer->input_norm, hidden, eps, x + r * hidden);
-        failed |= product(x, rows, hidden, &layer->qkv, qkv_size, layer->qkv_bias, qkv);
+        if ((failed = product(x, rows, hidden, &layer->qkv, qkv_size, layer->qkv_bias, qkv))) break;
         /* RoPE in place, then q, k and v apart: [rows, heads, head_dim] each */
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
         for (int64_t r = 0; r < rows; r++) {
@@ -177,12 +178,12 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int6
         paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride, seq_lens,
                              query_start, attn, NULL, NULL, rows, num_heads, num_kv_heads, head_dim, block_size, scale,
                              1.0f);
-        failed |= product(attn, rows, q_size, &layer->o, hidden, NULL, o);
+        if ((failed = product(attn, rows, q_size, &layer->o, hidden, NULL, o))) break;
         add_residual(h, o, rows, hidden);
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
         for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, layer->post_norm, hidden, eps, x + r * hidden);
-        failed |= silu_mul(x, rows, hidden, &layer->gate_up, intermediate, gate_up, act);
-        failed |= product(act, rows, intermediate, &layer->down, hidden, NULL, d);
+        if ((failed = silu_mul(x, rows, hidden, &layer->gate_up, intermediate, gate_up, act))) break;
+        if ((failed = product(act, rows, intermediate, &layer->down, hidden, NULL, d))) break;
         add_residual(h, d, rows, hidden);
     }
     if (!failed)

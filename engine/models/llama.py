@@ -296,6 +296,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.tp.is_parallel:
             raise ValueError("quantized weights do not run under tensor parallelism yet; pass --quantization none")
+        self._one_token = None  # it holds the weights' addresses
         fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
         packings = []
         for name, module in self.named_modules():
@@ -318,6 +319,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, packing: str, batch_invariant: bool = False) -> None:
         """Repacks every linear weight (and a tied LM head) for ``packing``, but those
         already quantized (quantize_weights); see engine/models/linear.py (Linear.pack)."""
+        self._one_token = None  # it holds the weights' addresses
         if (self.lm_head is not None and self.lm_head.packing is None and not self.tp.is_parallel
                 and packing not in BLOCKED_LAYOUT):
             # NOTE: kept for break_bfloat16_ties (Pagoda's kernel gives float32 logits instead).
@@ -353,8 +355,9 @@ class LlamaForCausalLM(nn.Module):
         return last(layers[-1], self.norm, attn, residual)
 
     def prepare_one_token_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Has steps of one token over ``kv_caches`` run in one call where the model allows
-        (engine/models/one_token_decode.py); returns whether they will."""
+        """Has decode steps (one token a sequence) over ``kv_caches`` run in one call where the
+        model allows (engine/models/one_token_decode.py); returns whether they will. Call it
+        again after the weights change (loading, packing and quantizing undo it)."""
         reason = one_token_decode.unsupported_reason(self, kv_caches)
         if reason is not None:
             logger.debug("one-token steps run layer by layer: %s", reason)
@@ -420,6 +423,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: A tensor is missing, unexpected or of the wrong shape.
         """
+        self._one_token = None  # it holds the weights' addresses
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()

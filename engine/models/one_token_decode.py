@@ -44,8 +44,14 @@ def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
         return f"{ENV}=0"
     if model.tp.is_parallel:
         return "tensor parallelism"
-    if model.embed_tokens.weight.dtype != torch.bfloat16 or model.embed_tokens.weight.device.type != "cpu":
+    embed, rotary = model.embed_tokens.weight, model.rotary
+    if embed.dtype != torch.bfloat16 or embed.device.type != "cpu" or not embed.is_contiguous():
         return "not bfloat16 on the CPU"
+    if model.norm.weight.dtype != torch.bfloat16:
+        return "the final norm's weight is not bfloat16"
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.shape[-1] != model.config.head_dim
+           for t in (rotary.cos, rotary.sin)):
+        return "RoPE's tables are not float32 [positions, head_dim]"
     if not cpu_kernels.available():
         return "no CPU kernels"
     backend = model.layers[0].self_attn.backend
@@ -60,6 +66,10 @@ def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
             return "no vector quantized kernel"
         if any(p.bias is not None for p in products[1:]):
             return "a bias beside q/k/v's"
+        qkv = attention.qkv_proj
+        if qkv.bias is not None and (qkv.bias.dtype != (torch.float32 if qkv.packing in QUANT_PACKINGS
+                                                         else torch.bfloat16) or not qkv.bias.is_contiguous()):
+            return "q/k/v's bias is not in the kernel's dtype"
         if any(n.weight.dtype != torch.bfloat16 for n in (layer.input_layernorm, layer.post_attention_layernorm)):
             return "a norm's weight is not bfloat16"
     if any(k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or not (k.is_contiguous() and v.is_contiguous())
@@ -105,14 +115,20 @@ class OneTokenDecode:
     def applies(input_ids: torch.Tensor, metadata: AttentionMetadata) -> bool:
         """Whether the step is one token for each of its sequences, without a shared prefix
         that the backend would attend to as a cascade."""
-        return len(input_ids) == metadata.num_reqs and getattr(metadata.backend_data, "shared", None) is None
+        return (metadata.max_query_len == 1 and len(input_ids) == metadata.num_reqs
+                and getattr(metadata.backend_data, "shared", None) is None)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The final-normed hidden states [rows, hidden] of the step's tokens, one a sequence."""
         model, rows = self.model, len(input_ids)
         out = torch.empty(rows, self.sizes[0], dtype=torch.bfloat16)
         rotary, block_tables = model.rotary, metadata.block_tables
-        assert block_tables.stride(1) == 1 and block_tables.dtype == torch.int32
+        if not (input_ids.dtype == positions.dtype == metadata.slot_mapping.dtype == torch.int64
+                and block_tables.dtype == metadata.seq_lens_tensor.dtype == metadata.query_start_loc.dtype
+                == torch.int32 and block_tables.stride(1) == 1 and input_ids.is_contiguous()
+                and positions.is_contiguous() and metadata.slot_mapping.is_contiguous()):
+            raise ValueError("one_token_decode: the step's tensors are not int64 ids, positions and slots and "
+                             "int32 block tables (rows contiguous), sequence lengths and query starts")
         failed = self.fn(self.layers.data_ptr(), len(self.layers), rows, model.embed_tokens.weight.data_ptr(),
                          input_ids.data_ptr(), positions.data_ptr(), metadata.slot_mapping.data_ptr(),
                          block_tables.data_ptr(), block_tables.stride(0), metadata.seq_lens_tensor.data_ptr(),

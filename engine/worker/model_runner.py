@@ -81,7 +81,7 @@ class ModelRunner:
             self.draft_kv_caches, self.draft_cpu_caches = self._allocate_caches(self.draft_backend,
                                                                                 init.draft_model_config, init)
             self.kv_cache_bytes += sum(k.nbytes + v.nbytes for k, v in self.draft_kv_caches)
-        # Steps of one token (a single sequence's decode) in one call where the model allows.
+        # Decode steps (one token a sequence) in one call where the model allows.
         self.one_token_decode = self.model.prepare_one_token_decode(self.kv_caches)
         if self.draft is not None:
             self.draft.prepare_one_token_decode(self.draft_kv_caches)
@@ -196,7 +196,9 @@ class ModelRunner:
     def _warm_up(self) -> None:
         """Runs a 2-token prefill and a decode on block 0, so compilation happens at start-up.
 
-        Both shapes are compiled: torch.compile treats a batch of one token apart.
+        Both shapes are compiled: torch.compile treats a batch of one token apart. (Where
+        decode steps run in one call, the decode takes that path, and no step needs the
+        one-token variant.)
         """
         with torch.inference_mode():
             for query_len, seq_len in ((2, 2), (1, 3)):
