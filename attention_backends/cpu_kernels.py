@@ -159,7 +159,7 @@ def load() -> ctypes.CDLL:
     lib.one_token_decode.restype = ctypes.c_int
     lib.quant_group_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.quant_group_bytes.restype = i64
-    for name in ("packed_linear_available", "amx_probe", "quant_linear_vnni"):
+    for name in ("packed_linear_available", "amx_probe", "quant_linear_vnni", "quant_linear_vector"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
     return lib
@@ -426,8 +426,14 @@ def _quant_group_bytes(bits: int, has_min: bool) -> int:
     return _kernel("quant_group_bytes")(bits, int(has_min))
 
 
+def quant_linear_vector() -> bool:
+    """Whether the quantized kernel was built with vector instructions (AVX512-VNNI or AVX2),
+    else it is the portable C loop, for correctness only."""
+    return available() and bool(load().quant_linear_vector())
+
+
 def quant_linear_vnni() -> bool:
-    """Whether the quantized kernel was built with AVX512-VNNI (else its portable C loop)."""
+    """Whether the quantized kernel was built with AVX512-VNNI (else AVX2 or its portable C loop)."""
     return available() and bool(load().quant_linear_vnni())
 
 

@@ -524,9 +524,9 @@ def _quantized_kernel_problem(device: torch.device, tensor_parallel_size: int) -
         return "it does not run under tensor parallelism yet"
     if not cpu_kernels.available():
         return "Pagoda's CPU kernels could not be built here (a C compiler; see the log)"
-    if not cpu_kernels.quant_linear_vnni():
-        return ("no AVX512-VNNI: the quantized kernel is a plain loop there, many times slower than the float "
-                "kernels")
+    if not cpu_kernels.quant_linear_vector():
+        return ("neither AVX512-VNNI nor AVX2: the quantized kernel is a plain loop there, many times slower "
+                "than the float kernels")
     return None
 
 

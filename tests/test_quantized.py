@@ -3,9 +3,7 @@ kernel (attention_backends/csrc/quant_linear.c) against dequantize-then-multiply
 engine's --quantization, and what the formats cost in perplexity on the default model."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -160,38 +158,56 @@ def test_a_rows_result_does_not_depend_on_its_batch():
 
 
 @needs_kernels
-def test_portable_path_gives_the_vector_paths_results(tmp_path):
-    """The kernel built for an AVX2 CPU (x86-64-v3: no AVX512-VNNI) runs the plain C loop:
-    the same integer sums, so the same results up to float32 rounding; the engine does not
-    choose it (many times slower than the float kernels): a GGUF file is dequantized, int8 an
-    error."""
+def quant_kernel_for(march: str, directory: Path):
+    """csrc/quant_linear.c alone, built for ``march`` (a few seconds, where the whole library
+    takes a minute), with the flags the library is built with."""
+    import ctypes
+
+    target = directory / f"quant_linear-{march}.so"
+    flags = [flag for flag in cpu_kernels._flags() if not flag.startswith("-march=")]
+    subprocess.run([cpu_kernels._compiler(), f"-march={march}", *flags, "-o", str(target),
+                    str(cpu_kernels._CSRC / "quant_linear.c"), "-lm"], check=True, capture_output=True, timeout=120)
+    lib = ctypes.CDLL(str(target))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.quant_linear.argtypes = [p, i64, i64, i32, i64, p, i32, i32, i64, p, p, i64, i32]
+    for name in ("quant_linear_vnni", "quant_linear_vector"):
+        getattr(lib, name).restype = i32
+    return lib
+
+
+@needs_kernels
+@pytest.mark.parametrize("march, vector", [("x86-64-v3", True), ("x86-64-v2", False)])
+def test_avx2_and_portable_paths_give_the_vnni_paths_results(tmp_path, march, vector):
+    """The kernel built for an AVX2 CPU (x86-64-v3: no AVX512-VNNI) runs its AVX2 path, and for
+    an older one (x86-64-v2) the plain C loop: the same integer sums, so the same results up to
+    float32 rounding, for every packing, with a bias, one row and several (tiles of 4 and a tail)."""
     weights = example_weights(37, 128, seed=5)
-    x = torch.randn(7, 128).to(torch.bfloat16)
-    torch.save({"weights": {name: Q.pack(w) for name, w in weights.items()}, "x": x}, tmp_path / "in.pt")
-    script = f"""
-import torch
-from pagoda.attention_backends import cpu_kernels
-from pagoda.engine.models import quantized as Q
-data = torch.load({str(tmp_path / 'in.pt')!r})
-assert not cpu_kernels.quant_linear_vnni()
-from pagoda.engine.model_loader import plan_quantization
-assert plan_quantization("auto", {str(resolve_model(None))!r}, torch.device("cpu")) is None
-try:
-    plan_quantization("int8", {str(resolve_model(None))!r}, torch.device("cpu"))
-    raise AssertionError("int8 without AVX512-VNNI")
-except ValueError as error:
-    assert "AVX512-VNNI" in str(error), error
-torch.save({{name: cpu_kernels.quant_linear(data["x"], packed, None, 37, *Q.QUANT_PACKINGS[name], out_f32=True)
-            for name, packed in data["weights"].items()}}, {str(tmp_path / 'out.pt')!r})
-"""
-    # NOTE: the library's name hashes its flags, so this build is cached beside the native one
-    # (about a minute the first time: every source is compiled again).
-    env = dict(os.environ, PAGODA_CPU_MARCH="x86-64-v3")
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
-    portable = torch.load(tmp_path / "out.pt")
-    for name, packed in ((name, Q.pack(w)) for name, w in weights.items()):
-        vector = cpu_kernels.quant_linear(x, packed, None, 37, *Q.QUANT_PACKINGS[name], out_f32=True)
-        assert torch.allclose(portable[name], vector, rtol=1e-5, atol=1e-4 * vector.abs().max().item()), name
+    lib = quant_kernel_for(march, tmp_path)
+    assert lib.quant_linear_vnni() == 0 and lib.quant_linear_vector() == int(vector)
+    bias = torch.randn(37)
+    for rows in (1, 7):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        for name, weight in weights.items():
+            packed = Q.pack(weight)
+            bits, has_min = Q.QUANT_PACKINGS[name]
+            for out_f32 in (True, False):
+                out = torch.empty(rows, 37, dtype=torch.float32 if out_f32 else torch.bfloat16)
+                assert lib.quant_linear(x.data_ptr(), rows, 128, 0, 128, packed.data_ptr(), bits, int(has_min), 37,
+                                        bias.data_ptr(), out.data_ptr(), 37, int(out_f32)) == 0
+                native = cpu_kernels.quant_linear(x, packed, bias, 37, bits, has_min, out_f32=out_f32)
+                scale = native.float().abs().max().item()
+                tolerance = 1e-4 * scale if out_f32 else 1e-2 * scale  # bfloat16 outputs: a rounding apart at most
+                assert torch.allclose(out.float(), native.float(), rtol=1e-5, atol=tolerance), (name, rows, out_f32)
+
+
+def test_without_a_vector_quantized_kernel_gguf_is_dequantized_and_int8_refused(monkeypatch):
+    """Where only the plain C loop runs (neither AVX512-VNNI nor AVX2), the engine does not
+    choose it: a GGUF file is dequantized, int8 an error that says why."""
+    monkeypatch.setattr(cpu_kernels, "quant_linear_vector", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "packed_linear_amx_available", lambda: False)
+    assert plan_quantization("auto", resolve_model(None), torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="neither AVX512-VNNI nor AVX2"):
+        plan_quantization("int8", resolve_model(None), torch.device("cpu"))
 
 
 # -- the engine ------------------------------------------------------------------------------

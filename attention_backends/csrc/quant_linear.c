@@ -24,8 +24,9 @@
  * take contiguous ranges of feature blocks. Every output is summed in the same order
  * whatever M is, so a row's result does not depend on its batch.
  *
- * Without AVX512-VNNI a plain C loop computes the same integer sums (the compiler
- * vectorizes what it can): correct everywhere, fast only with the instructions.
+ * Without AVX512-VNNI, AVX2 computes the same integer sums with vpmaddubsw/vpmaddwd (half the
+ * width, three instructions where VNNI takes one); without AVX2 a plain C loop does (the
+ * compiler vectorizes what it can): correct everywhere, fast only with the instructions.
  */
 #include <math.h>
 #include <stdint.h>
@@ -82,6 +83,7 @@ int64_t quant_group_bytes(int bits, int has_min) {
 #include <immintrin.h>
 
 int quant_linear_vnni(void) { return 1; }
+int quant_linear_vector(void) { return 1; }
 
 /* Row m of x quantized per group: xq [K] int8, xs [K/32] scales, xsum [K/32] sums of xq. */
 static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *xq, float *xs, int32_t *xsum) {
@@ -259,9 +261,7 @@ static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum,
         one[kind](xq, xs, xsum, M, K, w + nb * block_bytes, block_bytes, bias, y, ldy, nb * QBLOCK, N, out_f32);
 }
 
-#else /* the portable path */
-
-int quant_linear_vnni(void) { return 0; }
+#else /* AVX2 or the portable path: the same sums without AVX512-VNNI */
 
 /* Row m of x quantized per group: xq [K] int8, xs [K/32] scales, xsum [K/32] sums of xq. */
 static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *xq, float *xs, int32_t *xsum) {
@@ -284,7 +284,98 @@ static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *xq, float 
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
 
+int quant_linear_vnni(void) { return 0; }
+int quant_linear_vector(void) { return 1; }
+
+/* Rows (at most QROWS) of x against one block of 16 features, AVX2: the four-byte dot products
+ * by vpmaddubsw (unsigned x signed bytes, pairs summed to 16 bits) and vpmaddwd (to 32 bits).
+ * 4-bit weights (0..15) are the unsigned side; 8-bit ones (stored + 128) give their magnitude
+ * to the unsigned side and their sign to x's bytes, so that no 16-bit pair sum can saturate
+ * (at most 2 x 128 x 127). */
+static void quant_tile_avx2(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, int rows,
+                            const uint8_t *wb, int bits, int has_min, const float *bias, void *y, int64_t ldy,
+                            int64_t n0, int64_t N, int out_f32) {
+    const int64_t groups = K / QGROUP, gbytes = quant_group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[QROWS][2];
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = wb + g * gbytes;
+        __m256i isum[QROWS][2];
+        for (int m = 0; m < rows; m++) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+        for (int j = 0; j < (bits == 8 ? 8 : 4); j++) {
+            __m256i w[2][2], sign[2];
+            for (int f = 0; f < 2; f++) { /* features 0-7, then 8-15 */
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * f));
+                if (bits == 8) {
+                    sign[f] = _mm256_xor_si256(raw, flip); /* the signed weights */
+                    w[f][0] = _mm256_abs_epi8(sign[f]);
+                } else {
+                    w[f][0] = _mm256_and_si256(raw, low);
+                    w[f][1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                }
+            }
+            for (int m = 0; m < rows; m++) {
+                const int8_t *a = xq + m * K + g * QGROUP;
+                for (int h = 0; h < (bits == 8 ? 1 : 2); h++) {
+                    int32_t four;
+                    __builtin_memcpy(&four, a + 4 * (bits == 8 ? j : 2 * j + h), 4);
+                    const __m256i b = _mm256_set1_epi32(four);
+                    for (int f = 0; f < 2; f++) {
+                        const __m256i pairs = bits == 8 ? _mm256_maddubs_epi16(w[f][0], _mm256_sign_epi8(b, sign[f]))
+                                                        : _mm256_maddubs_epi16(w[f][h], b);
+                        isum[m][f] = _mm256_add_epi32(isum[m][f], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            }
+        }
+        for (int f = 0; f < 2; f++) {
+            const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + vbytes + 16 * f)));
+            const __m256 mins = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + vbytes + 2 * QBLOCK
+                                                                                            + 16 * f)))
+                                        : _mm256_setzero_ps();
+            for (int m = 0; m < rows; m++) {
+                const float d = xs[m * groups + g];
+                acc[m][f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][f]), _mm256_mul_ps(scale, _mm256_set1_ps(d)),
+                                            acc[m][f]);
+                if (has_min)
+                    acc[m][f] = _mm256_fmadd_ps(mins, _mm256_set1_ps(d * (float)xsum[m * groups + g]), acc[m][f]);
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        float out[QBLOCK];
+        _mm256_storeu_ps(out, acc[m][0]);
+        _mm256_storeu_ps(out + 8, acc[m][1]);
+        for (int n = 0; n < QBLOCK && n0 + n < N; n++) {
+            const float v = out[n] + (bias ? bias[n0 + n] : 0.0f);
+            if (out_f32)
+                ((float *)y)[m * ldy + n0 + n] = v;
+            else
+                ((uint16_t *)y)[m * ldy + n0 + n] = float_to_bf16(v);
+        }
+    }
+}
+
+static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
+                         const uint8_t *w, int bits, int has_min, const float *bias, void *y, int64_t ldy,
+                         int64_t N, int out_f32, int64_t first, int64_t last) {
+    const int64_t groups = K / QGROUP, block_bytes = groups * quant_group_bytes(bits, has_min);
+    const int64_t esize = out_f32 ? 4 : 2;
+    for (int64_t nb = first; nb < last; nb++)
+        for (int64_t m = 0; m < M; m += QROWS)
+            quant_tile_avx2(xq + m * K, xs + m * groups, xsum + m * groups, K, (int)(M - m < QROWS ? M - m : QROWS),
+                            w + nb * block_bytes, bits, has_min, bias, (char *)y + m * ldy * esize, ldy,
+                            nb * QBLOCK, N, out_f32);
+}
+
+#else /* the portable path */
+
+int quant_linear_vnni(void) { return 0; }
+int quant_linear_vector(void) { return 0; }
 
 static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
                          const uint8_t *w, int bits, int has_min, const float *bias, void *y, int64_t ldy,
@@ -330,6 +421,7 @@ static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum,
         }
     }
 }
+#endif
 #endif
 
 /* The entry point (see the top of the file); returns 0, or -1 if memory ran out. */

@@ -10,9 +10,9 @@ csrc/quant_linear.c multiplies: a scale per group of 32 inputs, here the layer's
 repeated, rounded to float16: a relative error under 2^-11 for scales from 2^-14 up) and
 quantizes activations itself, per row and group of 32 at run time (finer than the per-token or
 static scales the checkpoint was calibrated with; a static ``input_scale`` is not used). Where
-the quantized kernel does not run (EngineConfig.quantization ``none``, a GPU, no AVX512-VNNI,
-tensor parallelism, and under ``auto`` a CPU whose AMX tiles run), the weights are dequantized
-with the checkpoint's exact scales.
+the quantized kernel does not run (EngineConfig.quantization ``none``, a GPU, neither
+AVX512-VNNI nor AVX2, tensor parallelism, and under ``auto`` a CPU whose AMX tiles run), the
+weights are dequantized with the checkpoint's exact scales.
 
 Other compressed-tensors schemes (4-bit ``pack-quantized``, fp8 ``float-quantized``,
 asymmetric weights with zero points, 2:4 sparsity) fail with an error that names them.

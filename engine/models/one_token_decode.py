@@ -62,7 +62,7 @@ def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
         products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(p.packing not in QUANT_PACKINGS and p.packing not in BLOCKED_LAYOUT for p in products):
             return "a linear layer does not run Pagoda's kernels"
-        if any(p.packing in QUANT_PACKINGS for p in products) and not cpu_kernels.quant_linear_vnni():
+        if any(p.packing in QUANT_PACKINGS for p in products) and not cpu_kernels.quant_linear_vector():
             return "no vector quantized kernel"
         if any(p.bias is not None for p in products[1:]):
             return "a bias beside q/k/v's"
