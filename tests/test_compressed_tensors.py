@@ -18,7 +18,8 @@ from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
 from helpers import LINEARS, compress, hf_dequantized, hf_greedy, scheme
 
 PROMPTS = [[1, 5, 9, 2, 7, 11, 4], [3, 3, 8], [20, 40, 60, 80, 100, 120]]
-needs_vnni = pytest.mark.skipif(not cpu_kernels.quant_linear_vnni(), reason="needs AVX512-VNNI")
+needs_vector = pytest.mark.skipif(not cpu_kernels.quant_linear_vector(),
+                                  reason="needs the quantized kernel's vector path (AVX512-VNNI or AVX2)")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_every_weight_strategy_reads_into_the_kernels_groups(tiny_llama_dir, tmp
     assert not exact.quantized and torch.equal(floats[name], expected)
 
 
-@needs_vnni
+@needs_vector
 def test_w8a8_engine_tracks_transformers_on_the_same_checkpoint(compressed_dir):
     """Greedy tokens of the quantized kernel (int8 weights, activations quantized per row and
     group of 32) against transformers running the dequantized weights in float32: each step's
@@ -128,7 +129,7 @@ def test_where_the_kernel_cannot_run_the_weights_are_dequantized(compressed_dir)
     assert plan_quantization("auto", compressed_dir, cpu, tensor_parallel_size=2) is None
     with pytest.raises(ValueError, match="int8 cannot run here: the quantized kernel runs on the CPU"):
         plan_quantization("int8", compressed_dir, torch.device("cuda"))
-    if cpu_kernels.quant_linear_vnni() and not cpu_kernels.packed_linear_amx_available():
+    if cpu_kernels.quant_linear_vector() and not cpu_kernels.packed_linear_amx_available():
         assert plan_quantization("auto", compressed_dir, cpu) == "compressed-tensors"
-    if cpu_kernels.quant_linear_vnni():
+    if cpu_kernels.quant_linear_vector():
         assert plan_quantization("int8", compressed_dir, cpu) == "compressed-tensors"

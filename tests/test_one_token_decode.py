@@ -20,7 +20,8 @@ from pagoda.engine.models.one_token_decode import ENV
 from pagoda.engine.models.quantized import quantize_int8
 from helpers import compress, hf_dequantized
 
-needs_vnni = pytest.mark.skipif(not cpu_kernels.quant_linear_vnni(), reason="needs AVX512-VNNI")
+needs_vector = pytest.mark.skipif(not cpu_kernels.quant_linear_vector(),
+                                  reason="int8 needs the quantized kernel's vector path (AVX512-VNNI or AVX2)")
 BLOCK_SIZE = 16
 
 
@@ -36,8 +37,8 @@ def tiny_model(model_dir, weights: str, max_positions: int = 128) -> LlamaForCau
     model.rotary = RotaryEmbedding(config, max_positions)
     model.load_weights(load_weights(model_dir))
     if weights == "int8":
-        if not cpu_kernels.quant_linear_vnni():
-            pytest.skip("the quantized kernel needs AVX512-VNNI")
+        if not cpu_kernels.quant_linear_vector():
+            pytest.skip("the quantized kernel has no vector path here (neither AVX512-VNNI nor AVX2)")
         model.quantize_weights(lambda names, weight: quantize_int8(weight))
     else:
         packing = choose_packing(torch.device("cpu"), torch.bfloat16)
@@ -133,7 +134,7 @@ def compressed_dir(tiny_llama_dir, tmp_path_factory):
     return compress(tiny_llama_dir, tmp_path_factory.mktemp("w8a8"))
 
 
-@needs_vnni
+@needs_vector
 def test_the_engine_takes_it_alone_and_tracks_transformers(compressed_dir, monkeypatch):
     """Prompts run one at a time (every decode a one-token step; [7] a one-token prefill too):
     each token within rounding of transformers' best on the dequantized weights, and the first
@@ -162,7 +163,7 @@ def test_the_engine_takes_it_alone_and_tracks_transformers(compressed_dir, monke
             ids.append(token)
 
 
-@needs_vnni
+@needs_vector
 def test_not_taken_in_float32_with_onednn_products_or_batch_invariance(tiny_llama_dir, compressed_dir, monkeypatch):
     small = dict(enforce_eager=True, max_model_len=64, num_kv_blocks=64)
     for model, options, packing in ((compressed_dir, dict(dtype="float32", quantization="int8"), None),

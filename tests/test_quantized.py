@@ -18,8 +18,9 @@ from pagoda.engine.model_loader import QUANTIZED_FILE, default_gguf_path, plan_q
 from pagoda.engine.models import quantized as Q
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs the CPU kernels (a C compiler)")
-needs_vnni = pytest.mark.skipif(not cpu_kernels.quant_linear_vnni(),
-                                reason="the engine quantizes only with AVX512-VNNI (every CPU of this project has it)")
+needs_vector = pytest.mark.skipif(not cpu_kernels.quant_linear_vector(),
+                                  reason="the engine quantizes only where the kernel has a vector path "
+                                  "(AVX512-VNNI or AVX2; every CPU of this project has both)")
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -233,11 +234,11 @@ def test_quantization_choice_and_its_errors(tiny_llama_dir, tmp_path):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert plan_quantization("auto", tiny_llama_dir, cpu) is None  # a float checkpoint stays in floats
     assert plan_quantization("none", resolve_model(None), cpu) is None
-    if cpu_kernels.quant_linear_vnni():
+    if cpu_kernels.quant_linear_vector():
         assert plan_quantization("int8", tiny_llama_dir, cpu) == "int8"
     # the portable loop is there for correctness, not chosen for speed; AMX machines keep
     # their bfloat16 tiles until the two are measured against each other
-    auto_quantizes = cpu_kernels.quant_linear_vnni() and not cpu_kernels.packed_linear_amx_available()
+    auto_quantizes = cpu_kernels.quant_linear_vector() and not cpu_kernels.packed_linear_amx_available()
     assert plan_quantization("auto", resolve_model(None), cpu) == ("gguf" if auto_quantizes else None)
     assert plan_quantization("auto", resolve_model(None), cuda) is None  # dequantized on CUDA
     with pytest.raises(ValueError, match="int8 cannot run here: the quantized kernel runs on the CPU, this is cuda"):
@@ -256,7 +257,7 @@ def test_quantization_choice_and_its_errors(tiny_llama_dir, tmp_path):
         plan_quantization("auto", gptq, cpu)
 
 
-@needs_vnni
+@needs_vector
 def test_int8_engine_runs_a_float_checkpoint(tiny_llama_dir):
     """--quantization int8 on a tiny model: every linear layer and the tied LM head in 8
     bits, and its greedy tokens track the float model's logits (the first token equal)."""
@@ -303,7 +304,7 @@ def requantized_default_model(type_name: str, directory: Path) -> Path:
 PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
-@needs_vnni
+@needs_vector
 def test_quantized_formats_cost_the_default_model_little_perplexity(tmp_path):
     """SmolLM2-135M: its Q4_1 file through the quantized kernel, the same weights as a Q8_0
     file, and int8 from the floats, within 0.5% (Q4_1: 1%) of the dequantized bfloat16

@@ -159,7 +159,8 @@ class AsyncEngine:
         return (f"{model.architecture} ({model.num_hidden_layers} layers) on {ready.device} in {ready.dtype} "
                 f"({ready.weights}), "
                 f"attention backend {ready.attention_backend}"
-                f"{', one-token steps in one call' if ready.one_token_decode else ''}, KV cache {self.kv_cache_size.num_tokens} tokens"
+                f"{', one-token steps in one call' if ready.one_token_decode else ''}, "
+                f"KV cache {self.kv_cache_size.num_tokens} tokens"
                 f"{'' if self.config.kv_cache_dtype == 'auto' else ' in ' + self.config.kv_cache_dtype}, "
                 f"max_model_len {self.max_model_len}, scheduling policy {self.config.scheduling_policy}, "
                 f"eviction policy {self.config.eviction_policy}, plugins: {', '.join(plugins) or 'none'}")

@@ -23,7 +23,6 @@ A/B measurements).
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 
 import torch
@@ -32,8 +31,6 @@ from pagoda.attention_backends import cpu_kernels
 from pagoda.attention_backends.base import AttentionMetadata
 from pagoda.engine.models.linear import BLOCKED_LAYOUT
 from pagoda.engine.models.quantized import QUANT_PACKINGS
-
-logger = logging.getLogger(__name__)
 
 ENV = "PAGODA_ONE_TOKEN_DECODE"
 
