@@ -72,12 +72,16 @@ static inline uint16_t to_bf(float f) { /* to nearest even */
     return (uint16_t)(u >> 16);
 }
 
-/* out = weight * bf16(x * rsqrt(mean(x^2) + eps)), as RMSNorm in engine/models/llama.py. */
-static void rms_norm(const uint16_t *x, const uint16_t *weight, int64_t n, float eps, uint16_t *out) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) sum += bf(x[i]) * bf(x[i]);
-    const float r = 1.0f / sqrtf(sum / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) out[i] = to_bf(bf(weight[i]) * bf(to_bf(bf(x[i]) * r)));
+/* Each row: out = weight * bf16(x * rsqrt(mean(x^2) + eps)), as RMSNorm in engine/models/llama.py. */
+static void rms_norm(const uint16_t *x, const uint16_t *weight, int64_t rows, int64_t n, float eps, uint16_t *out) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * n;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) sum += bf(xr[i]) * bf(xr[i]);
+        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) out[r * n + i] = to_bf(bf(weight[i]) * bf(to_bf(bf(xr[i]) * inv)));
+    }
 }
 
 /* RoPE (rotate-half) on heads of head_dim in place; cos/sin rounded to bfloat16 as the model does. */
@@ -159,8 +163,7 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int6
         memcpy(h + r * hidden, embed + tokens[r] * hidden, sizeof(uint16_t) * (size_t)hidden);
     for (int64_t l = 0; l < num_layers; l++) {
         const struct decode_layer *layer = layers + l;
-#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
-        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, layer->input_norm, hidden, eps, x + r * hidden);
+        rms_norm(h, layer->input_norm, rows, hidden, eps, x);
         if ((failed = product(x, rows, hidden, &layer->qkv, qkv_size, layer->qkv_bias, qkv))) break;
         /* RoPE in place, then q, k and v apart: [rows, heads, head_dim] each */
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
@@ -180,15 +183,12 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int6
                              1.0f);
         if ((failed = product(attn, rows, q_size, &layer->o, hidden, NULL, o))) break;
         add_residual(h, o, rows, hidden);
-#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
-        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, layer->post_norm, hidden, eps, x + r * hidden);
+        rms_norm(h, layer->post_norm, rows, hidden, eps, x);
         if ((failed = silu_mul(x, rows, hidden, &layer->gate_up, intermediate, gate_up, act))) break;
         if ((failed = product(act, rows, intermediate, &layer->down, hidden, NULL, d))) break;
         add_residual(h, d, rows, hidden);
     }
-    if (!failed)
-#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
-        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, final_norm, hidden, eps, out + r * hidden);
+    if (!failed) rms_norm(h, final_norm, rows, hidden, eps, out);
     free(work), free(kv);
     return failed ? -1 : 0;
 }
