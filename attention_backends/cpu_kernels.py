@@ -162,7 +162,25 @@ def load() -> ctypes.CDLL:
     for name in ("packed_linear_available", "amx_probe", "quant_linear_vnni", "quant_linear_vector"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
+    lib.silu_mul_bf16.argtypes = [pointer, i64, i64, pointer]
+    lib.silu_mul_bf16.restype = None
+    lib.one_token_decode_set_exp16.argtypes = [pointer]
+    lib.one_token_decode_set_exp16.restype = ctypes.c_int
+    lib.one_token_decode_set_exp16(_torch_exp16())
     return lib
+
+
+def _torch_exp16() -> int | None:
+    """The address of the sixteen-lane exp torch's own vector kernels call on this CPU (SLEEF's,
+    in libtorch_cpu), for csrc/one_token_decode.c's SiLU; None where torch's kernels are not the
+    AVX-512 ones or the symbol is not there."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return None
+    try:
+        fn = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).Sleef_expf16_u10
+    except (OSError, AttributeError):
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def available() -> bool:
@@ -461,4 +479,15 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
                                      int(out_f32)):
         raise MemoryError("quant_linear: out of memory for the quantized activations")
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, rounded to bfloat16 once, from a bfloat16 [rows, 2 * intermediate] gate/up
+    product (intermediate a multiple of 32), as csrc/one_token_decode.c computes it."""
+    assert gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.shape[1] % 64 == 0
+    gate_up = gate_up.contiguous()
+    rows, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, intermediate, dtype=torch.bfloat16)
+    _kernel("silu_mul_bf16")(gate_up.data_ptr(), rows, intermediate, out.data_ptr())
     return out
