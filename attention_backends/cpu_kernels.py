@@ -138,7 +138,7 @@ def load() -> ctypes.CDLL:
             fn.restype = None
     for name in ("paged_write_kv_bf16", "paged_write_kv_f32", "paged_write_kv_u8"):
         fn = getattr(lib, name)
-        fn.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64]
+        fn.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64]
         fn.restype = None
     lib.packed_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, pointer, i64, i64, i64]
     lib.packed_linear_bf16.restype = None
@@ -214,19 +214,26 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
     """Writes each token's key and value into its cache slot (a negative slot is skipped).
 
     Args:
-        key, value: [num_tokens, num_kv_heads, head_dim], contiguous, in the cache's dtype.
+        key, value: [num_tokens, num_kv_heads, head_dim] in the cache's dtype; views with any
+            stride between tokens (as of a qkv product) are read in place.
         slot_mapping: int64 [num_tokens]: block_id * block_size + offset.
         key_cache: [num_blocks, num_kv_heads, head_dim, block_size] (keys transposed per block).
         value_cache: [num_blocks, num_kv_heads, block_size, head_dim].
     """
     num_tokens, num_kv_heads, head_dim = key.shape
-    assert key.is_contiguous() and value.is_contiguous() and slot_mapping.is_contiguous()
+    key, value = _tokens_apart(key), _tokens_apart(value)
+    assert slot_mapping.is_contiguous()
     assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype and slot_mapping.dtype == torch.int64
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
     # NOTE: an fp8 cache takes the bytes of keys and values already converted.
     fn = _kernel("paged_write_kv_" + ("u8" if key_cache.dtype in _FP8_SUFFIX else _SUFFIX[key_cache.dtype]))
     fn(key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-       num_tokens, num_kv_heads, head_dim, value_cache.shape[2])
+       num_tokens, num_kv_heads, head_dim, value_cache.shape[2], key.stride(0), value.stride(0))
+
+
+def _tokens_apart(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, head_dim] with each token's heads contiguous (a copy only where they are not)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -206,8 +206,8 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         key_cache, value_cache = kv_cache
         if not (cpu_kernels.supports(key_cache.dtype) or key_cache.dtype in FP8_DTYPES):
             return super().write_kv(key, value, kv_cache, slot_mapping)
-        cpu_kernels.write_kv(to_cache_dtype(key, key_cache.dtype).contiguous(),
-                             to_cache_dtype(value, value_cache.dtype).contiguous(), slot_mapping, key_cache, value_cache)
+        cpu_kernels.write_kv(to_cache_dtype(key, key_cache.dtype), to_cache_dtype(value, value_cache.dtype), slot_mapping,
+                             key_cache, value_cache)
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         key_cache, value_cache = kv_cache

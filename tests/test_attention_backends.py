@@ -40,6 +40,35 @@ def test_loading_the_cpu_kernels_keeps_subnormal_floats():
     assert (torch.tensor(1e-40, dtype=torch.float32) * 1).item() != 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kv_write_reads_keys_and_values_in_place_from_the_qkv_product(dtype):
+    """Keys and values as views of a qkv product's rows (tokens qkv_size apart) land in their
+    slots as contiguous copies would, a negative slot is skipped, and nothing else is written."""
+    from pagoda.attention_backends import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    tokens, kv_heads, head_dim, block_size, q_size = 7, 3, 16, 4, 96
+    qkv = torch.randn(tokens, q_size + 2 * kv_heads * head_dim).to(dtype)
+    key, value = (part.view(tokens, kv_heads, head_dim) for part in qkv[:, q_size:].chunk(2, dim=1))
+    assert not key.is_contiguous() and key.stride(0) == qkv.shape[1]
+    slots = torch.tensor([5, 0, 13, -1, 2, 22, 9])
+    caches = []
+    for k, v in ((key, value), (key.contiguous(), value.contiguous())):
+        key_cache = torch.zeros(6, kv_heads, head_dim, block_size, dtype=dtype)
+        value_cache = torch.zeros(6, kv_heads, block_size, head_dim, dtype=dtype)
+        cpu_kernels.write_kv(k, v, slots, key_cache, value_cache)
+        caches.append((key_cache, value_cache))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    key_cache, value_cache = caches[0]
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            block, offset = divmod(slot, block_size)
+            assert torch.equal(value_cache[block, :, offset], value[token])
+            assert torch.equal(key_cache[block, :, :, offset], key[token])
+    assert int((value_cache != 0).any(-1).sum()) == 6 * kv_heads  # the skipped token wrote nothing
+
+
 def test_auto_picks_the_cpu_kernel_backend_on_the_cpu():
     from pagoda.attention_backends import cpu_kernels
 

@@ -31,7 +31,7 @@ int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, co
                  int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32);
 void paged_write_kv_bf16(const uint16_t *key, const uint16_t *value, const int64_t *slot_mapping,
                          uint16_t *key_cache, uint16_t *value_cache, int64_t num_tokens, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t block_size);
+                         int64_t head_dim, int64_t block_size, int64_t key_stride, int64_t value_stride);
 void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
                         const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t amx_min_rows, int64_t out_f32);
 void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
@@ -208,15 +208,14 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int6
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
     uint16_t *work = malloc(sizeof(uint16_t) * (size_t)(rows * (4 * hidden + qkv_size + q_size + 3 * intermediate)));
-    uint16_t *kv = malloc(sizeof(uint16_t) * (size_t)(rows * (q_size + 2 * kv_size)));
-    if (!work || !kv) {
-        free(work), free(kv);
+    uint16_t *queries = malloc(sizeof(uint16_t) * (size_t)(rows * q_size));
+    if (!work || !queries) {
+        free(work), free(queries);
         return -1;
     }
     uint16_t *h = work, *x = h + rows * hidden, *o = x + rows * hidden, *d = o + rows * hidden;
     uint16_t *qkv = d + rows * hidden, *attn = qkv + rows * qkv_size, *gate_up = attn + rows * q_size;
     uint16_t *act = gate_up + rows * 2 * intermediate;
-    uint16_t *keys = kv, *values = keys + rows * kv_size, *queries = values + rows * kv_size;
     int failed = 0;
     for (int64_t r = 0; r < rows; r++)
         memcpy(h + r * hidden, embed + tokens[r] * hidden, sizeof(uint16_t) * (size_t)hidden);
@@ -224,19 +223,18 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int6
         const struct decode_layer *layer = layers + l;
         rms_norm(h, layer->input_norm, rows, hidden, eps, x);
         if ((failed = product(x, rows, hidden, &layer->qkv, qkv_size, layer->qkv_bias, qkv))) break;
-        /* RoPE in place, then q, k and v apart: [rows, heads, head_dim] each */
+        /* RoPE in place, then the queries apart ([rows, heads, head_dim]); keys and values are
+         * written to the cache from the qkv rows */
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
         for (int64_t r = 0; r < rows; r++) {
             uint16_t *row = qkv + r * qkv_size;
             const float *cos = cos_table + positions[r] * head_dim, *sin = sin_table + positions[r] * head_dim;
             rope(row, num_heads, head_dim, cos, sin);
             rope(row + q_size, num_kv_heads, head_dim, cos, sin);
-            memcpy(keys + r * kv_size, row + q_size, sizeof(uint16_t) * (size_t)kv_size);
-            memcpy(values + r * kv_size, row + q_size + kv_size, sizeof(uint16_t) * (size_t)kv_size);
             memcpy(queries + r * q_size, row, sizeof(uint16_t) * (size_t)q_size);
         }
-        paged_write_kv_bf16(keys, values, slots, layer->key_cache, layer->value_cache, rows, num_kv_heads, head_dim,
-                            block_size);
+        paged_write_kv_bf16(qkv + q_size, qkv + q_size + kv_size, slots, layer->key_cache, layer->value_cache, rows,
+                            num_kv_heads, head_dim, block_size, qkv_size, qkv_size);
         paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride, seq_lens,
                              query_start, attn, NULL, NULL, rows, num_heads, num_kv_heads, head_dim, block_size, scale,
                              1.0f);
@@ -248,6 +246,6 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int6
         add_residual(h, d, rows, hidden);
     }
     if (!failed) rms_norm(h, final_norm, rows, hidden, eps, out);
-    free(work), free(kv);
+    free(work), free(queries);
     return failed ? -1 : 0;
 }

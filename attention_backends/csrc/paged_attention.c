@@ -76,9 +76,13 @@ static inline float e4m3_to_f32(uint8_t b) { return f16_to_f32(e4m3_bits(b)); }
 
 /* ---- writing the step's keys and values into their slots --------------------------------- */
 
+/* key/value: [num_tokens, num_kv_heads, head_dim] with the heads of a token contiguous and
+ * key_stride/value_stride elements from one token to the next (a view of the qkv product). */
+
 #define DEFINE_WRITE_KV(NAME, T)                                                                           \
 void NAME(const T *key, const T *value, const int64_t *slot_mapping, T *key_cache, T *value_cache,          \
-          int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {                  \
+          int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t key_stride,  \
+          int64_t value_stride) {                                                                            \
     const int64_t block_stride = num_kv_heads * head_dim * block_size;                                     \
     _Pragma("omp parallel for schedule(static) if (num_tokens > 64)")                                       \
     for (int64_t i = 0; i < num_tokens; i++) {                                                             \
@@ -86,11 +90,11 @@ void NAME(const T *key, const T *value, const int64_t *slot_mapping, T *key_cach
         if (slot < 0) continue; /* a padding row */                                                        \
         const int64_t block = slot / block_size, offset = slot % block_size;                               \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                                       \
-            const T *k = key + (i * num_kv_heads + h) * head_dim;                                          \
+            const T *k = key + i * key_stride + h * head_dim;                                              \
             T *kdst = key_cache + block * block_stride + h * head_dim * block_size + offset;               \
             for (int64_t d = 0; d < head_dim; d++) kdst[d * block_size] = k[d];                            \
             memcpy(value_cache + block * block_stride + (h * block_size + offset) * head_dim,             \
-                   value + (i * num_kv_heads + h) * head_dim, head_dim * sizeof(T));                       \
+                   value + i * value_stride + h * head_dim, head_dim * sizeof(T));                         \
         }                                                                                                  \
     }                                                                                                      \
 }
