@@ -93,8 +93,9 @@ def silu_exp(request):
     lib = cpu_kernels.load()
     if request.param == "expf":
         lib.one_token_decode_set_exp16(None)
-    elif request.param == "torch's" and cpu_kernels._torch_exp16() is None:
-        pytest.skip("torch's kernels here are not AVX-512 ones")
+    elif request.param == "torch's" and not (cpu_kernels._torch_exp16() and lib.one_token_decode_set_exp16(
+            cpu_kernels._torch_exp16())):
+        pytest.skip("torch's kernels or this build of the library are not AVX-512 ones")
     yield request.param
     lib.one_token_decode_set_exp16(cpu_kernels._torch_exp16())
 
@@ -102,19 +103,21 @@ def silu_exp(request):
 @pytest.mark.parametrize("silu_exp", ["torch's", "expf"], indirect=True)
 def test_silu_mul_gives_torchs_result(silu_exp):
     """The one call's SiLU-mul over a million values of magnitudes from 0.001 to 400 and the
-    edges (zeros, infinities, NaN, where exp underflows and overflows): with torch's exp, what
-    torch gives (F.silu in float32, times up, rounded to bfloat16 once) bit for bit; with
-    expf, within one bfloat16 rounding of it."""
+    edges (zeros, infinities, NaN, where exp underflows and overflows), rows of a length that
+    is not a multiple of 16: with torch's exp, what torch's vectorized SiLU gives (F.silu in
+    float32 over whole rows, times up, rounded to bfloat16 once) bit for bit; with expf, within
+    one bfloat16 rounding of it."""
     generator = torch.Generator().manual_seed(0)
-    gate = torch.randn(512, 2048, generator=generator) * torch.logspace(-3, 2, 2048)
+    gate = torch.randn(512, 2050, generator=generator) * torch.logspace(-3, 2, 2050)
     gate[0, :8] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, -88.0, 88.0, -104.0])
-    gate, up = gate.bfloat16(), torch.randn(512, 2048, generator=generator).bfloat16()
+    gate, up = gate.bfloat16(), torch.randn(512, 2050, generator=generator).bfloat16()
     act = cpu_kernels.silu_mul(torch.cat([gate, up], dim=1))
-    expected = (F.silu(gate.float()) * up.float()).bfloat16()
+    # NOTE: row by row, 2048 elements of each through torch's vector loop (its tail elements take
+    # std::exp); the last two of a row are compared one bfloat16 rounding apart below.
+    expected = torch.stack([(F.silu(g.float()) * u.float()).bfloat16() for g, u in zip(gate, up)])
     if silu_exp == "torch's":
-        torch.testing.assert_close(act, expected, rtol=0, atol=0, equal_nan=True)
-    else:
-        torch.testing.assert_close(act.float(), expected.float(), rtol=2**-8, atol=1e-38, equal_nan=True)
+        torch.testing.assert_close(act[:, :2048], expected[:, :2048], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(act.float(), expected.float(), rtol=2**-7, atol=1e-38, equal_nan=True)
 
 
 @pytest.mark.parametrize("weights, silu_exp", [("int8", "torch's"), ("int8", "expf"), ("bf16", None)],
