@@ -145,21 +145,23 @@ def load() -> ctypes.CDLL:
     lib.packed_silu_mul_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, i64]
     lib.packed_silu_mul_linear_bf16.restype = None
     lib.shared_prefix_attention_bf16.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64,
-                                                 ctypes.c_float, pointer, pointer, pointer]
+                                                 ctypes.c_float, pointer, pointer, pointer, ctypes.c_int]
     lib.shared_prefix_attention_bf16.restype = ctypes.c_int
     lib.prefill_attention_bf16.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, i64,
-                                           i64, i64, i64, i64, ctypes.c_float, pointer]
+                                           i64, i64, i64, i64, ctypes.c_float, pointer, ctypes.c_int]
     lib.prefill_attention_bf16.restype = ctypes.c_int
     lib.quant_linear.argtypes = [pointer, i64, i64, ctypes.c_int, i64, pointer, ctypes.c_int, ctypes.c_int, i64,
                                  pointer, pointer, i64, ctypes.c_int]
     lib.quant_linear.restype = ctypes.c_int
     lib.one_token_decode.argtypes = [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, pointer,
                                      pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, i64, i64,
-                                     ctypes.c_float, ctypes.c_float, pointer]
+                                     ctypes.c_float, ctypes.c_float, pointer, i64, pointer,
+                                     ctypes.c_int, pointer]
     lib.one_token_decode.restype = ctypes.c_int
     lib.quant_group_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.quant_group_bytes.restype = i64
-    for name in ("packed_linear_available", "amx_probe", "quant_linear_vnni", "quant_linear_vector"):
+    for name in ("packed_linear_available", "amx_probe", "quant_linear_vnni", "quant_linear_vector",
+                 "tile_attention_vector_available"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
     lib.silu_mul_bf16.argtypes = [pointer, i64, i64, pointer]
@@ -287,10 +289,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             blocks: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
-                            scale: float) -> torch.Tensor | None:
+                            scale: float, tiles: str) -> torch.Tensor | None:
     """Every query row against the keys of ``blocks`` (a prefix all the step's requests share
     and all its rows come after), merged with each row's attention over its own keys, on
-    AMX tiles (csrc/tile_attention.c).
+    ``tiles`` (attention_tiles(); csrc/tile_attention.c).
 
     Args:
         query: [num_tokens, num_heads, head_dim] bfloat16, contiguous.
@@ -298,10 +300,11 @@ def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         blocks: int32 [n] the prefix's block ids.
         own_out, own_lse: paged_attention's output and log-sum-exp over each row's own keys.
         scale: Softmax scale.
+        tiles: "amx" or "avx512_bf16".
 
     Returns:
         [num_tokens, num_heads, head_dim] bfloat16, or None where the kernel does not run
-        (only call it where packed_linear_amx_available(); head_dim 64 or 128).
+        (that kind of tiles not here; head_dim not 64 or 128; no memory).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, _, block_size = key_cache.shape
@@ -312,15 +315,16 @@ def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     failed = _kernel("shared_prefix_attention_bf16")(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), blocks.data_ptr(), blocks.shape[0],
         block_size, num_tokens, num_heads, num_kv_heads, head_dim, scale, own_out.data_ptr(), own_lse.data_ptr(),
-        out.data_ptr())
+        out.data_ptr(), _tiles_kind(tiles))
     return None if failed else out
 
 
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                      requests: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
+                      requests: torch.Tensor, scale: float, out: torch.Tensor, tiles: str) -> bool:
     """The causal attention of the listed requests' query rows (prefill chunks) over their
-    contexts, on AMX tiles (csrc/tile_attention.c), written into their rows of ``out``.
+    contexts, on ``tiles`` (attention_tiles(); csrc/tile_attention.c), written into their
+    rows of ``out``.
 
     Args:
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc: As for
@@ -328,10 +332,11 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         requests: int32 [n] the requests to compute.
         scale: Softmax scale.
         out: [num_tokens, num_heads, head_dim] bfloat16, contiguous.
+        tiles: "amx" or "avx512_bf16".
 
     Returns:
-        Whether it ran (False where the kernel does not: only call it where
-        packed_linear_amx_available(); head_dim 64 or 128).
+        Whether it ran (False where the kernel does not: that kind of tiles not here;
+        head_dim not 64 or 128; no memory).
     """
     _, num_heads, head_dim = query.shape
     _, num_kv_heads, _, block_size = key_cache.shape
@@ -341,8 +346,37 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     failed = _kernel("prefill_attention_bf16")(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), requests.data_ptr(),
-        requests.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr())
+        requests.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), _tiles_kind(tiles))
     return not failed
+
+
+TILE_KINDS = ("amx", "avx512_bf16")
+
+
+def _tiles_kind(tiles: str) -> int:
+    """tile_attention.c's `amx` argument for a kind of tiles."""
+    if tiles not in TILE_KINDS:
+        raise ValueError(f"tiles must be one of {TILE_KINDS}, not {tiles!r}")
+    return int(tiles == "amx")
+
+
+@functools.cache
+def attention_tile_kinds() -> tuple[str, ...]:
+    """Every kind of tiles csrc/tile_attention.c runs here (prefill chunks and a shared prefix:
+    many query rows against one set of keys), the faster first: "amx" where AMX tiles run,
+    "avx512_bf16" where the library was built for AVX512-BF16 (its dot products on 16 rows in
+    vector registers)."""
+    if not available():
+        return ()
+    kinds = ("amx",) if packed_linear_amx_available() else ()
+    return kinds + (("avx512_bf16",) if load().tile_attention_vector_available() else ())
+
+
+def attention_tiles() -> str | None:
+    """The tiles the cpu_paged backend uses here (the first of attention_tile_kinds()), or None:
+    the paged kernel takes every row."""
+    kinds = attention_tile_kinds()
+    return kinds[0] if kinds else None
 
 
 # -- the bfloat16 linear layer (csrc/packed_linear.c) ---------------------------------------

@@ -8,16 +8,17 @@ query tokens, and each tile reads its context once. The step's new keys and valu
 written into their slots by the same library. Keys are stored transposed within each
 block so the kernel computes a block's scores with vector lanes over the block's tokens.
 
-On CPUs whose AMX tiles run, bfloat16 prefill chunks of PREFILL_ON_TILES_MIN_TOKENS or more
-go to csrc/tile_attention.c instead: a request's rows of a KV head as one matrix against its
-context, tile products of 16 rows by 64 keys.
+In bfloat16, prefill chunks of PREFILL_ON_TILES_MIN_TOKENS_BY_KIND tokens or more go to
+csrc/tile_attention.c instead: a request's rows of a KV head as one matrix against its
+context, on AMX tiles (16 rows by 64 keys a product) where they run, else on AVX512-BF16
+vector tiles (16 rows in registers against 16 keys or dimensions a step).
 
 Cascade attention: when every request of a step starts with the same blocks (a system
 prompt or few-shot prefix that the prefix cache shares) and enough requests share enough of
-them, the shared keys are attended once for all the step's query rows together (on the AMX
-tiles where they run; in float32 on such a CPU, by torch's CPU flash attention: the rows of
-every request against one matrix of keys; not at all by default on CPUs without AMX, where
-it lost to the kernel alone), and each request's own keys by the kernel; the two parts merge by their
+them, the shared keys are attended once for all the step's query rows together (on the same
+tiles where they run; in float32 on an AMX CPU, by torch's CPU flash attention: the rows of
+every request against one matrix of keys; not by torch on CPUs without AMX, where it lost to
+the kernel alone), and each request's own keys by the kernel; the two parts merge by their
 log-sum-exp. The kernel alone would read the shared blocks once per request (64 requests over
 a 512-token prefix: 64 passes over the same keys). One level, as vLLM's GPU cascade: a step
 whose requests do not all share the prefix runs as before.
@@ -44,28 +45,36 @@ def _env_int(name: str) -> int | None:
 
 
 # The (requests, shared tokens) from which a step takes the cascade, by measurement
-# (docs/benchmarks.md, cascade attention): with the shared part on AMX tiles, and by torch's
-# flash attention (float32 on a CPU whose tiles run), whose per-call costs are higher. Below
-# them the kernel alone is as fast. NOTE: by torch only where the tiles run: it paid on the
-# Intel Xeon with AMX whose decode waits on memory (64 x 512: 1.18x), and lost in every case
-# on an AMD Zen 5 without AMX (0.23-0.75x; the shared-prefix workload ran 1.4-1.6x faster
-# without it), where the kernel's repeated reads of the prefix come from the caches.
+# (docs/benchmarks.md, cascade attention): with the shared part on AMX tiles, on AVX512-BF16
+# vector tiles (bfloat16 on CPUs without AMX: 1.3-1.5x from 32 requests over 256 tokens on an
+# AMD Zen 4, 0.9x at 16), and by torch's flash attention (float32 on a CPU whose tiles run),
+# whose per-call costs are higher. Below them the kernel alone is as fast. NOTE: by torch only
+# where the AMX tiles run: it paid on the Intel Xeon with AMX whose decode waits on memory
+# (64 x 512: 1.18x), and lost in every case on an AMD Zen 5 without AMX (0.23-0.75x), where the
+# kernel's repeated reads of the prefix come from the caches.
 CASCADE_ON_TILES = (8, 256)
+CASCADE_ON_VECTOR_TILES = (32, 256)
 CASCADE_BY_TORCH = (32, 512)
 NEVER = (10**9, 10**9)
-# NOTE: read where the worker starts; they replace both pairs above (for experiments and
+# NOTE: read where the worker starts; they replace every pair above (for experiments and
 # tests; PAGODA_CASCADE_MIN_REQUESTS=0 turns the cascade off).
 CASCADE_MIN_REQUESTS = _env_int("PAGODA_CASCADE_MIN_REQUESTS")
 CASCADE_MIN_TOKENS = _env_int("PAGODA_CASCADE_MIN_TOKENS")
 
 
-def cascade_thresholds(on_tiles: bool, tiles_run: bool) -> tuple[int, int]:
+def cascade_thresholds(shared_on: str | None, amx_runs: bool) -> tuple[int, int]:
     """The (requests, shared tokens) from which a step takes the cascade, with its shared part
-    on the tiles or by torch, on a CPU where the AMX tiles run or not."""
+    on ``shared_on`` tiles ("amx", "avx512_bf16"; cpu_kernels.attention_tiles()) or by torch
+    (None), on a CPU where the AMX tiles run or not."""
     overridden = CASCADE_MIN_REQUESTS is not None or CASCADE_MIN_TOKENS is not None
-    # NOTE: an override asks for the cascade by torch even where it is off by default; a
-    # variable it leaves unset keeps the by-torch value.
-    requests, tokens = (CASCADE_ON_TILES if on_tiles else CASCADE_BY_TORCH if tiles_run or overridden else NEVER)
+    # NOTE: an override asks for the cascade even where it is off by default; a variable it
+    # leaves unset keeps the value of the path's row (by torch: as where AMX runs).
+    if shared_on == "amx":
+        requests, tokens = CASCADE_ON_TILES
+    elif shared_on == "avx512_bf16":
+        requests, tokens = CASCADE_ON_VECTOR_TILES
+    else:
+        requests, tokens = CASCADE_BY_TORCH if amx_runs or overridden else NEVER
     if CASCADE_MIN_REQUESTS is not None:
         requests = CASCADE_MIN_REQUESTS or 10**9  # 0: never
     if CASCADE_MIN_TOKENS is not None:
@@ -114,12 +123,13 @@ def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_token
 
 
 # Prefill chunks of at least this many tokens go to the tiles (csrc/tile_attention.c) in
-# bfloat16 where they run (measured: attention-backends.md, "Prefill chunks on AMX tiles");
-# PAGODA_PREFILL_TILES_MIN_TOKENS replaces it where the worker starts (0: never).
+# bfloat16, by kind of tiles (measured: attention-backends.md, "Prefill chunks on tiles"; the
+# vector tiles repack a chunk's whole context, which short chunks over long contexts do not
+# repay: 64 x 16 tokens over 300 took 0.86x the kernel's time on an AMD Zen 4, 64 x 64 over 512
+# 1.08x). PAGODA_PREFILL_TILES_MIN_TOKENS replaces both where the worker starts (0: never).
+PREFILL_ON_TILES_MIN_TOKENS_BY_KIND = {"amx": 16, "avx512_bf16": 64}
 PREFILL_ON_TILES_MIN_TOKENS = _env_int("PAGODA_PREFILL_TILES_MIN_TOKENS")
-if PREFILL_ON_TILES_MIN_TOKENS is None:
-    PREFILL_ON_TILES_MIN_TOKENS = 16
-elif PREFILL_ON_TILES_MIN_TOKENS == 0:
+if PREFILL_ON_TILES_MIN_TOKENS == 0:
     PREFILL_ON_TILES_MIN_TOKENS = 10**9
 
 
@@ -172,8 +182,11 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        # Prefill chunks and the shared part of cascade attention on AMX tiles where they run
-        # (bfloat16); else the kernel and torch's flash attention.
+        # Prefill chunks and the shared part of cascade attention on tiles where they run
+        # (bfloat16): AMX's, else AVX512-BF16 dot products on 16 rows; else the kernel and
+        # torch's flash attention.
+        # NOTE: the tiles take head_dim 64 and 128 only; with others a step plans for the kernel.
+        self.tiles = cpu_kernels.attention_tiles() if head_dim in (64, 128) else None
         self.amx_tiles = cpu_kernels.available() and cpu_kernels.packed_linear_amx_available()
 
     @classmethod
@@ -195,9 +208,10 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         if self.batch_invariant:
             metadata.backend_data = StepPlan(None)
             return
-        plan = StepPlan(find_shared_prefix(metadata, *cascade_thresholds(self.amx_tiles, self.amx_tiles)))
-        if self.amx_tiles and plan.shared is None:
-            chosen = plan_prefill_on_tiles(metadata, PREFILL_ON_TILES_MIN_TOKENS)
+        plan = StepPlan(find_shared_prefix(metadata, *cascade_thresholds(self.tiles, self.amx_tiles)))
+        if self.tiles is not None and plan.shared is None:
+            min_tokens = PREFILL_ON_TILES_MIN_TOKENS or PREFILL_ON_TILES_MIN_TOKENS_BY_KIND[self.tiles]
+            chosen = plan_prefill_on_tiles(metadata, min_tokens)
             if chosen is not None:
                 plan.tile_requests, plan.skip = chosen
         metadata.backend_data = plan
@@ -222,9 +236,9 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         # attention take the model's dtype).
         quantized = key_cache.dtype in FP8_DTYPES
         shared = None if quantized else plan.shared
-        on_tiles = query.dtype == torch.bfloat16 and self.amx_tiles and not quantized
+        on_tiles = query.dtype == torch.bfloat16 and self.tiles is not None and not quantized
         if shared is not None and not on_tiles:
-            requests, tokens = cascade_thresholds(on_tiles=False, tiles_run=self.amx_tiles)
+            requests, tokens = cascade_thresholds(None, self.amx_tiles)
             if metadata.num_reqs < requests or shared.tokens < tokens:
                 shared = None
         if shared is None:
@@ -234,7 +248,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
                                               skip=plan.skip if tiles else None)
             if tiles and not cpu_kernels.prefill_attention(query, key_cache, value_cache, metadata.block_tables,
                                                            metadata.seq_lens_tensor, metadata.query_start_loc,
-                                                           plan.tile_requests, self.scale, out):
+                                                           plan.tile_requests, self.scale, out, self.tiles):
                 # NOTE: the tiles could not run (no memory for their operands): every row by the kernel.
                 out = cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                                   metadata.seq_lens_tensor, metadata.query_start_loc, self.scale)
@@ -244,7 +258,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
                                                    return_lse=True)
         if on_tiles:
             out = cpu_kernels.shared_prefix_attention(query, key_cache, value_cache, shared.blocks, own, own_lse,
-                                                      self.scale)
+                                                      self.scale, self.tiles)
             if out is not None:
                 return out
         common, common_lse = self._attend_shared(query, key_cache, value_cache, shared)

@@ -66,14 +66,14 @@ def run_cascade_bench(args: argparse.Namespace) -> int:
     try:
         for requests, shared in args.cases:
             backend, kv_cache, metadata, inputs = _step(requests, shared, args.own, args, gen)
-            path = "tiles" if backend.amx_tiles and args.dtype == "bfloat16" else "torch"
+            path = backend.tiles if backend.tiles and args.dtype == "bfloat16" else "torch"
             cpu_paged.CASCADE_MIN_REQUESTS = 0  # never
             kernel = _time(backend, kv_cache, metadata, inputs, args.layers, args.repeats)
             cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS = 1, 1  # always
             cascade = _time(backend, kv_cache, metadata, inputs, args.layers, args.repeats)
             cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS = saved
-            taken = cpu_paged.find_shared_prefix(metadata, *cpu_paged.cascade_thresholds(path == "tiles",
-                                                                                         backend.amx_tiles))
+            taken = cpu_paged.find_shared_prefix(metadata, *cpu_paged.cascade_thresholds(
+                None if path == "torch" else path, backend.amx_tiles))
             print(json.dumps({"requests": requests, "shared_tokens": shared, "shared_part": path,
                               "kernel_ms": round(kernel * 1e3, 2), "cascade_ms": round(cascade * 1e3, 2),
                               "speedup": round(kernel / cascade, 2), "taken_by_default": taken is not None}))

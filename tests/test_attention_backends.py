@@ -208,20 +208,24 @@ def test_selection_checks_the_models_dtype_head_size_and_group(monkeypatch):
     assert get_attention_backend("auto", cpu, shape=AttentionShape(torch.bfloat16, 64, 8, 2)) is HalfOnly
 
 
-needs_amx_tiles = pytest.mark.skipif(
-    not __import__("pagoda.attention_backends.cpu_kernels", fromlist=["x"]).packed_linear_amx_available(),
-    reason="the prefill tiles run on CPUs whose AMX tiles run")
+def _tile_kinds() -> list[str]:
+    from pagoda.attention_backends import cpu_kernels
+
+    return list(cpu_kernels.attention_tile_kinds()) or [pytest.param("none", marks=pytest.mark.skip(
+        reason="the prefill tiles need AMX or a build for AVX512-BF16"))]
 
 
-@needs_amx_tiles
+@pytest.mark.parametrize("tiles", _tile_kinds())
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (8, 64), (2, 128)])
 @pytest.mark.parametrize("min_tokens", [1, 16])
-def test_prefill_on_tiles_matches_naive(monkeypatch, block_size, group, head_dim, min_tokens):
-    # Chunks from scratch and over cached context, crossing the tiles' 64-key steps and 256-key
-    # partitions, beside decodes; with min_tokens 1 every row (decodes too) goes to the tiles.
-    from pagoda.attention_backends import cpu_paged
+def test_prefill_on_tiles_matches_naive(monkeypatch, tiles, block_size, group, head_dim, min_tokens):
+    # Chunks from scratch and over cached context, crossing the tiles' 16- and 64-key steps and
+    # 256-key partitions, beside decodes; with min_tokens 1 every row (decodes too) goes to the
+    # tiles. Each kind of tiles that runs here (AMX, AVX512-BF16 vectors).
+    from pagoda.attention_backends import cpu_kernels, cpu_paged
 
+    monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: tiles)
     monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", min_tokens)
     cases = ([300, 17, 600, 1, 70, 33], [300, 17, 40, 1, 1, 16])
     backend_matches_naive("cpu_paged", block_size, group, head_dim, torch.bfloat16, cases=cases)

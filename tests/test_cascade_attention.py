@@ -88,11 +88,10 @@ CASES = [
 ]
 
 
-# The shared part in bfloat16: on AMX tiles (csrc/tile_attention.c) where they run,
+# The shared part in bfloat16: on each kind of tiles (csrc/tile_attention.c) that runs here,
 # and by torch's flash attention everywhere (float32 always takes that one).
 PATHS = [(torch.float32, "torch"), (torch.bfloat16, "torch")]
-if cpu_kernels.packed_linear_amx_available():
-    PATHS.append((torch.bfloat16, "tiles"))
+PATHS += [(torch.bfloat16, kind) for kind in cpu_kernels.attention_tile_kinds()]
 
 
 @pytest.mark.parametrize("shared_blocks,seq_lens,query_lens", CASES)
@@ -100,8 +99,7 @@ if cpu_kernels.packed_linear_amx_available():
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (2, 128)])
 def test_cascade_matches_naive(always_cascade, monkeypatch, shared_blocks, seq_lens, query_lens, dtype, group,
                                head_dim, shared_path):
-    if shared_path == "torch":
-        monkeypatch.setattr(cpu_kernels, "packed_linear_amx_available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: None if shared_path == "torch" else shared_path)
     shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, shared_blocks=shared_blocks, seed=5,
                  dtype=dtype)
     naive, reference = run_step("naive", 16, seq_lens, query_lens, **shape)
@@ -113,14 +111,16 @@ def test_cascade_matches_naive(always_cascade, monkeypatch, shared_blocks, seq_l
 
 
 def test_a_step_takes_the_cascade_only_past_its_thresholds():
-    # The thresholds as shipped: on the tiles 8 requests over 256 shared tokens, by torch 32 over
-    # 512 where the tiles run, and never by torch where they do not (it lost on AMD Zen 5).
-    assert cpu_paged.cascade_thresholds(on_tiles=True, tiles_run=True) == (8, 256)
-    assert cpu_paged.cascade_thresholds(on_tiles=False, tiles_run=True) == (32, 512)
-    assert cpu_paged.cascade_thresholds(on_tiles=False, tiles_run=False)[0] == 10**9
+    # The thresholds as shipped: on AMX tiles 8 requests over 256 shared tokens, on the vector
+    # tiles 32 over 256, by torch 32 over 512 where AMX runs, and never by torch where it does
+    # not (it lost on AMD Zen 5).
+    assert cpu_paged.cascade_thresholds("amx", amx_runs=True) == (8, 256)
+    assert cpu_paged.cascade_thresholds("avx512_bf16", amx_runs=False) == (32, 256)
+    assert cpu_paged.cascade_thresholds(None, amx_runs=True) == (32, 512)
+    assert cpu_paged.cascade_thresholds(None, amx_runs=False)[0] == 10**9
     tables = [list(range(32)) + [100 + i] for i in range(32)]
-    thresholds = cpu_paged.cascade_thresholds(on_tiles=False, tiles_run=True)
-    never = cpu_paged.cascade_thresholds(on_tiles=False, tiles_run=False)
+    thresholds = cpu_paged.cascade_thresholds(None, amx_runs=True)
+    never = cpu_paged.cascade_thresholds(None, amx_runs=False)
     assert cpu_paged.find_shared_prefix(metadata_of(tables, [520] * 32, [1] * 32), *never) is None
     assert cpu_paged.find_shared_prefix(metadata_of(tables, [520] * 32, [1] * 32), *thresholds).tokens == 512
     assert cpu_paged.find_shared_prefix(metadata_of(tables[:31], [520] * 31, [1] * 31), *thresholds) is None
@@ -130,10 +130,11 @@ def test_a_step_takes_the_cascade_only_past_its_thresholds():
 
 def test_the_thresholds_come_from_the_environment_of_the_worker():
     code = ("from pagoda.attention_backends import cpu_paged as c; "
-            "print(*c.cascade_thresholds(True, True), *c.cascade_thresholds(False, False))")
+            "print(*c.cascade_thresholds('amx', True), *c.cascade_thresholds(None, False), "
+            "*c.cascade_thresholds('avx512_bf16', False))")
     env = dict(os.environ, PAGODA_CASCADE_MIN_REQUESTS="3", PAGODA_CASCADE_MIN_TOKENS="48")
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.split() == ["3", "48", "3", "48"]
+                          check=True).stdout.split() == ["3", "48"] * 3
     env["PAGODA_CASCADE_MIN_REQUESTS"] = "0"  # off
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True).stdout.split()[0] == str(10**9)
@@ -141,7 +142,7 @@ def test_the_thresholds_come_from_the_environment_of_the_worker():
     env = dict(os.environ, PAGODA_CASCADE_MIN_REQUESTS="5")
     env.pop("PAGODA_CASCADE_MIN_TOKENS", None)
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.split() == ["5", "256", "5", "512"]
+                          check=True).stdout.split() == ["5", "256", "5", "512", "5", "256"]
 
 
 def test_generation_over_a_shared_prefix_is_the_same_with_and_without_cascade(tiny_llama_dir, monkeypatch):

@@ -20,7 +20,8 @@ from pagoda.engine.models.linear import BLOCKED_LAYOUT, GateUpLinear, Linear, ch
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pagoda.engine.models.one_token_decode import ENV
 from pagoda.engine.models.quantized import quantize_int8
-from helpers import compress, hf_dequantized
+from conftest import TINY_INIT
+from helpers import compress, hf_dequantized, make_tiny_model_dir
 
 needs_vector = pytest.mark.skipif(not cpu_kernels.quant_linear_vector(),
                                   reason="int8 needs the quantized kernel's vector path (AVX512-VNNI or AVX2)")
@@ -167,6 +168,69 @@ def test_each_step_equals_the_layer_by_layer_path(request, architecture, weights
             tokens[r] = token
             lengths[r] += 1
     assert calls == [10, 1] * 12  # every decode in one call, the prefill not
+
+
+@pytest.mark.parametrize("tiles", list(cpu_kernels.attention_tile_kinds() if cpu_kernels.available() else ())
+                         or [pytest.param(None, marks=pytest.mark.skip(reason="no attention tiles here"))])
+@torch.inference_mode()
+def test_a_cascade_step_equals_the_layer_by_layer_path(tmp_path, monkeypatch, rounded_once, tiles):
+    """A tiny model with head_dim 64 (the tiles' size), six sequences whose tables start with the same two blocks (one 37-token prefix, its
+    cache written once), decoding together and one alone past thresholds of 1: each step takes
+    the cascade, in the one call as layer by layer, with its shared part on the tiles; equal bit
+    for bit, and within bfloat16 rounding of the same step without the cascade."""
+    from pagoda.attention_backends import cpu_paged
+
+    monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: tiles)
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 1)
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 1)
+    model_dir = make_tiny_model_dir(tmp_path, "llama", hidden_size=128, num_attention_heads=2,
+                                    num_key_value_heads=1, **TINY_INIT)
+    model = tiny_model(model_dir, "bf16")
+    backend = model.layers[0].self_attn.backend
+    assert backend.tiles == tiles and backend.head_dim == 64
+    key_shape, value_shape = backend.kv_cache_shapes(40, BLOCK_SIZE)
+    caches = [(torch.zeros(key_shape, dtype=torch.bfloat16), torch.zeros(value_shape, dtype=torch.bfloat16))
+              for _ in model.layers]
+    assert model.prepare_one_token_decode(caches)
+    calls = []
+    one_call_fn = model._one_token.fn
+    model._one_token.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)  # shared blocks
+    generator = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 4000, (37,), generator=generator).tolist()
+    tails = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (1, 4, 2, 9, 3, 6)]
+    blocks = [[0, 1, 2 + 3 * i, 3 + 3 * i, 4 + 3 * i] for i in range(len(tails))]
+    # The prefix with the first tail, then each other tail over the two shared blocks (the
+    # first 32 tokens); the 5 prefix tokens of the third block each sequence holds itself.
+    lengths = []
+    for i, tail in enumerate(tails):
+        start = 0 if i == 0 else 32
+        tokens = (prefix + tail)[start:]
+        metadata = step([(list(range(start, 37 + len(tail))), blocks[i])])
+        backend.prepare(metadata)
+        hidden = model(torch.tensor(tokens), torch.arange(start, 37 + len(tail)), caches, metadata)
+        lengths.append(37 + len(tail))
+    tokens = [7] * len(tails)
+    for i in range(8):
+        which = range(len(tails)) if i % 2 == 0 else [0]
+        metadata = step([([lengths[r]], blocks[r]) for r in which])
+        backend.prepare(metadata)
+        assert metadata.backend_data.shared is not None and metadata.backend_data.shared.tokens == 32
+        ids, positions = torch.tensor([tokens[r] for r in which]), torch.tensor([lengths[r] for r in which])
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        layered = model.forward(ids, positions, before, metadata)
+        one_call = model(ids, positions, caches, metadata)
+        assert torch.equal(one_call, layered), i
+        plain = step([([lengths[r]], blocks[r]) for r in which])
+        monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 0)  # never
+        backend.prepare(plain)
+        monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 1)
+        assert plain.backend_data.shared is None
+        without = model.forward(ids, positions, [(k.clone(), v.clone()) for k, v in before], plain)
+        torch.testing.assert_close(one_call.float(), without.float(), rtol=0.05, atol=0.05)
+        for r, token in zip(which, model.compute_logits(one_call).argmax(-1).tolist()):
+            tokens[r] = token
+            lengths[r] += 1
+    assert len(calls) == 8 and all(calls)  # every decode in one call, each with its shared blocks
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,10 @@ void paged_attention_bf16(const uint16_t *query, const uint16_t *key_cache, cons
                           const int32_t *query_start, uint16_t *out, float *lse, const uint8_t *skip,
                           int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size, float scale, float value_scale);
+int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                                 const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int amx);
 
 /* A product's packed weight: QUANTIZED (a: bits, b: with minimums) or BLOCKED bfloat16
  * (a: the rows from which AMX tiles run; gate/up packed for the SiLU-mul epilogue). */
@@ -201,24 +205,34 @@ static void add_residual(uint16_t *h, const uint16_t *y, int64_t rows, int64_t h
  * or a position not below max_positions. tokens, positions, slots (int64 [rows]), block_tables
  * (int32 [rows, block_table_stride]), seq_lens and query_start (int32 [rows], [rows + 1]) are
  * the step's tensors; embed is bfloat16 [vocab, hidden], cos/sin float32 [max_positions,
- * head_dim]. */
+ * head_dim].
+ *
+ * With shared_blocks (num_shared blocks that every sequence's table starts with, as the
+ * cpu_paged backend found them), each layer's attention is a cascade, as the backend computes
+ * it: each row's own keys (the tables from the first block after them, suffix_seq_lens) by the
+ * paged kernel, the shared keys once for all rows by tile_attention.c (AMX tiles if amx, else
+ * AVX512-BF16 dot products), merged by their log-sum-exps; where the tiles cannot run (no
+ * memory), every row by the paged kernel over its whole table. */
 int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int64_t rows, const uint16_t *embed,
                      const int64_t *tokens, const int64_t *positions, const int64_t *slots,
                      const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                      const int32_t *query_start, const float *cos_table, const float *sin_table,
                      const uint16_t *final_norm, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t intermediate, int64_t block_size, int64_t vocab,
-                     int64_t max_positions, float eps, float scale, uint16_t *out) {
+                     int64_t max_positions, float eps, float scale, const int32_t *shared_blocks,
+                     int64_t num_shared, const int32_t *suffix_seq_lens, int amx, uint16_t *out) {
     for (int64_t r = 0; r < rows; r++)
         if (tokens[r] < 0 || tokens[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -2;
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
     uint16_t *work = malloc(sizeof(uint16_t) * (size_t)(rows * (4 * hidden + qkv_size + q_size + 3 * intermediate)));
-    uint16_t *queries = malloc(sizeof(uint16_t) * (size_t)(rows * q_size));
-    if (!work || !queries) {
-        free(work), free(queries);
+    uint16_t *queries = malloc(sizeof(uint16_t) * (size_t)(rows * q_size * (num_shared ? 2 : 1)));
+    float *own_lse = num_shared ? malloc(sizeof(float) * (size_t)(rows * num_heads)) : NULL;
+    if (!work || !queries || (num_shared && !own_lse)) {
+        free(work), free(queries), free(own_lse);
         return -1;
     }
+    uint16_t *own = queries + rows * q_size; /* a cascade's attention over each row's own keys */
     uint16_t *h = work, *x = h + rows * hidden, *o = x + rows * hidden, *d = o + rows * hidden;
     uint16_t *qkv = d + rows * hidden, *attn = qkv + rows * qkv_size, *gate_up = attn + rows * q_size;
     uint16_t *act = gate_up + rows * 2 * intermediate;
@@ -241,9 +255,19 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int6
         }
         paged_write_kv_bf16(qkv + q_size, qkv + q_size + kv_size, slots, layer->key_cache, layer->value_cache, rows,
                             num_kv_heads, head_dim, block_size, qkv_size, qkv_size);
-        paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride, seq_lens,
-                             query_start, attn, NULL, NULL, rows, num_heads, num_kv_heads, head_dim, block_size, scale,
-                             1.0f);
+        int whole = 1; /* every row's attention over its whole table by the paged kernel */
+        if (num_shared) {
+            paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables + num_shared,
+                                 block_table_stride, suffix_seq_lens, query_start, own, own_lse, NULL, rows, num_heads,
+                                 num_kv_heads, head_dim, block_size, scale, 1.0f);
+            whole = shared_prefix_attention_bf16(queries, layer->key_cache, layer->value_cache, shared_blocks,
+                                                 num_shared, block_size, rows, num_heads, num_kv_heads, head_dim, scale,
+                                                 own, own_lse, attn, amx);
+        }
+        if (whole)
+            paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,
+                                 seq_lens, query_start, attn, NULL, NULL, rows, num_heads, num_kv_heads, head_dim,
+                                 block_size, scale, 1.0f);
         if ((failed = product(attn, rows, q_size, &layer->o, hidden, NULL, o))) break;
         add_residual(h, o, rows, hidden);
         rms_norm(h, layer->post_norm, rows, hidden, eps, x);
@@ -252,6 +276,6 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int6
         add_residual(h, d, rows, hidden);
     }
     if (!failed) rms_norm(h, final_norm, rows, hidden, eps, out);
-    free(work), free(queries);
+    free(work), free(queries), free(own_lse);
     return failed ? -1 : 0;
 }

@@ -30,21 +30,32 @@
  * accumulators held in tiles across the partition. Rescaling and horizontal reductions happen
  * once a partition, as in the paged kernel.
  *
- * Each entry point returns 0, or 1 where it does not run (no AMX in this build or process,
- * head_dim not 64 or 128, no memory): the caller then takes another path.
+ * Two kinds of tiles, on the same packed operands and the same softmax: AMX tile products
+ * (amx = 1), and on CPUs without AMX, AVX512-BF16 dot products (amx = 0): 16 rows held in 16
+ * vector registers against 16 keys (scores) or 16 dimensions (values) at a time, each packed
+ * pair of keys or values loaded once for the 16 rows, each row's pair broadcast from memory
+ * (vdpbf16ps: two bfloat16 products into every float32 lane). The paged kernel's decode tile
+ * has 3 rows for a group of 3 and repacks its pairs for them; here a pair serves 16.
+ *
+ * Each entry point returns 0, or 1 where it does not run (that kind not in this build or
+ * process, head_dim not 64 or 128, no memory): the caller then takes another path.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#include <omp.h>
 
 #include "avx512_exp.h"
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX_TILES 1
 #include "amx_tiles.h"
+#else
+#define HAVE_AMX_TILES 0
+#endif
 
 #define KEYS 64           /* keys per step of a task */
 #define MIN_SCORE (-1e30f)
@@ -52,22 +63,69 @@
 /* One task: 16 rows (of a KV head's padded row matrix qp, D wide) against the keys of kb and
  * vb (padded_keys of them), row r seeing keys 0..last[r], in partitions of up to PART keys. */
 #define PART 256
-static inline __attribute__((always_inline)) void attend_rows(
-        const uint16_t *qp, const uint16_t *kb, const uint16_t *vb, const int64_t *last, int64_t padded_keys,
-        const int64_t D, float scale, float (*acc)[128], float *m, float *l) {
-    float scores[16][PART] __attribute__((aligned(64)));
-    uint16_t probs[16][PART] __attribute__((aligned(64)));
+
+/* Keys any of the 16 rows sees, rounded up to whole steps of `step` keys. */
+static inline int64_t keys_seen(const int64_t *last, int64_t padded_keys, int64_t step) {
+    int64_t seen = 0;
+    for (int r = 0; r < 16; r++) seen = last[r] + 1 > seen ? last[r] + 1 : seen;
+    seen = (seen + step - 1) / step * step;
+    return seen > padded_keys ? padded_keys : seen;
+}
+
+/* The softmax over a partition's raw scores (keys p0..p0+width-1), row by row: scaled, masked
+ * past the last key each row sees, probabilities rounded to bfloat16 into probs; each row's
+ * maximum m and sum l take the partition in, its accumulators rescaled to the new maximum. */
+static inline __attribute__((always_inline)) void partition_softmax(
+        float (*scores)[PART], uint16_t (*probs)[PART], const int64_t *last, int64_t p0, int64_t width, const int64_t D,
+        float scale, float (*acc)[128], float *m, float *l) {
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int r = 0; r < 16; r++) {
+        const int64_t valid = last[r] + 1 - p0; /* keys of the partition the row sees */
+        __m512 vmax = _mm512_set1_ps(MIN_SCORE);
+        for (int64_t j = 0; j < width; j += 16) {
+            const int64_t visible = valid - j;
+            const __mmask16 mask = visible >= 16 ? (__mmask16)0xffff : visible <= 0 ? 0
+                                   : (__mmask16)((1u << visible) - 1u);
+            const __m512 s = _mm512_mask_blend_ps(mask, _mm512_set1_ps(MIN_SCORE),
+                                                  _mm512_mul_ps(_mm512_load_ps(&scores[r][j]), scale16));
+            _mm512_store_ps(&scores[r][j], s);
+            vmax = _mm512_max_ps(vmax, s);
+        }
+        const float new_max = fmaxf(m[r], _mm512_reduce_max_ps(vmax));
+        const __m512 mrow = _mm512_set1_ps(new_max);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < width; j += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(&scores[r][j]), mrow));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_store_si256((__m256i *)&probs[r][j], (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        if (new_max > m[r] && l[r] > 0) {
+            const float correction = expf(m[r] - new_max);
+            l[r] *= correction;
+            const __m512 c16 = _mm512_set1_ps(correction);
+            for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(&acc[r][d], _mm512_mul_ps(_mm512_load_ps(&acc[r][d]), c16));
+        }
+        m[r] = new_max;
+        l[r] += _mm512_reduce_add_ps(sum);
+    }
+}
+
+static inline void start_rows(float (*acc)[128], float *m, float *l, int64_t D) {
     for (int r = 0; r < 16; r++) {
         m[r] = MIN_SCORE;
         l[r] = 0;
         for (int64_t d = 0; d < D; d++) acc[r][d] = 0;
     }
-    const __m512 scale16 = _mm512_set1_ps(scale);
-    const int64_t vstride = D * 2 * 2;
-    int64_t seen = 0; /* keys any row sees, rounded up to whole steps */
-    for (int r = 0; r < 16; r++) seen = last[r] + 1 > seen ? last[r] + 1 : seen;
-    seen = (seen + KEYS - 1) / KEYS * KEYS;
-    if (seen > padded_keys) seen = padded_keys;
+}
+
+#if HAVE_AMX_TILES
+static inline __attribute__((always_inline)) void attend_rows_amx(
+        const uint16_t *qp, const uint16_t *kb, const uint16_t *vb, const int64_t *last, int64_t padded_keys,
+        const int64_t D, float scale, float (*acc)[128], float *m, float *l) {
+    float scores[16][PART] __attribute__((aligned(64)));
+    uint16_t probs[16][PART] __attribute__((aligned(64)));
+    start_rows(acc, m, l, D);
+    const int64_t vstride = D * 2 * 2, seen = keys_seen(last, padded_keys, KEYS);
     for (int64_t p0 = 0; p0 < seen; p0 += PART) {
         const int64_t width = seen - p0 < PART ? seen - p0 : PART; /* a multiple of KEYS */
         /* scores: 16 rows x 64 keys at a time, over D in steps of 32 dimensions */
@@ -94,36 +152,7 @@ static inline __attribute__((always_inline)) void attend_rows(
             _tile_stored(2, &scores[0][n + 32], sizeof(scores[0]));
             _tile_stored(3, &scores[0][n + 48], sizeof(scores[0]));
         }
-        /* the softmax over the partition, row by row */
-        for (int r = 0; r < 16; r++) {
-            const int64_t valid = last[r] + 1 - p0; /* keys of the partition the row sees */
-            __m512 vmax = _mm512_set1_ps(MIN_SCORE);
-            for (int64_t j = 0; j < width; j += 16) {
-                const int64_t visible = valid - j;
-                const __mmask16 mask = visible >= 16 ? (__mmask16)0xffff : visible <= 0 ? 0
-                                       : (__mmask16)((1u << visible) - 1u);
-                const __m512 s = _mm512_mask_blend_ps(mask, _mm512_set1_ps(MIN_SCORE),
-                                                      _mm512_mul_ps(_mm512_load_ps(&scores[r][j]), scale16));
-                _mm512_store_ps(&scores[r][j], s);
-                vmax = _mm512_max_ps(vmax, s);
-            }
-            const float new_max = fmaxf(m[r], _mm512_reduce_max_ps(vmax));
-            const __m512 mrow = _mm512_set1_ps(new_max);
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < width; j += 16) {
-                const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(&scores[r][j]), mrow));
-                sum = _mm512_add_ps(sum, e);
-                _mm256_store_si256((__m256i *)&probs[r][j], (__m256i)_mm512_cvtneps_pbh(e));
-            }
-            if (new_max > m[r] && l[r] > 0) {
-                const float correction = expf(m[r] - new_max);
-                l[r] *= correction;
-                const __m512 c16 = _mm512_set1_ps(correction);
-                for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(&acc[r][d], _mm512_mul_ps(_mm512_load_ps(&acc[r][d]), c16));
-            }
-            m[r] = new_max;
-            l[r] += _mm512_reduce_add_ps(sum);
-        }
+        partition_softmax(scores, probs, last, p0, width, D, scale, acc, m, l);
         /* acc += probabilities x values: 64 dimensions (4 tiles) at a time, held over the partition */
         for (int64_t c = 0; c < D; c += 64) {
             _tile_loadd(0, &acc[0][c], sizeof(acc[0]));
@@ -146,6 +175,50 @@ static inline __attribute__((always_inline)) void attend_rows(
             _tile_stored(1, &acc[0][c + 16], sizeof(acc[0]));
             _tile_stored(2, &acc[0][c + 32], sizeof(acc[0]));
             _tile_stored(3, &acc[0][c + 48], sizeof(acc[0]));
+        }
+    }
+}
+#endif
+
+/* The same task with AVX512-BF16 dot products: the 16 rows' sums in 16 vector registers, each
+ * packed pair of keys (or values) loaded once and multiplied into all 16 against each row's
+ * own pair, broadcast from memory. */
+static inline __attribute__((always_inline)) void attend_rows_vector(
+        const uint16_t *qp, const uint16_t *kb, const uint16_t *vb, const int64_t *last, int64_t padded_keys,
+        const int64_t D, float scale, float (*acc)[128], float *m, float *l) {
+    float scores[16][PART] __attribute__((aligned(64)));
+    uint16_t probs[16][PART] __attribute__((aligned(64)));
+    const uint32_t *q_pairs = (const uint32_t *)qp; /* row r's pair i at [r * D / 2 + i] */
+    start_rows(acc, m, l, D);
+    const int64_t seen = keys_seen(last, padded_keys, 16);
+    for (int64_t p0 = 0; p0 < seen; p0 += PART) {
+        const int64_t width = seen - p0 < PART ? seen - p0 : PART;
+        /* scores: 16 rows x 16 keys at a time; kb holds [keys/16][D/2][16 keys][2] */
+        for (int64_t n = 0; n < width; n += 16) {
+            const uint16_t *k = kb + (p0 + n) / 16 * (D / 2) * 32;
+            __m512 s[16];
+            for (int r = 0; r < 16; r++) s[r] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < D / 2; i++) {
+                const __m512bh pair = (__m512bh)_mm512_load_si512(k + i * 32);
+                for (int r = 0; r < 16; r++)
+                    s[r] = _mm512_dpbf16_ps(s[r], pair, (__m512bh)_mm512_set1_epi32((int)q_pairs[r * D / 2 + i]));
+            }
+            for (int r = 0; r < 16; r++) _mm512_store_ps(&scores[r][n], s[r]);
+        }
+        partition_softmax(scores, probs, last, p0, width, D, scale, acc, m, l);
+        /* acc += probabilities x values, 16 dimensions at a time; vb holds [keys/2][D][2] */
+        for (int64_t c = 0; c < D; c += 16) {
+            __m512 a[16];
+            for (int r = 0; r < 16; r++) a[r] = _mm512_load_ps(&acc[r][c]);
+            for (int64_t t = 0; t < width; t += 2) {
+                const __m512bh pair = (__m512bh)_mm512_load_si512(vb + ((p0 + t) / 2 * D + c) * 2);
+                for (int r = 0; r < 16; r++) {
+                    uint32_t p;
+                    memcpy(&p, &probs[r][t], sizeof(p));
+                    a[r] = _mm512_dpbf16_ps(a[r], pair, (__m512bh)_mm512_set1_epi32((int)p));
+                }
+            }
+            for (int r = 0; r < 16; r++) _mm512_store_ps(&acc[r][c], a[r]);
         }
     }
 }
@@ -238,18 +311,51 @@ static inline void store_row(uint16_t *out, const float *acc, float m, float l, 
     }
 }
 
-static inline void attend(const uint16_t *qp, const uint16_t *kb, const uint16_t *vb, const int64_t *last,
+static inline void attend(int amx, const uint16_t *qp, const uint16_t *kb, const uint16_t *vb, const int64_t *last,
                           int64_t padded_keys, int64_t D, float scale, float (*acc)[128], float *m, float *l) {
-    if (D == 64) attend_rows(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
-    else attend_rows(qp, kb, vb, last, padded_keys, 128, scale, acc, m, l);
+#if HAVE_AMX_TILES
+    if (amx) {
+        if (D == 64) attend_rows_amx(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
+        else attend_rows_amx(qp, kb, vb, last, padded_keys, 128, scale, acc, m, l);
+        return;
+    }
+#endif
+    (void)amx;
+    if (D == 64) attend_rows_vector(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
+    else attend_rows_vector(qp, kb, vb, last, padded_keys, 128, scale, acc, m, l);
 }
+
+/* Whether tiles of the kind asked for run here (AMX: built with them and permitted). */
+static int kind_runs(int amx) {
+#if HAVE_AMX_TILES
+    return !amx || pagoda_amx_permitted();
+#else
+    return !amx;
+#endif
+}
+
+/* Per thread, around its tasks: the AMX tile configuration and its release. */
+static inline void begin_tiles(int amx) {
+#if HAVE_AMX_TILES
+    if (amx) configure_tiles();
+#endif
+    (void)amx;
+}
+static inline void end_tiles(int amx) {
+#if HAVE_AMX_TILES
+    if (amx) _tile_release();
+#endif
+    (void)amx;
+}
+
+int tile_attention_vector_available(void) { return 1; }
 
 int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                                  const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                                 const uint16_t *own_out, const float *own_lse, uint16_t *out) {
+                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int amx) {
     const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads;
-    if ((D != 64 && D != 128) || !pagoda_amx_permitted()) return 1;
+    if ((D != 64 && D != 128) || !kind_runs(amx)) return 1;
     const int64_t keys = num_blocks * block_size, padded_keys = (keys + KEYS - 1) / KEYS * KEYS;
     const int64_t rows = num_tokens * G, padded_rows = (rows + 15) / 16 * 16;
     const int64_t block_stride = KV * D * block_size;
@@ -267,7 +373,7 @@ int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cach
     const int64_t tasks_per_head = padded_rows / 16;
     #pragma omp parallel
     {
-        configure_tiles();
+        begin_tiles(amx);
         float acc[16][128] __attribute__((aligned(64)));
         float m[16], l[16];
         int64_t last[16];
@@ -275,14 +381,14 @@ int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cach
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < KV * tasks_per_head; task++) {
             const int64_t h = task / tasks_per_head, r0 = task % tasks_per_head * 16;
-            attend(qp + (h * padded_rows + r0) * D, kb + h * D * padded_keys, vb + h * padded_keys * D, last,
+            attend(amx, qp + (h * padded_rows + r0) * D, kb + h * D * padded_keys, vb + h * padded_keys * D, last,
                    padded_keys, D, scale, acc, m, l);
             for (int64_t i = 0; i < 16 && r0 + i < rows; i++) {
                 const int64_t r = r0 + i, at = (r / G) * num_heads + h * G + r % G;
                 store_row(out + at * D, acc[i], m[i], l[i], own_out + at * D, own_lse + at, D);
             }
         }
-        _tile_release();
+        end_tiles(amx);
     }
     free(kb);
     return 0;
@@ -295,9 +401,9 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
                            const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                            const int32_t *query_start, const int32_t *requests, int64_t num_listed,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                           uint16_t *out) {
+                           uint16_t *out, int amx) {
     const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads;
-    if ((D != 64 && D != 128) || !pagoda_amx_permitted() || num_listed == 0) return num_listed ? 1 : 0;
+    if ((D != 64 && D != 128) || !kind_runs(amx) || num_listed == 0) return num_listed ? 1 : 0;
     const int64_t block_stride = KV * D * block_size;
     /* per listed request: its padded keys and rows, and where its packed operands start */
     int64_t *plan = malloc(sizeof(int64_t) * 4 * (num_listed + 1));
@@ -335,7 +441,7 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
     }
     #pragma omp parallel
     {
-        configure_tiles();
+        begin_tiles(amx);
         float acc[16][128] __attribute__((aligned(64)));
         float m[16], l[16];
         int64_t last[16];
@@ -352,14 +458,14 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
                 last[r] = start + token;
             }
             const uint16_t *base = work + offset[j];
-            attend(base + 2 * KV * D * pk + (h * pr + r0) * D, base + h * D * pk, base + KV * D * pk + h * pk * D,
+            attend(amx, base + 2 * KV * D * pk + (h * pr + r0) * D, base + h * D * pk, base + KV * D * pk + h * pk * D,
                    last, pk, D, scale, acc, m, l);
             for (int64_t k = 0; k < 16 && r0 + k < tokens * G; k++) {
                 const int64_t r = r0 + k, at = (query_start[i] + r / G) * num_heads + h * G + r % G;
                 store_row(out + at * D, acc[k], m[k], l[k], NULL, NULL, D);
             }
         }
-        _tile_release();
+        end_tiles(amx);
     }
     free(work);
     free(plan);
@@ -369,8 +475,8 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
 int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                                  const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                                 const uint16_t *own_out, const float *own_lse, uint16_t *out) {
-    (void)query, (void)key_cache, (void)value_cache, (void)blocks, (void)num_blocks, (void)block_size;
+                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int amx) {
+    (void)amx, (void)query, (void)key_cache, (void)value_cache, (void)blocks, (void)num_blocks, (void)block_size;
     (void)num_tokens, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)scale, (void)own_out;
     (void)own_lse, (void)out;
     return 1;
@@ -380,10 +486,12 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
                            const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                            const int32_t *query_start, const int32_t *requests, int64_t num_listed,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                           uint16_t *out) {
-    (void)query, (void)key_cache, (void)value_cache, (void)block_tables, (void)block_table_stride, (void)seq_lens;
+                           uint16_t *out, int amx) {
+    (void)amx, (void)query, (void)key_cache, (void)value_cache, (void)block_tables, (void)block_table_stride, (void)seq_lens;
     (void)query_start, (void)requests, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size;
     (void)scale, (void)out;
     return num_listed ? 1 : 0;
 }
+
+int tile_attention_vector_available(void) { return 0; }
 #endif

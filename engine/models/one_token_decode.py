@@ -15,9 +15,10 @@ decoder runs one of Pagoda's kernels (quantized weights: GGUF files' own types,
 ``--quantization int8``; bfloat16 weights packed "blocked" or "amx", see
 engine/models/linear.py; not oneDNN's), the attention backend is ``cpu_paged`` over a
 bfloat16 cache, and batch invariance is not asked for (a row then takes one path whatever its
-step holds). A step with prefill tokens, or whose sequences share a prefix that the backend
-attends to as a cascade, runs layer by layer. ``PAGODA_ONE_TOKEN_DECODE=0`` turns it off (for
-A/B measurements).
+step holds). A step whose sequences share a prefix that the backend attends to as a cascade
+takes the cascade in the call too, its shared part on the backend's tiles (AMX or AVX512-BF16;
+without tiles, such a step runs layer by layer). A step with prefill tokens runs layer by
+layer. ``PAGODA_ONE_TOKEN_DECODE=0`` turns it off (for A/B measurements).
 """
 
 from __future__ import annotations
@@ -104,16 +105,30 @@ class OneTokenDecode:
         # Arguments after the step's own: everything fixed for the model.
         self.fixed = (ctypes.c_float(config.rms_norm_eps), ctypes.c_float(attention.backend.scale))
         self.model = model
+        # A cascade's shared part runs on the backend's tiles, as the backend runs it.
+        self.tiles = attention.backend.tiles
         self.sizes = (config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
                       first.mlp.intermediate_size, self.block_size, model.embed_tokens.num_embeddings,
                       model.rotary.cos.shape[0])
 
-    @staticmethod
-    def applies(input_ids: torch.Tensor, metadata: AttentionMetadata) -> bool:
+    def applies(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> bool:
         """Whether the step is one token for each of its sequences, without a shared prefix
-        that the backend would attend to as a cascade."""
+        that the backend would attend to as a cascade other than on its tiles (which the call
+        takes too)."""
         return (metadata.max_query_len == 1 and len(input_ids) == metadata.num_reqs
-                and getattr(metadata.backend_data, "shared", None) is None)
+                and (getattr(metadata.backend_data, "shared", None) is None or self.tiles is not None))
+
+    def _cascade(self, metadata: AttentionMetadata) -> tuple[int, int, int, int]:
+        """The C call's shared blocks, their count, the rows' own context lengths and its amx
+        flag: the backend's shared prefix for this step, or none."""
+        shared = getattr(metadata.backend_data, "shared", None)
+        if shared is None:
+            return 0, 0, 0, 0
+        if not (shared.blocks.dtype == shared.suffix_seq_lens.dtype == torch.int32
+                and shared.blocks.is_contiguous() and shared.suffix_seq_lens.is_contiguous()):
+            raise ValueError("one_token_decode: the shared prefix's blocks and lengths are not contiguous int32")
+        return (shared.blocks.data_ptr(), shared.blocks.shape[0], shared.suffix_seq_lens.data_ptr(),
+                int(self.tiles == "amx"))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The final-normed hidden states [rows, hidden] of the step's tokens, one a sequence."""
@@ -130,7 +145,8 @@ class OneTokenDecode:
                          input_ids.data_ptr(), positions.data_ptr(), metadata.slot_mapping.data_ptr(),
                          block_tables.data_ptr(), block_tables.stride(0), metadata.seq_lens_tensor.data_ptr(),
                          metadata.query_start_loc.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-                         model.norm.weight.data_ptr(), *self.sizes, *self.fixed, out.data_ptr())
+                         model.norm.weight.data_ptr(), *self.sizes, *self.fixed, *self._cascade(metadata),
+                         out.data_ptr())
         if failed == -2:
             raise IndexError(f"a token of {input_ids.tolist()} or a position of {positions.tolist()} out of range "
                              f"(vocabulary {self.sizes[6]}, positions {self.sizes[7]})")
