@@ -207,7 +207,7 @@ def test_a_cascade_step_equals_the_layer_by_layer_path(tmp_path, monkeypatch, ro
         tokens = (prefix + tail)[start:]
         metadata = step([(list(range(start, 37 + len(tail))), blocks[i])])
         backend.prepare(metadata)
-        hidden = model(torch.tensor(tokens), torch.arange(start, 37 + len(tail)), caches, metadata)
+        model(torch.tensor(tokens), torch.arange(start, 37 + len(tail)), caches, metadata)
         lengths.append(37 + len(tail))
     tokens = [7] * len(tails)
     for i in range(8):
