@@ -4,8 +4,8 @@ without cascade attention (attention_backends/cpu_paged.py), in-process.
 For each (requests, shared tokens) pair, a step of one decode row per request over the
 shared blocks plus ``--own`` tokens of its own, through the cpu_paged backend as the model
 calls it (write of the new keys, attention), over ``--layers`` layers' calls; the kernel
-alone against the cascade (its shared part on AMX tiles where they run, else by torch's
-flash attention). Shapes default to SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64).
+alone against the cascade (its shared part on the attention tiles where they run, AMX's or
+AVX512-BF16's, else by torch's flash attention). Shapes default to SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64).
 """
 
 from __future__ import annotations
