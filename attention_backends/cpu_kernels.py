@@ -365,7 +365,8 @@ def attention_tile_kinds() -> tuple[str, ...]:
     """Every kind of tiles csrc/tile_attention.c runs here (prefill chunks and a shared prefix:
     many query rows against one set of keys), the faster first: "amx" where AMX tiles run,
     "avx512_bf16" where the library was built for AVX512-BF16 (its dot products on 16 rows in
-    vector registers)."""
+    vector registers). Cached: tests that want another answer patch attention_tiles(), not
+    packed_linear_amx_available()."""
     if not available():
         return ()
     kinds = ("amx",) if packed_linear_amx_available() else ()

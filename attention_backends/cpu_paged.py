@@ -109,12 +109,12 @@ def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_token
     # NOTE: only whole blocks before every request's first query row: all of a request's
     # rows see all of them.
     limit = min(seq - query for seq, query in zip(metadata.seq_lens, metadata.query_lens)) // block_size
-    if limit * block_size < min_tokens:
+    if limit == 0 or limit * block_size < min_tokens:
         return None
     tables = metadata.block_tables[: metadata.num_reqs, :limit]
     same = (tables == tables[:1]).all(0)
     blocks = limit if bool(same.all()) else int(same.int().argmin())
-    if blocks * block_size < min_tokens:
+    if blocks == 0 or blocks * block_size < min_tokens:  # NOTE: a threshold of 0 tokens still needs a block
         return None
     tokens = blocks * block_size
     return SharedPrefix(blocks=tables[0, :blocks].contiguous(), tokens=tokens,
@@ -275,10 +275,13 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         num_tokens, num_heads, head_dim = query.shape
         kv_heads, group = self.num_kv_heads, num_heads // self.num_kv_heads
         # [blocks, kv, head_dim, block_size] (keys transposed) -> [1, kv, tokens, head_dim]
+        # NOTE: contiguous: over a single block the reshapes are views whose last dimension is not
+        # the innermost one, and torch's CPU flash attention then gives wrong results.
         blocks = shared.blocks.long()
-        keys = key_cache[blocks].permute(1, 0, 3, 2).reshape(1, kv_heads, shared.tokens, head_dim)
-        values = value_cache[blocks].transpose(0, 1).reshape(1, kv_heads, shared.tokens, head_dim)
-        rows = query.view(num_tokens, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, -1, head_dim)
+        keys = key_cache[blocks].permute(1, 0, 3, 2).reshape(1, kv_heads, shared.tokens, head_dim).contiguous()
+        values = value_cache[blocks].transpose(0, 1).reshape(1, kv_heads, shared.tokens, head_dim).contiguous()
+        rows = (query.view(num_tokens, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, -1, head_dim)
+                .contiguous())
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(rows, keys, values, 0.0, False,
                                                                              scale=self.scale)
         out = out.view(kv_heads, num_tokens, group, head_dim).transpose(0, 1).reshape(num_tokens, num_heads, head_dim)

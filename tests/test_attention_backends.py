@@ -227,5 +227,8 @@ def test_prefill_on_tiles_matches_naive(monkeypatch, tiles, block_size, group, h
 
     monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: tiles)
     monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", min_tokens)
+    ran, prefill_attention = [], cpu_kernels.prefill_attention
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda *a: ran.append(prefill_attention(*a)) or ran[-1])
     cases = ([300, 17, 600, 1, 70, 33], [300, 17, 40, 1, 1, 16])
     backend_matches_naive("cpu_paged", block_size, group, head_dim, torch.bfloat16, cases=cases)
+    assert ran and all(ran)  # the tiles ran, not the kernel in their place

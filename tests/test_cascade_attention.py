@@ -46,6 +46,9 @@ def test_the_shared_prefix_is_the_whole_blocks_every_request_starts_with_before_
     assert cpu_paged.find_shared_prefix(metadata_of(tables, [60, 60, 60], [1, 1, 1]), 4, 1) is None
     assert cpu_paged.find_shared_prefix(metadata_of(tables, [60, 60, 60], [1, 1, 1]), 1, 33) is None
     assert cpu_paged.find_shared_prefix(metadata_of([[1, 2], [3, 2]], [30, 30], [1, 1]), 1, 1) is None
+    # A threshold of 0 tokens still needs a whole block before every request's rows.
+    assert cpu_paged.find_shared_prefix(metadata_of(tables, [60, 60, 60], [1, 1, 1]), 1, 0).tokens == 32
+    assert cpu_paged.find_shared_prefix(metadata_of(tables, [60, 60, 60], [50, 1, 1]), 1, 0) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -97,13 +100,22 @@ PATHS += [(torch.bfloat16, kind) for kind in cpu_kernels.attention_tile_kinds()]
 @pytest.mark.parametrize("shared_blocks,seq_lens,query_lens", CASES)
 @pytest.mark.parametrize("dtype,shared_path", PATHS)
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (2, 128)])
+@pytest.mark.parametrize("block_size", [16, 1, 32])
 def test_cascade_matches_naive(always_cascade, monkeypatch, shared_blocks, seq_lens, query_lens, dtype, group,
-                               head_dim, shared_path):
+                               head_dim, shared_path, block_size):
     monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: None if shared_path == "torch" else shared_path)
+    ran, shared_prefix_attention = [], cpu_kernels.shared_prefix_attention
+    monkeypatch.setattr(cpu_kernels, "shared_prefix_attention",
+                        lambda *a: ran.append(shared_prefix_attention(*a)) or ran[-1])
+    # The cases' prefixes in blocks of 16; in blocks of 1 one token short of that (not whole
+    # groups of 16 keys), in blocks of 32 half as many blocks (at least one).
+    shared_blocks = {16: shared_blocks, 1: shared_blocks * 16 - 1, 32: max(1, shared_blocks // 2)}[block_size]
     shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, shared_blocks=shared_blocks, seed=5,
                  dtype=dtype)
-    naive, reference = run_step("naive", 16, seq_lens, query_lens, **shape)
-    out, _ = run_step("cpu_paged", 16, seq_lens, query_lens, **shape)
+    naive, reference = run_step("naive", block_size, seq_lens, query_lens, **shape)
+    out, _ = run_step("cpu_paged", block_size, seq_lens, query_lens, **shape)
+    if shared_path != "torch":
+        assert ran and all(r is not None for r in ran)  # the tiles ran, not torch in their place
     tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.float(), naive.float(), **tolerance)
     if dtype == torch.float32:

@@ -188,7 +188,6 @@ static inline __attribute__((always_inline)) void attend_rows_vector(
         const int64_t D, float scale, float (*acc)[128], float *m, float *l) {
     float scores[16][PART] __attribute__((aligned(64)));
     uint16_t probs[16][PART] __attribute__((aligned(64)));
-    const uint32_t *q_pairs = (const uint32_t *)qp; /* row r's pair i at [r * D / 2 + i] */
     start_rows(acc, m, l, D);
     const int64_t seen = keys_seen(last, padded_keys, 16);
     for (int64_t p0 = 0; p0 < seen; p0 += PART) {
@@ -200,8 +199,11 @@ static inline __attribute__((always_inline)) void attend_rows_vector(
             for (int r = 0; r < 16; r++) s[r] = _mm512_setzero_ps();
             for (int64_t i = 0; i < D / 2; i++) {
                 const __m512bh pair = (__m512bh)_mm512_load_si512(k + i * 32);
-                for (int r = 0; r < 16; r++)
-                    s[r] = _mm512_dpbf16_ps(s[r], pair, (__m512bh)_mm512_set1_epi32((int)q_pairs[r * D / 2 + i]));
+                for (int r = 0; r < 16; r++) {
+                    uint32_t q; /* row r's query pair i */
+                    memcpy(&q, qp + r * D + 2 * i, sizeof(q));
+                    s[r] = _mm512_dpbf16_ps(s[r], pair, (__m512bh)_mm512_set1_epi32((int)q));
+                }
             }
             for (int r = 0; r < 16; r++) _mm512_store_ps(&scores[r][n], s[r]);
         }
@@ -355,7 +357,7 @@ int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cach
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                                  const uint16_t *own_out, const float *own_lse, uint16_t *out, int amx) {
     const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads;
-    if ((D != 64 && D != 128) || !kind_runs(amx)) return 1;
+    if ((D != 64 && D != 128) || num_blocks <= 0 || !kind_runs(amx)) return 1;
     const int64_t keys = num_blocks * block_size, padded_keys = (keys + KEYS - 1) / KEYS * KEYS;
     const int64_t rows = num_tokens * G, padded_rows = (rows + 15) / 16 * 16;
     const int64_t block_stride = KV * D * block_size;
