@@ -84,7 +84,7 @@ void NAME(const T *key, const T *value, const int64_t *slot_mapping, T *key_cach
           int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t key_stride,  \
           int64_t value_stride) {                                                                            \
     const int64_t block_stride = num_kv_heads * head_dim * block_size;                                     \
-    _Pragma("omp parallel for schedule(static) if (num_tokens > 64)")                                       \
+    _Pragma("omp parallel for schedule(static) if (num_tokens >= 16)")                                       \
     for (int64_t i = 0; i < num_tokens; i++) {                                                             \
         const int64_t slot = slot_mapping[i];                                                              \
         if (slot < 0) continue; /* a padding row */                                                        \
@@ -248,7 +248,9 @@ static inline __attribute__((always_inline)) void begin_values_pass(
         const __m512 *vmax, float *m, float *l, __m512 acc[][FAST_MAX_CHUNKS], __m512 *mrow, __m512 *lsum,
         int64_t rows, int64_t chunks) {
     for (int64_t r = 0; r < rows; r++) {
-        const float new_max = fmaxf(m[r], _mm512_reduce_max_ps(vmax[r]));
+        /* NOTE: not fmaxf: gcc calls it through the PLT, and the call spills every vector
+         * register (the accumulators) around it */
+        const float part_max = _mm512_reduce_max_ps(vmax[r]), new_max = part_max > m[r] ? part_max : m[r];
         if (new_max > m[r] && l[r] > 0) {
             const __m512 correction = exp16(_mm512_set1_ps(m[r] - new_max));
             l[r] *= _mm512_cvtss_f32(correction);

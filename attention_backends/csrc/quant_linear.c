@@ -75,9 +75,12 @@ static inline uint16_t float_to_bf16(float f) { /* to nearest even */
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
 }
 
-int64_t quant_group_bytes(int bits, int has_min) {
+/* NOTE: inline for the kernels: the exported function is called through the PLT, once per tile */
+static inline int64_t group_bytes(int bits, int has_min) {
     return (bits == 8 ? 512 : 256) + 2 * QBLOCK + (has_min ? 2 * QBLOCK : 0);
 }
+
+int64_t quant_group_bytes(int bits, int has_min) { return group_bytes(bits, has_min); }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -134,7 +137,7 @@ static inline __attribute__((always_inline)) void quant_tile(
         const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, const int rows, const uint8_t *wb,
         int64_t block_bytes, const int vecs, const int bits, const int has_min, const float *bias, void *y,
         int64_t ldy, int64_t n0, int64_t N, int out_f32) {
-    const int64_t groups = K / QGROUP, gbytes = quant_group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
+    const int64_t groups = K / QGROUP, gbytes = group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
     const int halves = rows <= 2 ? 2 : 1;
     __m512 acc[QROWS][QVECS];
     for (int m = 0; m < rows; m++)
@@ -246,7 +249,7 @@ typedef void (*quant_rows_fn)(const int8_t *, const float *, const int32_t *, in
 static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
                          const uint8_t *w, int bits, int has_min, const float *bias, void *y, int64_t ldy,
                          int64_t N, int out_f32, int64_t first, int64_t last) {
-    const int64_t block_bytes = (K / QGROUP) * quant_group_bytes(bits, has_min);
+    const int64_t block_bytes = (K / QGROUP) * group_bytes(bits, has_min);
     const int kind = (bits == 8 ? 0 : 2) + (has_min ? 1 : 0);
     static const quant_rows_fn one4[4] = {one4_q8, one4_q8_min, one4_q4, one4_q4_min};
     static const quant_rows_fn two[4] = {rows2_q8, rows2_q8_min, rows2_q4, rows2_q4_min};
@@ -298,7 +301,7 @@ int quant_linear_vector(void) { return 1; }
 static void quant_tile_avx2(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, int rows,
                             const uint8_t *wb, int bits, int has_min, const float *bias, void *y, int64_t ldy,
                             int64_t n0, int64_t N, int out_f32) {
-    const int64_t groups = K / QGROUP, gbytes = quant_group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
+    const int64_t groups = K / QGROUP, gbytes = group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
     __m256 acc[QROWS][2];
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -363,7 +366,7 @@ static void quant_tile_avx2(const int8_t *xq, const float *xs, const int32_t *xs
 static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
                          const uint8_t *w, int bits, int has_min, const float *bias, void *y, int64_t ldy,
                          int64_t N, int out_f32, int64_t first, int64_t last) {
-    const int64_t groups = K / QGROUP, block_bytes = groups * quant_group_bytes(bits, has_min);
+    const int64_t groups = K / QGROUP, block_bytes = groups * group_bytes(bits, has_min);
     const int64_t esize = out_f32 ? 4 : 2;
     for (int64_t nb = first; nb < last; nb++)
         for (int64_t m = 0; m < M; m += QROWS)
@@ -380,7 +383,7 @@ int quant_linear_vector(void) { return 0; }
 static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
                          const uint8_t *w, int bits, int has_min, const float *bias, void *y, int64_t ldy,
                          int64_t N, int out_f32, int64_t first, int64_t last) {
-    const int64_t groups = K / QGROUP, gbytes = quant_group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
+    const int64_t groups = K / QGROUP, gbytes = group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
     for (int64_t nb = first; nb < last; nb++) {
         const uint8_t *wb = w + nb * groups * gbytes;
         for (int64_t m = 0; m < M; m++) {

@@ -91,7 +91,8 @@ static inline __attribute__((always_inline)) void partition_softmax(
             _mm512_store_ps(&scores[r][j], s);
             vmax = _mm512_max_ps(vmax, s);
         }
-        const float new_max = fmaxf(m[r], _mm512_reduce_max_ps(vmax));
+        /* NOTE: not fmaxf: gcc calls it through the PLT, spilling the 16 rows' registers */
+        const float part_max = _mm512_reduce_max_ps(vmax), new_max = part_max > m[r] ? part_max : m[r];
         const __m512 mrow = _mm512_set1_ps(new_max);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < width; j += 16) {
@@ -365,7 +366,8 @@ int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cach
     if (!kb) return 1;
     uint16_t *vb = kb + KV * D * padded_keys, *qp = vb + KV * padded_keys * D;
     const __m512i interleave = pair_interleave();
-    #pragma omp parallel for schedule(static)
+    /* dynamic: the keys' jobs (first) take longest; statically the first thread got them all */
+    #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t job = 0; job < 3 * KV; job++) {
         const int64_t h = job % KV;
         if (job < KV) pack_keys(kb + h * D * padded_keys, key_cache, blocks, keys, padded_keys, block_size, block_stride, h, D, interleave);

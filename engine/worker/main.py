@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -55,6 +56,10 @@ def serve(conn: Connection, preloading: threading.Thread | None = None) -> None:
     except BaseException:  # noqa: BLE001 - the engine reports it; SystemExit from a library too
         _send_failure(conn, traceback.format_exc())
         return
+    # NOTE: the model, its compiled regions and the libraries' objects live as long as the
+    # worker; frozen, the collector's full passes between steps no longer walk them.
+    gc.collect()
+    gc.freeze()
     conn.send(ready_message(runner))
     if init.rank == 0:
         lead(runner, conn.recv, conn.send)
