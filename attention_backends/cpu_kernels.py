@@ -153,6 +153,9 @@ def load() -> ctypes.CDLL:
     lib.quant_linear.argtypes = [pointer, i64, i64, ctypes.c_int, i64, pointer, ctypes.c_int, ctypes.c_int, i64,
                                  pointer, pointer, i64, ctypes.c_int]
     lib.quant_linear.restype = ctypes.c_int
+    lib.quant_linear_argmax.argtypes = [pointer, i64, i64, ctypes.c_int, i64, pointer, ctypes.c_int, ctypes.c_int,
+                                        i64, pointer, pointer]
+    lib.quant_linear_argmax.restype = ctypes.c_int
     lib.one_token_decode.argtypes = [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, pointer,
                                      pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, i64, i64,
                                      ctypes.c_float, ctypes.c_float, pointer, i64, pointer,
@@ -522,6 +525,30 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                                      int(out_f32)):
         raise MemoryError("quant_linear: out of memory for the quantized activations")
     return out
+
+
+def quant_linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                        bits: int, has_min: bool) -> torch.Tensor:
+    """Each row's index of its largest output of ``quant_linear(..., out_f32=True)`` (the first
+    on ties), without writing the outputs: greedy sampling's LM head.
+
+    Returns:
+        int64 [x rows].
+    """
+    assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == torch.uint8
+    m, k = x.shape
+    assert k % QUANT_GROUP == 0 and weight.is_contiguous()
+    assert weight.numel() == -(-out_features // QUANT_BLOCK) * (k // QUANT_GROUP) * _quant_group_bytes(bits, has_min)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (out_features,)
+    ids = torch.empty(m, dtype=torch.int64)
+    if m and _kernel("quant_linear_argmax")(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.float32), k,
+                                            weight.data_ptr(), bits, int(has_min), out_features,
+                                            None if bias is None else bias.data_ptr(), ids.data_ptr()):
+        raise MemoryError("quant_linear_argmax: out of memory for the quantized activations")
+    return ids
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -284,3 +284,18 @@ def test_not_taken_in_float32_with_onednn_products_or_batch_invariance(tiny_llam
             assert "one-token steps in one call" not in llm.engine.describe()
             output = llm.generate([[3, 3, 8]], SamplingParams(max_tokens=3, temperature=0))[0].outputs[0]
             assert len(output.token_ids) == 3
+
+
+@torch.inference_mode()
+def test_greedy_tokens_are_the_first_largest_logits_of_the_quantized_lm_head(tiny_llama_dir):
+    """LlamaForCausalLM.greedy_tokens with the tied LM head in int8: each row's first largest
+    of compute_logits, with no logits written; with a bfloat16 head, None (the worker then
+    takes the logits and the sampler)."""
+    model = tiny_model(tiny_llama_dir, "int8")
+    hidden = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    first = (logits == logits.max(dim=1, keepdim=True).values).to(torch.uint8).argmax(dim=1)
+    assert torch.equal(model.greedy_tokens(hidden), first)
+    assert tiny_model(tiny_llama_dir, "bf16").greedy_tokens(hidden) is None
+

@@ -158,6 +158,46 @@ def test_a_rows_result_does_not_depend_on_its_batch():
         assert torch.equal(cpu_kernels.quant_linear(x[i : i + 1], packed, None, 3072, 4, True), batched[i : i + 1])
 
 
+def first_largest(out: torch.Tensor) -> torch.Tensor:
+    """Each row's first index of its largest value."""
+    return (out == out.max(dim=1, keepdim=True).values).to(torch.uint8).argmax(dim=1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("packing", list(Q.QUANT_PACKINGS))
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_greedy_argmax_is_the_first_largest_of_the_kernels_float32_sums(packing, rows):
+    """quant_linear_argmax (greedy sampling's LM head, no logits written): the index of each
+    row's largest float32 sum that quant_linear gives, the first where several are equal: here
+    three equal largest outputs, in both threads' ranges of features, for every row; widths
+    that are not whole chunks of 64 features or even of 16; bfloat16 and float32 inputs, a bias."""
+    n, k = 1000, 64
+    weight = example_weights(n, k, seed=rows)[packing]
+    bits, has_min = Q.QUANT_PACKINGS[packing]
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, k, generator=gen).expand(rows, k)  # every row the same input: the same ties
+    top = int(cpu_kernels.quant_linear(x.bfloat16(), Q.pack(weight), None, n, bits, has_min, out_f32=True)[0].argmax())
+    for col in (811, 301, 900):  # the largest output's feature again, 4 times larger (exactly: a power of 2)
+        weight.values[col], weight.scales[col] = weight.values[top], weight.scales[top] * 4
+        if weight.mins is not None:
+            weight.mins[col] = weight.mins[top] * 4
+    packed = Q.pack(weight)
+    out = cpu_kernels.quant_linear(x.bfloat16(), packed, None, n, bits, has_min, out_f32=True)
+    assert (out[:, 301] == out[:, 811]).all() and (out[:, 301] == out[:, 900]).all()
+    assert (out[:, 301] == out.max(dim=1).values).all()
+    got = cpu_kernels.quant_linear_argmax(x.bfloat16(), packed, None, n, bits, has_min)
+    assert got.tolist() == [301] * rows
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    for inputs in (x, x.bfloat16()):
+        for width in (n, 17, 40):
+            sub = Q.pack(Q.GroupQuantized(weight.values[:width], weight.scales[:width],
+                                          None if weight.mins is None else weight.mins[:width], weight.bits))
+            out = cpu_kernels.quant_linear(inputs, sub, bias[:width], width, bits, has_min, out_f32=True)
+            got = cpu_kernels.quant_linear_argmax(inputs, sub, bias[:width], width, bits, has_min)
+            assert torch.equal(got, first_largest(out)), (width, inputs.dtype)
+
+
 @needs_kernels
 def quant_kernel_for(march: str, directory: Path):
     """csrc/quant_linear.c alone, built for ``march`` (a few seconds, where the whole library
@@ -171,6 +211,7 @@ def quant_kernel_for(march: str, directory: Path):
     lib = ctypes.CDLL(str(target))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.quant_linear.argtypes = [p, i64, i64, i32, i64, p, i32, i32, i64, p, p, i64, i32]
+    lib.quant_linear_argmax.argtypes = [p, i64, i64, i32, i64, p, i32, i32, i64, p, p]
     for name in ("quant_linear_vnni", "quant_linear_vector"):
         getattr(lib, name).restype = i32
     return lib
@@ -181,7 +222,8 @@ def quant_kernel_for(march: str, directory: Path):
 def test_avx2_and_portable_paths_give_the_vnni_paths_results(tmp_path, march, vector):
     """The kernel built for an AVX2 CPU (x86-64-v3: no AVX512-VNNI) runs its AVX2 path, and for
     an older one (x86-64-v2) the plain C loop: the same integer sums, so the same results up to
-    float32 rounding, for every packing, with a bias, one row and several (tiles of 4 and a tail)."""
+    float32 rounding, for every packing, with a bias, one row and several (tiles of 4 and a tail);
+    and the greedy argmax there picks from those sums."""
     weights = example_weights(37, 128, seed=5)
     lib = quant_kernel_for(march, tmp_path)
     assert lib.quant_linear_vnni() == 0 and lib.quant_linear_vector() == int(vector)
@@ -199,6 +241,11 @@ def test_avx2_and_portable_paths_give_the_vnni_paths_results(tmp_path, march, ve
                 scale = native.float().abs().max().item()
                 tolerance = 1e-4 * scale if out_f32 else 1e-2 * scale  # bfloat16 outputs: a rounding apart at most
                 assert torch.allclose(out.float(), native.float(), rtol=1e-5, atol=tolerance), (name, rows, out_f32)
+                if out_f32:  # greedy's LM head on that path: the first largest of its own sums
+                    ids = torch.empty(rows, dtype=torch.int64)
+                    assert lib.quant_linear_argmax(x.data_ptr(), rows, 128, 0, 128, packed.data_ptr(), bits,
+                                                   int(has_min), 37, bias.data_ptr(), ids.data_ptr()) == 0
+                    assert torch.equal(ids, first_largest(out)), (name, rows)
 
 
 def test_without_a_vector_quantized_kernel_gguf_is_dequantized_and_int8_refused(monkeypatch):
@@ -271,6 +318,20 @@ def test_int8_engine_runs_a_float_checkpoint(tiny_llama_dir):
         floats = llm.generate(prompts, params)
     for q, f in zip(quantized, floats):
         assert q.outputs[0].token_ids[0] == f.outputs[0].token_ids[0]
+
+
+@needs_vector
+def test_greedy_tokens_without_logits_are_the_samplers(tiny_llama_dir):
+    """The worker lets the int8 LM head pick plain greedy tokens without writing logits
+    (quant_linear_argmax); asking for logprobs takes the logits and the sampler instead: the
+    same tokens both ways, a batch of prompts and one alone."""
+    prompts = [[1, 5, 9, 2, 7], [3, 3, 8], [4] * 30, [9, 1]]
+    with LLM(str(tiny_llama_dir), dtype="bfloat16", enforce_eager=True, quantization="int8") as llm:
+        fused = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        sampled = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1))
+        alone = llm.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [f.outputs[0].token_ids for f in fused] == [s.outputs[0].token_ids for s in sampled]
+    assert alone[0].outputs[0].token_ids == fused[0].outputs[0].token_ids
 
 
 def requantized_default_model(type_name: str, directory: Path) -> Path:

@@ -43,6 +43,22 @@ def test_greedy_is_argmax_and_fast_path_builds_nothing():
     assert torch.equal(sample(half, params).sampled_token_ids, half.float().argmax(-1))
 
 
+@pytest.mark.parametrize("params, plain", [
+    (SamplingParams(temperature=0), True),
+    (SamplingParams(temperature=0, top_k=5, top_p=0.5), True),  # filters that greedy ignores
+    (SamplingParams(temperature=0, logprobs=1), False),
+    (SamplingParams(temperature=0, repetition_penalty=1.2), False),
+    (SamplingParams(temperature=0, presence_penalty=0.5), False),
+    (SamplingParams(temperature=0, min_tokens=3), False),
+    (SamplingParams(temperature=0.8), False),
+])
+def test_plain_greedy_is_greedy_with_nothing_else_reading_the_logits(params, plain):
+    """Sampler.plain_greedy: where the worker may let the LM head's kernel pick the tokens
+    (without logits); one row that needs more than the largest logit turns it off for all."""
+    md = sampling_metadata([SamplingParams(temperature=0), params], [[1], [1]], [[]] * 2, [EOS], 50)
+    assert Sampler.plain_greedy(md) == plain
+
+
 def test_mixed_greedy_and_random_rows():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(8, 30, generator=gen)

@@ -453,3 +453,66 @@ int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, co
     free(xq), free(xs), free(xsum);
     return 0;
 }
+
+/* Greedy sampling's LM head: each row's index of its largest output (the first on ties), the
+ * outputs never written out. Each thread takes its contiguous range of blocks four at a time
+ * (64 features, the tiles' widest) into a scratch of M x 64 float32 sums, the same sums as
+ * quant_linear's with out_f32, and keeps its range's best per row; the ranges, in order, then
+ * give each row the first of the largest. A NaN output is passed over (torch's max would
+ * return it). Returns 0, or -1 if memory ran out. */
+#define ARGMAX_BLOCKS 4
+int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
+                        int has_min, int64_t N, const float *bias, int64_t *ids) {
+    const int64_t groups = K / QGROUP, blocks = (N + QBLOCK - 1) / QBLOCK, width = ARGMAX_BLOCKS * QBLOCK;
+    const int64_t block_bytes = groups * group_bytes(bits, has_min), esize = x_f32 ? 4 : 2;
+    const int threads = omp_get_max_threads();
+    int8_t *xq = malloc((size_t)(M * K));
+    float *xs = malloc((size_t)(M * groups) * sizeof(float));
+    int32_t *xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
+    float *scratch = malloc((size_t)(threads * M * width) * sizeof(float));
+    float *best = malloc((size_t)(threads * M) * sizeof(float));
+    int64_t *at = malloc((size_t)(threads * M) * sizeof(int64_t));
+    if (!xq || !xs || !xsum || !scratch || !best || !at) {
+        free(xq), free(xs), free(xsum), free(scratch), free(best), free(at);
+        return -1;
+    }
+    int used = 1;
+#pragma omp parallel num_threads(M * K >= 4096 || blocks >= 2 * threads ? threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row((const char *)x + m * ldx * esize, x_f32, K, xq + m * K, xs + m * groups, xsum + m * groups);
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), end = blocks * (t + 1) / nt;
+        if (t == 0) used = (int)nt;
+        float *sums = scratch + t * M * width, *top = best + t * M;
+        int64_t *where = at + t * M;
+        for (int64_t m = 0; m < M; m++) top[m] = -INFINITY, where[m] = -1;
+        for (int64_t nb = blocks * t / nt; nb < end; nb += ARGMAX_BLOCKS) {
+            const int64_t count = end - nb < ARGMAX_BLOCKS ? end - nb : ARGMAX_BLOCKS, n0 = nb * QBLOCK;
+            const int64_t n = N - n0 < count * QBLOCK ? N - n0 : count * QBLOCK;
+            quant_blocks(xq, xs, xsum, M, K, w + nb * block_bytes, bits, has_min, bias ? bias + n0 : NULL, sums,
+                         width, N - n0, 1, 0, count);
+            for (int64_t m = 0; m < M; m++) {
+                const float *row = sums + m * width;
+                float most = -INFINITY;
+                for (int64_t j = 0; j < n; j++) most = row[j] > most ? row[j] : most;
+                if (most > top[m]) { /* a new best: its first place in this chunk */
+                    int64_t j = 0;
+                    while (row[j] != most) j++;
+                    top[m] = most, where[m] = n0 + j;
+                }
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        int64_t pick = -1;
+        float most = -INFINITY;
+        for (int t = 0; t < used; t++) /* ranges in order: an equal later best never wins */
+            if (at[t * M + m] >= 0 && (pick < 0 || best[t * M + m] > most))
+                most = best[t * M + m], pick = at[t * M + m];
+        ids[m] = pick < 0 ? 0 : pick; /* every output -inf (or NaN): the first, as torch's max */
+    }
+    free(xq), free(xs), free(xsum), free(scratch), free(best), free(at);
+    return 0;
+}
+

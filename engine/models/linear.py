@@ -185,6 +185,16 @@ def logits_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return packed_linear(x, weight, bias, packing, out_features, amx_min_rows)
 
 
+def greedy_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packing: str,
+                  out_features: int) -> torch.Tensor | None:
+    """Each row's greedy token from an LM head's product without writing its logits: the index
+    of the largest of logits_linear's float32 sums (the first on ties), where the quantized
+    kernel runs the head; None for other packings (the caller takes the logits then)."""
+    if packing in QUANT_PACKINGS:
+        return cpu_kernels.quant_linear_argmax(x, weight, bias, out_features, *QUANT_PACKINGS[packing])
+    return None
+
+
 # -- where the tiles take over ---------------------------------------------------------------
 
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -295,6 +305,11 @@ class Linear(nn.Linear):
         if self.packing is not None:
             return logits_linear(x, self.weight, self.bias, self.packing, self.out_features, self.amx_min_rows)
         return F.linear(x, self.weight, self.bias)
+
+    def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The LM head's greedy token per row without its logits (see greedy_linear), or None."""
+        return None if self.packing is None else greedy_linear(x, self.weight, self.bias, self.packing,
+                                                               self.out_features)
 
 
 class GateUpLinear(Linear):

@@ -31,7 +31,7 @@ from pagoda.engine.models.precompiled import cache_key
 from pagoda.engine.models.quantized import GroupQuantized, quantize_int8, quantized_weights
 from pagoda.engine.platform import attention_shape, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine.worker.prompt_scoring import score_prompts
-from pagoda.engine.worker.sampler import Sampler
+from pagoda.engine.worker.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -304,15 +304,26 @@ class ModelRunner:
             logit_rows, last = np.repeat(sample_rows, counts), np.repeat(ends - counts, counts) + offsets
         last = torch.from_numpy(last).to(device)
         md = batch.sampling_metadata(logit_rows, offsets) if self.tp.rank == 0 else None
-        greedy_rows = None
-        if md is not None and not md.all_random:
-            greedy_rows = (torch.arange(len(logit_rows), device=device) if md.all_greedy
-                           else md.greedy_mask.nonzero().squeeze(1))
-        logits = self.model.compute_logits(hidden[last], greedy_rows)
-        if sched.grammar_bitmask is not None:
-            _mask_logits(logits, logit_rows, [row_of[r] for r in sched.grammar_request_ids], sched.grammar_bitmask)
+        # NOTE: plain greedy rows with nothing else reading the logits: where the LM head's
+        # kernel can, it picks the tokens without writing the logits out (never under tensor
+        # parallelism, so every rank takes the logits below together).
+        fused = None
+        if md is not None and Sampler.plain_greedy(md) and sched.grammar_bitmask is None and num_drafts is None:
+            fused = self.model.greedy_tokens(hidden[last])
+        if fused is None:
+            greedy_rows = None
+            if md is not None and not md.all_random:
+                greedy_rows = (torch.arange(len(logit_rows), device=device) if md.all_greedy
+                               else md.greedy_mask.nonzero().squeeze(1))
+            logits = self.model.compute_logits(hidden[last], greedy_rows)
+            if sched.grammar_bitmask is not None:
+                _mask_logits(logits, logit_rows, [row_of[r] for r in sched.grammar_request_ids],
+                             sched.grammar_bitmask)
         # NOTE: rank 0 samples and every other rank takes its tokens, so all keep the same ids.
-        if self.tp.rank == 0:
+        if fused is not None:
+            result = SamplerOutput(sampled_token_ids=fused)
+            sampled = fused
+        elif self.tp.rank == 0:
             result = self.sampler(logits, md)
             sampled = result.sampled_token_ids
         else:

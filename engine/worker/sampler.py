@@ -64,9 +64,9 @@ class Sampler:
         """
         md = metadata
         assert logits.shape == (md.num_reqs, md.vocab_size), (logits.shape, md.num_reqs, md.vocab_size)
-        no_edits = md.min_tokens_rows is None and md.repetition_penalties is None
-        if md.all_greedy and no_edits and md.max_num_logprobs is None:
+        if self.plain_greedy(md):
             return SamplerOutput(sampled_token_ids=_argmax(logits))  # the common path
+        no_edits = md.min_tokens_rows is None and md.repetition_penalties is None
         # NOTE: copy, so the in-place edits below never touch the caller's tensor.
         logits = logits.to(torch.float32, copy=not no_edits or not md.all_greedy)
         raw_logprobs = None if md.max_num_logprobs is None else logits.log_softmax(dim=-1)
@@ -89,6 +89,13 @@ class Sampler:
         ids = torch.cat([sampled.unsqueeze(1), top.indices], dim=1)
         values = torch.cat([raw_logprobs.gather(1, sampled.unsqueeze(1)), top.values], dim=1)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=values, logprob_token_ids=ids)
+
+    @staticmethod
+    def plain_greedy(md: SamplingMetadata) -> bool:
+        """Whether every row takes its largest logit as it comes: greedy, with no penalties,
+        no min_tokens and no logprobs (the model may then pick the tokens itself)."""
+        return (md.all_greedy and md.min_tokens_rows is None and md.repetition_penalties is None
+                and md.max_num_logprobs is None)
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Temperature, filters and the exponential race; edits ``logits`` in place."""
