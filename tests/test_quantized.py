@@ -185,8 +185,14 @@ def test_greedy_argmax_is_the_first_largest_of_the_kernels_float32_sums(packing,
     out = cpu_kernels.quant_linear(x.bfloat16(), packed, None, n, bits, has_min, out_f32=True)
     assert (out[:, 301] == out[:, 811]).all() and (out[:, 301] == out[:, 900]).all()
     assert (out[:, 301] == out.max(dim=1).values).all()
-    got = cpu_kernels.quant_linear_argmax(x.bfloat16(), packed, None, n, bits, has_min)
-    assert got.tolist() == [301] * rows
+    threads = torch.get_num_threads()
+    try:
+        for count in {1, threads}:  # one range, and the threads' ranges merged (301 in the first)
+            torch.set_num_threads(count)
+            got = cpu_kernels.quant_linear_argmax(x.bfloat16(), packed, None, n, bits, has_min)
+            assert got.tolist() == [301] * rows, count
+    finally:
+        torch.set_num_threads(threads)
     x = torch.randn(rows, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     for inputs in (x, x.bfloat16()):

@@ -307,15 +307,15 @@ class ModelRunner:
         # NOTE: plain greedy rows with nothing else reading the logits: where the LM head's
         # kernel can, it picks the tokens without writing the logits out (never under tensor
         # parallelism, so every rank takes the logits below together).
-        fused = None
+        fused, last_hidden = None, hidden[last]
         if md is not None and Sampler.plain_greedy(md) and sched.grammar_bitmask is None and num_drafts is None:
-            fused = self.model.greedy_tokens(hidden[last])
+            fused = self.model.greedy_tokens(last_hidden)
         if fused is None:
             greedy_rows = None
             if md is not None and not md.all_random:
                 greedy_rows = (torch.arange(len(logit_rows), device=device) if md.all_greedy
                                else md.greedy_mask.nonzero().squeeze(1))
-            logits = self.model.compute_logits(hidden[last], greedy_rows)
+            logits = self.model.compute_logits(last_hidden, greedy_rows)
             if sched.grammar_bitmask is not None:
                 _mask_logits(logits, logit_rows, [row_of[r] for r in sched.grammar_request_ids],
                              sched.grammar_bitmask)
