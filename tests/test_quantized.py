@@ -170,7 +170,8 @@ def test_greedy_argmax_is_the_first_largest_of_the_kernels_float32_sums(packing,
     """quant_linear_argmax (greedy sampling's LM head, no logits written): the index of each
     row's largest float32 sum that quant_linear gives, the first where several are equal: here
     three equal largest outputs, in both threads' ranges of features, for every row; widths
-    that are not whole chunks of 64 features or even of 16; bfloat16 and float32 inputs, a bias."""
+    that are not whole chunks of 64 features or even of 16; bfloat16 and float32 inputs, a bias;
+    NaN outputs picked first, as torch's max picks them."""
     n, k = 1000, 64
     weight = example_weights(n, k, seed=rows)[packing]
     bits, has_min = Q.QUANT_PACKINGS[packing]
@@ -193,6 +194,12 @@ def test_greedy_argmax_is_the_first_largest_of_the_kernels_float32_sums(packing,
             assert got.tolist() == [301] * rows, count
     finally:
         torch.set_num_threads(threads)
+    for nans in ((900,), (700, 900, 20)):  # a NaN output beats every number, the first NaN all others
+        broken = Q.GroupQuantized(weight.values, weight.scales.clone(), weight.mins, weight.bits)
+        broken.scales[list(nans)] = float("nan")
+        out = cpu_kernels.quant_linear(x.bfloat16(), Q.pack(broken), None, n, bits, has_min, out_f32=True)
+        got = cpu_kernels.quant_linear_argmax(x.bfloat16(), Q.pack(broken), None, n, bits, has_min)
+        assert got.tolist() == [min(nans)] * rows == out.max(dim=1).indices.tolist()
     x = torch.randn(rows, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     for inputs in (x, x.bfloat16()):

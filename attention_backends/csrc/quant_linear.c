@@ -458,8 +458,8 @@ int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, co
  * outputs never written out. Each thread takes its contiguous range of blocks four at a time
  * (64 features, the tiles' widest) into a scratch of M x 64 float32 sums, the same sums as
  * quant_linear's with out_f32, and keeps its range's best per row; the ranges, in order, then
- * give each row the first of the largest. A NaN output is passed over (torch's max would
- * return it). Returns 0, or -1 if memory ran out. */
+ * give each row the first of the largest, or its first NaN (as torch's max). Returns 0, or -1
+ * if memory ran out. */
 #define ARGMAX_BLOCKS 4
 int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
                         int has_min, int64_t N, const float *bias, int64_t *ids) {
@@ -493,13 +493,18 @@ int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_
             quant_blocks(xq, xs, xsum, M, K, w + nb * block_bytes, bits, has_min, bias ? bias + n0 : NULL, sums,
                          width, N - n0, 1, 0, count);
             for (int64_t m = 0; m < M; m++) {
+                if (top[m] != top[m]) continue; /* this range's first NaN is the row's pick here */
                 const float *row = sums + m * width;
                 float most = -INFINITY;
-                for (int64_t j = 0; j < n; j++) most = row[j] > most ? row[j] : most;
-                if (most > top[m]) { /* a new best: its first place in this chunk */
+                int nan = 0;
+                for (int64_t j = 0; j < n; j++) {
+                    most = row[j] > most ? row[j] : most;
+                    nan |= row[j] != row[j];
+                }
+                if (nan || most > top[m]) { /* a new best (a NaN beats all, as in torch's max): its first place */
                     int64_t j = 0;
-                    while (row[j] != most) j++;
-                    top[m] = most, where[m] = n0 + j;
+                    while (nan ? row[j] == row[j] : row[j] != most) j++;
+                    top[m] = row[j], where[m] = n0 + j;
                 }
             }
         }
@@ -507,10 +512,16 @@ int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_
     for (int64_t m = 0; m < M; m++) {
         int64_t pick = -1;
         float most = -INFINITY;
-        for (int t = 0; t < used; t++) /* ranges in order: an equal later best never wins */
-            if (at[t * M + m] >= 0 && (pick < 0 || best[t * M + m] > most))
-                most = best[t * M + m], pick = at[t * M + m];
-        ids[m] = pick < 0 ? 0 : pick; /* every output -inf (or NaN): the first, as torch's max */
+        for (int t = 0; t < used; t++) { /* ranges in order: an equal later best never wins */
+            const float value = best[t * M + m];
+            if (at[t * M + m] < 0) continue;
+            if (value != value) { /* the first NaN wins */
+                pick = at[t * M + m];
+                break;
+            }
+            if (pick < 0 || value > most) most = value, pick = at[t * M + m];
+        }
+        ids[m] = pick < 0 ? 0 : pick; /* every output -inf: the first, as torch's max */
     }
     free(xq), free(xs), free(xsum), free(scratch), free(best), free(at);
     return 0;
