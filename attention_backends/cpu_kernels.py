@@ -500,6 +500,18 @@ def quant_linear_vnni() -> bool:
     return available() and bool(load().quant_linear_vnni())
 
 
+def _quant_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, bits: int,
+                    has_min: bool) -> torch.Tensor:
+    """Checks the quantized kernel's operands; returns x with its rows' elements contiguous."""
+    assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == torch.uint8
+    k = x.shape[1]
+    assert k % QUANT_GROUP == 0 and weight.is_contiguous()
+    assert weight.numel() == -(-out_features // QUANT_BLOCK) * (k // QUANT_GROUP) * _quant_group_bytes(bits, has_min)
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (out_features,)
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, bits: int,
                  has_min: bool, out_f32: bool = False) -> torch.Tensor:
     """x @ W.T + bias for a 2-D bfloat16 or float32 x and a weight packed by
@@ -508,15 +520,8 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     Returns:
         [x rows, out_features] in x's dtype, or float32 with ``out_f32``.
     """
-    assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == torch.uint8
+    x = _quant_operands(x, weight, bias, out_features, bits, has_min)
     m, k = x.shape
-    assert k % QUANT_GROUP == 0 and weight.is_contiguous()
-    blocks = -(-out_features // QUANT_BLOCK)
-    assert weight.numel() == blocks * (k // QUANT_GROUP) * _quant_group_bytes(bits, has_min)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (out_features,)
     out_f32 = out_f32 or x.dtype == torch.float32
     out = torch.empty(m, out_features, dtype=torch.float32 if out_f32 else x.dtype)
     if m and _kernel("quant_linear")(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.float32), k,
@@ -535,14 +540,8 @@ def quant_linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     Returns:
         int64 [x rows].
     """
-    assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == torch.uint8
+    x = _quant_operands(x, weight, bias, out_features, bits, has_min)
     m, k = x.shape
-    assert k % QUANT_GROUP == 0 and weight.is_contiguous()
-    assert weight.numel() == -(-out_features // QUANT_BLOCK) * (k // QUANT_GROUP) * _quant_group_bytes(bits, has_min)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (out_features,)
     ids = torch.empty(m, dtype=torch.int64)
     if m and _kernel("quant_linear_argmax")(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.float32), k,
                                             weight.data_ptr(), bits, int(has_min), out_features,
