@@ -13,8 +13,10 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.platform import resolve_dtype
 from pagoda.server.config import ServerConfig
 from pagoda.server.testing import ServerThread, http_request
 from helpers import REPO, TINY_FLAGS, free_port
@@ -210,7 +212,9 @@ def test_readme_default_model_answers_a_chat(serve):
     positions = [log.find(stage) for stage in stages]
     assert -1 not in positions and positions == sorted(positions), log
     ready_line = log[positions[-1]:].splitlines()[0]
-    for fact in ("model SmolLM2-135M-Instruct", "bfloat16", "attention backend ", "KV cache ", " tokens",
+    # NOTE: "auto" is bfloat16 where the CPU has it natively, float32 on AVX2-only CPUs
+    dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    for fact in ("model SmolLM2-135M-Instruct", f" in {dtype} ", "attention backend ", "KV cache ", " tokens",
                  "scheduling policy fcfs", "eviction policy lru", "plugins: "):
         assert fact in ready_line, ready_line
 
