@@ -232,3 +232,66 @@ def test_prefill_on_tiles_matches_naive(monkeypatch, tiles, block_size, group, h
     cases = ([300, 17, 600, 1, 70, 33], [300, 17, 40, 1, 1, 16])
     backend_matches_naive("cpu_paged", block_size, group, head_dim, torch.bfloat16, cases=cases)
     assert ran and all(ran)  # the tiles ran, not the kernel in their place
+
+
+def paged_kernel_for(march: str, directory):
+    """csrc/paged_attention.c alone, built for ``march`` with the library's flags (seconds)."""
+    import ctypes
+    import subprocess
+
+    from pagoda.attention_backends import cpu_kernels
+
+    target = directory / f"paged_attention-{march}.so"
+    flags = [flag for flag in cpu_kernels._flags() if not flag.startswith("-march=")]
+    subprocess.run([cpu_kernels._compiler(), f"-march={march}", *flags, f"-I{cpu_kernels._CSRC}", "-o", str(target),
+                    str(cpu_kernels._CSRC / "paged_attention.c"), "-lm"], check=True, capture_output=True, timeout=300)
+    lib = ctypes.CDLL(str(target))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in ("paged_attention_f32", "paged_attention_bf16", "paged_attention_bf16_e4m3"):
+        getattr(lib, name).argtypes = [p, p, p, p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
+                                       ctypes.c_float]
+    return lib
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
+def test_avx2_and_portable_builds_of_the_paged_kernel_match_this_ones(tmp_path, march):
+    """The paged kernel built for an AVX2 CPU (x86-64-v3: the vector tiles on two 8-lane halves,
+    their own exp) and for an older one (x86-64-v2: the generic loop) gives this machine's
+    build's outputs and log-sum-exps up to float32 rounding: prefill chunks and decodes, block
+    sizes 16 and 32, 3 query heads per KV head, a float32, a bfloat16 and an fp8 cache, scores
+    spread wide enough that exp sees large negative inputs."""
+    from pagoda.attention_backends import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels cannot be built here")
+    lib = paged_kernel_for(march, tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim = 6, 2, 64
+    query_lens, seq_lens = [5, 1, 19, 1], [40, 300, 19, 17]
+    for block_size in (16, 32):
+        blocks_per = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per) + 3
+        order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+        tables = torch.zeros(len(seq_lens), max(blocks_per), dtype=torch.int32)
+        at = 0
+        for i, n in enumerate(blocks_per):
+            tables[i, :n] = order[at:at + n]
+            at += n
+        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        query = torch.randn(sum(query_lens), heads, head_dim, generator=gen) * 3
+        keys = torch.randn(num_blocks, kv_heads, head_dim, block_size, generator=gen)
+        values = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen)
+        for name, q, k, v in (("paged_attention_f32", query, keys, values),
+                              ("paged_attention_bf16", query.bfloat16(), keys.bfloat16(), values.bfloat16()),
+                              ("paged_attention_bf16_e4m3", query.bfloat16(), keys.to(torch.float8_e4m3fn),
+                               values.to(torch.float8_e4m3fn))):
+            native, native_lse = cpu_kernels.paged_attention(q, k, v, tables, lens, starts, 0.125, return_lse=True)
+            out, lse = torch.empty_like(q), torch.empty(q.shape[0], heads)
+            factor = 256.0 if k.dtype == torch.float8_e4m3fn else 1.0  # as cpu_kernels.paged_attention passes it
+            getattr(lib, name)(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.stride(0),
+                               lens.data_ptr(), starts.data_ptr(), out.data_ptr(), lse.data_ptr(), None, len(seq_lens),
+                               heads, kv_heads, head_dim, block_size, 0.125 * factor, factor)
+            tolerance = dict(rtol=1e-4, atol=1e-4) if q.dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(out.float(), native.float(), **tolerance, msg=f"{name} bs {block_size}")
+            torch.testing.assert_close(lse, native_lse, rtol=1e-5, atol=1e-5, msg=f"{name} bs {block_size}")

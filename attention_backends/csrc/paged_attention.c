@@ -169,27 +169,130 @@ static inline int64_t request_of_row(const int32_t *query_start, int64_t num_req
     return lo;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
-
-#include "avx512_exp.h"
 
 #define FAST_MAX_ROWS 8   /* query rows of a tile: its tokens x the query heads of one KV head */
 #define FAST_MAX_CHUNKS 8 /* head_dim up to 128 */
 
-static inline __m512 load16_bf16(const uint16_t *p) {
+/* The vector paths take 16 float32 lanes at a time (vec16, the v_ operations): one AVX-512
+ * register, or on AVX2-only CPUs two 8-lane halves, so one tile code serves both. */
+#if defined(__AVX512F__)
+#include "avx512_exp.h"
+
+typedef __m512 vec16;
+#define VOP static inline __attribute__((always_inline))
+VOP vec16 v_zero(void) { return _mm512_setzero_ps(); }
+VOP vec16 v_set1(float x) { return _mm512_set1_ps(x); }
+VOP vec16 v_add(vec16 a, vec16 b) { return _mm512_add_ps(a, b); }
+VOP vec16 v_sub(vec16 a, vec16 b) { return _mm512_sub_ps(a, b); }
+VOP vec16 v_mul(vec16 a, vec16 b) { return _mm512_mul_ps(a, b); }
+VOP vec16 v_max(vec16 a, vec16 b) { return _mm512_max_ps(a, b); }
+VOP vec16 v_fmadd(vec16 a, vec16 b, vec16 c) { return _mm512_fmadd_ps(a, b, c); }
+VOP vec16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+VOP void v_store(float *p, vec16 v) { _mm512_storeu_ps(p, v); }
+VOP float v_reduce_max(vec16 v) { return _mm512_reduce_max_ps(v); }
+VOP float v_reduce_add(vec16 v) { return _mm512_reduce_add_ps(v); }
+VOP float v_first(vec16 v) { return _mm512_cvtss_f32(v); }
+VOP vec16 v_exp(vec16 v) { return exp16(v); }
+/* the first `count` lanes of v, the rest `fill` */
+VOP vec16 v_keep_first(vec16 v, int64_t count, float fill) {
+    const __mmask16 kept = count >= 16 ? (__mmask16)0xffff : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1u);
+    return _mm512_mask_blend_ps(kept, _mm512_set1_ps(fill), v);
+}
+
+static inline vec16 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16_e5m2(const uint8_t *p) {
+static inline vec16 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec16 load16_e5m2(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
 }
 /* e4m3: the byte sign-extended to 16 bits and shifted by 7 holds the magnitude in bits 7-13 and
  * the sign in bits 14 and 15; clearing bit 14 leaves e4m3_bits(). */
-static inline __m512 load16_e4m3(const uint8_t *p) {
+static inline vec16 load16_e4m3(const uint8_t *p) {
     const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
     return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16((short)0xbfff)));
 }
+#else
+typedef struct { __m256 lo, hi; } vec16;
+#define VOP static inline __attribute__((always_inline))
+#define V2(EXPR_LO, EXPR_HI) ((vec16){EXPR_LO, EXPR_HI})
+VOP vec16 v_zero(void) { return V2(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+VOP vec16 v_set1(float x) { return V2(_mm256_set1_ps(x), _mm256_set1_ps(x)); }
+VOP vec16 v_add(vec16 a, vec16 b) { return V2(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
+VOP vec16 v_sub(vec16 a, vec16 b) { return V2(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
+VOP vec16 v_mul(vec16 a, vec16 b) { return V2(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+VOP vec16 v_max(vec16 a, vec16 b) { return V2(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+VOP vec16 v_fmadd(vec16 a, vec16 b, vec16 c) {
+    return V2(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+VOP vec16 v_load(const float *p) { return V2(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+VOP void v_store(float *p, vec16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+VOP float v_reduce_max(vec16 v) {
+    __m256 m = _mm256_max_ps(v.lo, v.hi);
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4e));
+    return _mm256_cvtss_f32(_mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xb1)));
+}
+VOP float v_reduce_add(vec16 v) {
+    __m256 s = _mm256_add_ps(v.lo, v.hi);
+    s = _mm256_add_ps(s, _mm256_permute2f128_ps(s, s, 1));
+    s = _mm256_add_ps(s, _mm256_shuffle_ps(s, s, 0x4e));
+    return _mm256_cvtss_f32(_mm256_add_ps(s, _mm256_shuffle_ps(s, s, 0xb1)));
+}
+VOP float v_first(vec16 v) { return _mm256_cvtss_f32(v.lo); }
+/* exp16's method (avx512_exp.h) on 8 lanes: 2^n applied in two halves, as AVX2 has no scalef */
+VOP __m256 exp8(__m256 x) {
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    const __m256 huge = _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
+    /* the constant first, so that a NaN (the second operand) passes through both */
+    x = _mm256_min_ps(_mm256_set1_ps(88.72283935546875f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* n in [-126, 128]: 2^(n/2) twice, each a normal float */
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+    const __m256 e = _mm256_andnot_ps(tiny, _mm256_mul_ps(_mm256_mul_ps(p, a), b));
+    return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), huge);
+}
+VOP vec16 v_exp(vec16 v) { return V2(exp8(v.lo), exp8(v.hi)); }
+VOP vec16 v_keep_first(vec16 v, int64_t count, float fill) {
+    const __m256i n = _mm256_set1_epi32((int)(count < 0 ? 0 : count > 16 ? 16 : count));
+    const __m256 lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const __m256 hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)));
+    return V2(_mm256_blendv_ps(_mm256_set1_ps(fill), v.lo, lo), _mm256_blendv_ps(_mm256_set1_ps(fill), v.hi, hi));
+}
+
+static inline vec16 load16_f32(const float *p) { return v_load(p); }
+static inline vec16 widen16(__m256i halves) { /* 16 float16 bit patterns */
+    return V2(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)));
+}
+static inline vec16 load16_bf16(const uint16_t *p) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)p), b = _mm_loadu_si128((const __m128i *)(p + 8));
+    return V2(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
+              _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
+}
+static inline vec16 load16_e5m2(const uint8_t *p) {
+    return widen16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
+}
+/* e4m3: as in the AVX-512 path */
+static inline vec16 load16_e4m3(const uint8_t *p) {
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return widen16(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16((short)0xbfff)));
+}
+#endif
 
 /* Prefetches into L2 the 16 keys (or values) from key position nstart, elem bytes each: blocks
  * are scattered, so the hardware prefetcher cannot guess the next one. The keys pass of a
@@ -234,57 +337,56 @@ static inline __attribute__((always_inline)) void prefetch_values16(
 /* Keeps 16 scores whose keys start at position start, -inf-like past the row's last key,
  * and takes them into the row's running vector max. */
 static inline __attribute__((always_inline)) void keep_scores(
-        float *dst, __m512 scores, int64_t start, int64_t last, __m512 *vmax) {
+        float *dst, vec16 scores, int64_t start, int64_t last, vec16 *vmax) {
     const int64_t seen = last - start + 1; /* keys of this chunk the row sees */
-    const __mmask16 valid = seen >= 16 ? (__mmask16)0xffff : seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1u);
-    const __m512 masked = _mm512_mask_blend_ps(valid, _mm512_set1_ps(MIN_SCORE), scores);
-    _mm512_store_ps(dst, masked);
-    *vmax = _mm512_max_ps(*vmax, masked);
+    const vec16 masked = v_keep_first(scores, seen, MIN_SCORE);
+    v_store(dst, masked);
+    *vmax = v_max(*vmax, masked);
 }
 
 /* Between a partition's passes: each row's maximum m takes in the partition's (vmax); the sum l
  * and accumulators of earlier partitions are rescaled to it; the row's new sum starts at 0. */
 static inline __attribute__((always_inline)) void begin_values_pass(
-        const __m512 *vmax, float *m, float *l, __m512 acc[][FAST_MAX_CHUNKS], __m512 *mrow, __m512 *lsum,
+        const vec16 *vmax, float *m, float *l, vec16 acc[][FAST_MAX_CHUNKS], vec16 *mrow, vec16 *lsum,
         int64_t rows, int64_t chunks) {
     for (int64_t r = 0; r < rows; r++) {
         /* NOTE: not fmaxf: gcc calls it through the PLT, and the call spills every vector
          * register (the accumulators) around it */
-        const float part_max = _mm512_reduce_max_ps(vmax[r]), new_max = part_max > m[r] ? part_max : m[r];
+        const float part_max = v_reduce_max(vmax[r]), new_max = part_max > m[r] ? part_max : m[r];
         if (new_max > m[r] && l[r] > 0) {
-            const __m512 correction = exp16(_mm512_set1_ps(m[r] - new_max));
-            l[r] *= _mm512_cvtss_f32(correction);
-            for (int64_t c = 0; c < chunks; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], correction);
+            const vec16 correction = v_exp(v_set1(m[r] - new_max));
+            l[r] *= v_first(correction);
+            for (int64_t c = 0; c < chunks; c++) acc[r][c] = v_mul(acc[r][c], correction);
         }
         m[r] = new_max;
-        mrow[r] = _mm512_set1_ps(new_max);
-        lsum[r] = _mm512_setzero_ps();
+        mrow[r] = v_set1(new_max);
+        lsum[r] = v_zero();
     }
 }
 
 /* 16 probabilities from kept scores, added into the row's sum. A masked score (MIN_SCORE) gives
  * exactly 0: exp16 flushes inputs below -87 to 0. The row's maximum gives 1, so a row's sum
  * is at least 1 after its first partition (every row sees key 0). */
-static inline __attribute__((always_inline)) __m512 probabilities16(const float *scores, __m512 mrow, __m512 *lsum) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(scores), mrow));
-    *lsum = _mm512_add_ps(*lsum, e);
+static inline __attribute__((always_inline)) vec16 probabilities16(const float *scores, vec16 mrow, vec16 *lsum) {
+    const vec16 e = v_exp(v_sub(v_load(scores), mrow));
+    *lsum = v_add(*lsum, e);
     return e;
 }
 
 /* The end of a partition's values pass: its sums into the rows' totals. */
-static inline __attribute__((always_inline)) void end_values_pass(float *l, const __m512 *lsum, int64_t rows) {
-    for (int64_t r = 0; r < rows; r++) l[r] += _mm512_reduce_add_ps(lsum[r]);
+static inline __attribute__((always_inline)) void end_values_pass(float *l, const vec16 *lsum, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++) l[r] += v_reduce_add(lsum[r]);
 }
 
 /* The tile's result: each row's accumulators over its softmax sum, and the log of that sum
  * (over scaled scores: m + log l, for merging with attention over other keys). */
 static inline __attribute__((always_inline)) void store_rows(
-        float *out, float *lse, __m512 acc[][FAST_MAX_CHUNKS], const float *m, const float *l, int64_t rows,
+        float *out, float *lse, vec16 acc[][FAST_MAX_CHUNKS], const float *m, const float *l, int64_t rows,
         int64_t chunks, int64_t head_dim) {
     for (int64_t r = 0; r < rows; r++) {
         lse[r] = l[r] > 0 ? m[r] + logf(l[r]) : -INFINITY;
-        const __m512 inv = _mm512_set1_ps(l[r] > 0 ? 1.0f / l[r] : 0.0f);
-        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + r * head_dim + c * 16, _mm512_mul_ps(acc[r][c], inv));
+        const vec16 inv = v_set1(l[r] > 0 ? 1.0f / l[r] : 0.0f);
+        for (int64_t c = 0; c < chunks; c++) v_store(out + r * head_dim + c * 16, v_mul(acc[r][c], inv));
     }
 }
 
@@ -300,7 +402,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     const int64_t chunks = head_dim / 16, rows = group * tq;                                               \
     const int64_t len = first_pos + ntok; /* keys the tile's last token sees */                           \
     float q[FAST_MAX_ROWS][128];                                                                           \
-    __m512 acc[FAST_MAX_ROWS][FAST_MAX_CHUNKS];                                                            \
+    vec16 acc[FAST_MAX_ROWS][FAST_MAX_CHUNKS];                                                            \
     float m[FAST_MAX_ROWS], l[FAST_MAX_ROWS];                                                              \
     float scores[FAST_MAX_ROWS][PARTITION] __attribute__((aligned(64)));                                   \
     int64_t last[FAST_MAX_ROWS]; /* the last key position each row sees */                                 \
@@ -310,8 +412,8 @@ static inline __attribute__((always_inline)) void NAME(                         
             const int64_t r = j * group + g;                                                               \
             const T *src = qsrc + token * q_token_stride + g * head_dim;                                   \
             for (int64_t c = 0; c < chunks; c++) {                                                         \
-                _mm512_storeu_ps(&q[r][c * 16], _mm512_mul_ps(LOAD16(src + c * 16), _mm512_set1_ps(scale))); \
-                acc[r][c] = _mm512_setzero_ps();                                                           \
+                v_store(&q[r][c * 16], v_mul(LOAD16(src + c * 16), v_set1(scale))); \
+                acc[r][c] = v_zero();                                                           \
             }                                                                                              \
             m[r] = MIN_SCORE;                                                                              \
             l[r] = 0;                                                                                      \
@@ -320,8 +422,8 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                                      \
     for (int64_t pstart = 0; pstart < len; pstart += PARTITION) {                                          \
         const int64_t pend = len - pstart < PARTITION ? len : pstart + PARTITION;                          \
-        __m512 vmax[FAST_MAX_ROWS], mrow[FAST_MAX_ROWS], lsum[FAST_MAX_ROWS];                              \
-        for (int64_t r = 0; r < rows; r++) vmax[r] = _mm512_set1_ps(MIN_SCORE);                            \
+        vec16 vmax[FAST_MAX_ROWS], mrow[FAST_MAX_ROWS], lsum[FAST_MAX_ROWS];                              \
+        for (int64_t r = 0; r < rows; r++) vmax[r] = v_set1(MIN_SCORE);                            \
         /* 16 keys at a time: the block's keys are [head_dim][bs], its values [bs][head_dim]. */         \
         for (int64_t start = pstart; start < pend; start += 16) {                                          \
             const TK *k = key_cache + chunk_base(table, start, bs, block_stride, kh, head_dim) + start % bs; \
@@ -332,30 +434,30 @@ static inline __attribute__((always_inline)) void NAME(                         
                               sizeof(TK));                                                                 \
             /* NOTE: independent partial sums (two per row, or four for a single row): one chain  \
              * of head_dim dependent FMAs would be bound by their latency, not by the FMA units. */      \
-            __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS], s2[FAST_MAX_ROWS], s3[FAST_MAX_ROWS];              \
-            for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = s2[r] = s3[r] = _mm512_setzero_ps();         \
+            vec16 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS], s2[FAST_MAX_ROWS], s3[FAST_MAX_ROWS];              \
+            for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = s2[r] = s3[r] = v_zero();         \
             if (rows <= 4) {                                                                               \
                 for (int64_t d = 0; d < head_dim; d += 4) {                                                \
-                    const __m512 k0 = LOADK16(k + d * bs), k1 = LOADK16(k + (d + 1) * bs);                 \
-                    const __m512 k2 = LOADK16(k + (d + 2) * bs), k3 = LOADK16(k + (d + 3) * bs);           \
+                    const vec16 k0 = LOADK16(k + d * bs), k1 = LOADK16(k + (d + 1) * bs);                 \
+                    const vec16 k2 = LOADK16(k + (d + 2) * bs), k3 = LOADK16(k + (d + 3) * bs);           \
                     for (int64_t r = 0; r < rows; r++) {                                                   \
-                        s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, s[r]);                         \
-                        s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), k1, s1[r]);                   \
-                        s2[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 2]), k2, s2[r]);                   \
-                        s3[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 3]), k3, s3[r]);                   \
+                        s[r] = v_fmadd(v_set1(q[r][d]), k0, s[r]);                         \
+                        s1[r] = v_fmadd(v_set1(q[r][d + 1]), k1, s1[r]);                   \
+                        s2[r] = v_fmadd(v_set1(q[r][d + 2]), k2, s2[r]);                   \
+                        s3[r] = v_fmadd(v_set1(q[r][d + 3]), k3, s3[r]);                   \
                     }                                                                                      \
                 }                                                                                          \
                 for (int64_t r = 0; r < rows; r++)                                                         \
-                    s[r] = _mm512_add_ps(_mm512_add_ps(s[r], s1[r]), _mm512_add_ps(s2[r], s3[r]));         \
+                    s[r] = v_add(v_add(s[r], s1[r]), v_add(s2[r], s3[r]));         \
             } else {                                                                                       \
                 for (int64_t d = 0; d < head_dim; d += 2) {                                                \
-                    const __m512 k0 = LOADK16(k + d * bs), k1 = LOADK16(k + (d + 1) * bs);                 \
+                    const vec16 k0 = LOADK16(k + d * bs), k1 = LOADK16(k + (d + 1) * bs);                 \
                     for (int64_t r = 0; r < rows; r++) {                                                   \
-                        s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, s[r]);                         \
-                        s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), k1, s1[r]);                   \
+                        s[r] = v_fmadd(v_set1(q[r][d]), k0, s[r]);                         \
+                        s1[r] = v_fmadd(v_set1(q[r][d + 1]), k1, s1[r]);                   \
                     }                                                                                      \
                 }                                                                                          \
-                for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);                      \
+                for (int64_t r = 0; r < rows; r++) s[r] = v_add(s[r], s1[r]);                      \
             }                                                                                              \
             for (int64_t r = 0; r < rows; r++)                                                             \
                 keep_scores(&scores[r][start - pstart], s[r], start, last[r], &vmax[r]);                   \
@@ -370,12 +472,12 @@ static inline __attribute__((always_inline)) void NAME(                         
                                   head_dim, sizeof(TK));                                                   \
             float p[FAST_MAX_ROWS][16];                                                                    \
             for (int64_t r = 0; r < rows; r++)                                                             \
-                _mm512_storeu_ps(p[r], probabilities16(&scores[r][start - pstart], mrow[r], &lsum[r]));    \
+                v_store(p[r], probabilities16(&scores[r][start - pstart], mrow[r], &lsum[r]));    \
             for (int64_t t = 0; t < n; t++) {                                                              \
                 for (int64_t c = 0; c < chunks; c++) {                                                     \
-                    const __m512 vv = LOADK16(v + t * head_dim + c * 16);                                  \
+                    const vec16 vv = LOADK16(v + t * head_dim + c * 16);                                  \
                     for (int64_t r = 0; r < rows; r++)                                                     \
-                        acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vv, acc[r][c]);               \
+                        acc[r][c] = v_fmadd(v_set1(p[r][t]), vv, acc[r][c]);               \
                 }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
@@ -521,6 +623,19 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
              D, block_stride, kh, scale, block_size);                                                      \
         break;
 
+/* The shapes with a copy of their own: group size x tile tokens for head_dim 64 and 128. On
+ * AVX2, whose 16 lanes are two registers, only the decodes' (each copy costs seconds of the
+ * library's build); other tiles take the default, with their sizes as variables. */
+#if defined(__AVX512F__)
+#define FAST_CASES(FAST)                                                                                   \
+    FAST_CASE(FAST, 1, 1, 64) FAST_CASE(FAST, 2, 1, 64) FAST_CASE(FAST, 3, 1, 64) FAST_CASE(FAST, 4, 1, 64)  \
+    FAST_CASE(FAST, 8, 1, 64) FAST_CASE(FAST, 1, 8, 64) FAST_CASE(FAST, 2, 4, 64) FAST_CASE(FAST, 3, 2, 64)  \
+    FAST_CASE(FAST, 4, 2, 64) FAST_CASE(FAST, 1, 1, 128) FAST_CASE(FAST, 2, 1, 128) FAST_CASE(FAST, 4, 1, 128) \
+    FAST_CASE(FAST, 8, 1, 128) FAST_CASE(FAST, 1, 4, 128) FAST_CASE(FAST, 2, 2, 128)
+#else
+#define FAST_CASES(FAST)
+#endif
+
 #define FAST_PATH(T, STORE, FAST)                                                                          \
     if (block_size % 16 == 0 && head_dim % 16 == 0 && head_dim <= 128 && group <= FAST_MAX_ROWS) {          \
         const int64_t tq = tile_tokens(group, head_dim);                                                   \
@@ -550,11 +665,7 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
                     const int64_t q_token_stride = num_heads * head_dim;                                   \
                     const T *qsrc = query + (row * num_heads + kh * group) * head_dim;                     \
                     switch ((group * 100 + tile_tq) * 1000 + head_dim) {                                   \
-                        FAST_CASE(FAST, 1, 1, 64) FAST_CASE(FAST, 2, 1, 64) FAST_CASE(FAST, 3, 1, 64)      \
-                        FAST_CASE(FAST, 4, 1, 64) FAST_CASE(FAST, 8, 1, 64) FAST_CASE(FAST, 1, 8, 64)      \
-                        FAST_CASE(FAST, 2, 4, 64) FAST_CASE(FAST, 3, 2, 64) FAST_CASE(FAST, 4, 2, 64)      \
-                        FAST_CASE(FAST, 1, 1, 128) FAST_CASE(FAST, 2, 1, 128) FAST_CASE(FAST, 4, 1, 128)   \
-                        FAST_CASE(FAST, 8, 1, 128) FAST_CASE(FAST, 1, 4, 128) FAST_CASE(FAST, 2, 2, 128)   \
+                        FAST_CASES(FAST)                                                                   \
                         default:                                                                           \
                             FAST(qsrc, q_token_stride, key_cache, value_cache, table, first_pos, ntok,     \
                                  result, tile_lse, group, tile_tq, head_dim, block_stride, kh, scale,      \
