@@ -59,7 +59,7 @@
 #include "amx_tiles.h"
 #endif
 
-#include "avx512_exp.h"
+#include "vector_exp.h"
 
 #define ROWS 6       /* rows of x per tile: 6 x 4 accumulators (4 rows: 16-20% slower at 2048) */
 #define GROUP 64     /* output features per weight group */

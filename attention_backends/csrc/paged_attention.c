@@ -177,9 +177,9 @@ static inline int64_t request_of_row(const int32_t *query_start, int64_t num_req
 
 /* The vector paths take 16 float32 lanes at a time (vec16, the v_ operations): one AVX-512
  * register, or on AVX2-only CPUs two 8-lane halves, so one tile code serves both. */
-#if defined(__AVX512F__)
-#include "avx512_exp.h"
+#include "vector_exp.h"
 
+#if defined(__AVX512F__)
 typedef __m512 vec16;
 #define VOP static inline __attribute__((always_inline))
 VOP vec16 v_zero(void) { return _mm512_setzero_ps(); }
@@ -242,31 +242,6 @@ VOP float v_reduce_add(vec16 v) {
     return _mm256_cvtss_f32(_mm256_add_ps(s, _mm256_shuffle_ps(s, s, 0xb1)));
 }
 VOP float v_first(vec16 v) { return _mm256_cvtss_f32(v.lo); }
-/* exp16's method (avx512_exp.h) on 8 lanes: 2^n applied in two halves, as AVX2 has no scalef */
-VOP __m256 exp8(__m256 x) {
-    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-    const __m256 huge = _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
-    /* the constant first, so that a NaN (the second operand) passes through both */
-    x = _mm256_min_ps(_mm256_set1_ps(88.72283935546875f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    /* n in [-126, 128]: 2^(n/2) twice, each a normal float */
-    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
-    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
-    const __m256 e = _mm256_andnot_ps(tiny, _mm256_mul_ps(_mm256_mul_ps(p, a), b));
-    return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), huge);
-}
 VOP vec16 v_exp(vec16 v) { return V2(exp8(v.lo), exp8(v.hi)); }
 VOP vec16 v_keep_first(vec16 v, int64_t count, float fill) {
     const __m256i n = _mm256_set1_epi32((int)(count < 0 ? 0 : count > 16 ? 16 : count));

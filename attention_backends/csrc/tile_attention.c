@@ -48,7 +48,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-#include "avx512_exp.h"
+#include "vector_exp.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX_TILES 1

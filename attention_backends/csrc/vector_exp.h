@@ -1,0 +1,71 @@
+/*
+ * exp16 and exp8: sixteen (AVX-512F) or eight (AVX2 with FMA) float32 exp at once, inlined, for
+ * the CPU kernels.
+ *
+ * exp(x) = 2^n exp(r), n = round(x log2 e), r = x - n ln 2 (in two parts), exp(r) by Cephes'
+ * expf polynomial (about 1 ulp); below -87 it gives 0 (expf is below 1.7e-38 there, and
+ * denormal from -87.3 down), past expf's range (about 88.7) +inf, as expf does; a NaN stays NaN.
+ *
+ * NOTE: not glibc's libmvec (_ZGVeN16v_expf): a call there makes the compiler spill every
+ * vector register a kernel keeps its accumulators in (measured in the attention kernel).
+ */
+#ifndef PAGODA_VECTOR_EXP_H
+#define PAGODA_VECTOR_EXP_H
+
+#include <immintrin.h>
+#include <math.h>
+
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO (-2.12194440e-4f)
+#define EXP_TINY (-87.0f)
+/* exp(r) - 1 - r = r^2 (P0 + r (P1 + r (P2 + r (P3 + r (P4 + r P5))))) */
+#define EXP_POLY(T, FMA, SET1, r)                                                                          \
+    ({                                                                                                     \
+        T p_ = SET1(1.9875691500e-4f);                                                                     \
+        p_ = FMA(p_, r, SET1(1.3981999507e-3f));                                                           \
+        p_ = FMA(p_, r, SET1(8.3334519073e-3f));                                                           \
+        p_ = FMA(p_, r, SET1(4.1665795894e-2f));                                                           \
+        p_ = FMA(p_, r, SET1(1.6666665459e-1f));                                                           \
+        FMA(p_, r, SET1(5.0000001201e-1f));                                                                \
+    })
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_TINY), _CMP_LT_OQ);
+    /* NOTE: the constant first, so that a NaN (the second operand) passes through both. At
+     * 100, n is 144 and scalef overflows to +inf; unclamped, r would lose every digit. */
+    x = _mm512_min_ps(_mm512_set1_ps(100.0f), _mm512_max_ps(_mm512_set1_ps(EXP_TINY), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    const __m512 poly = EXP_POLY(__m512, _mm512_fmadd_ps, _mm512_set1_ps, r);
+    const __m512 p = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_scalef_ps((__mmask16)~tiny, p, n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The same on 8 lanes; AVX2 has no scalef, so 2^n is applied in two halves, each a normal
+ * float for n in [-126, 128], and x past 88.72 (where expf overflows) gives +inf. */
+static inline __attribute__((always_inline)) __m256 exp8(__m256 x) {
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_TINY), _CMP_LT_OQ);
+    const __m256 huge = _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
+    /* the constant first, so that a NaN (the second operand) passes through both */
+    x = _mm256_min_ps(_mm256_set1_ps(88.72283935546875f), _mm256_max_ps(_mm256_set1_ps(EXP_TINY), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    const __m256 poly = EXP_POLY(__m256, _mm256_fmadd_ps, _mm256_set1_ps, r);
+    const __m256 p = _mm256_fmadd_ps(poly, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+    const __m256 e = _mm256_andnot_ps(tiny, _mm256_mul_ps(_mm256_mul_ps(p, a), b));
+    return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), huge);
+}
+#endif
+
+#endif
