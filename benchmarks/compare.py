@@ -48,6 +48,16 @@ def describe_cpu() -> dict:
     return {"model_name": model, "cores": cores, "features": [f for f in CPU_FEATURES if f in flags]}
 
 
+def peer_dtype(dtype: str) -> str:
+    """The dtype to give the peer: the one Pagoda runs in, so that both compute alike ("auto"
+    is bfloat16 where the CPU has native bf16 and float32 elsewhere, engine/platform.py)."""
+    import torch
+
+    from pagoda.engine.platform import resolve_dtype
+
+    return str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.")
+
+
 def cpu_line(cpu: dict) -> str:
     return f"CPU: {cpu['model_name']}, {cpu['cores']} cores, {' '.join(cpu['features']) or 'no AVX2'}"
 
@@ -104,7 +114,7 @@ def run_peer(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_mo
     env = os.environ.copy()
     if args.peer == "vllm":
         command = [args.vllm_python, str(PEER_SCRIPTS["vllm"]), "--model", str(model_dir), "--workloads", path,
-                   "--dtype", args.dtype if args.dtype != "auto" else "bfloat16",
+                   "--dtype", peer_dtype(args.dtype),
                    "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         for item in args.vllm_env:

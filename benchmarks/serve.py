@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pagoda.benchmarks.compare import cpu_line, describe_cpu
+from pagoda.benchmarks.compare import cpu_line, describe_cpu, peer_dtype
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 #: (result key, column title, higher is better)
@@ -65,7 +65,7 @@ def start_server(engine: str, args: argparse.Namespace, model_dir: Path, name: s
         env = _env([])
     else:
         command = [args.vllm_python, str(VLLM_CLI), "serve", str(model_dir), "--dtype",
-                   "bfloat16" if args.dtype == "auto" else args.dtype, "--seed", "0", *common, *args.vllm_arg]
+                   peer_dtype(args.dtype), "--seed", "0", *common, *args.vllm_arg]
         env = _env(["VLLM_TARGET_DEVICE=cpu", *args.vllm_env])
     # NOTE: a session of its own, so that stopping it stops its engine processes too.
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -105,6 +105,15 @@ def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llam
     assert json.loads(output.read_text())[0] == {"engine": "machine", "event": "cpu", **cpu}
 
 
+def test_the_peer_computes_in_the_dtype_pagoda_runs_in():
+    from pagoda.benchmarks.compare import peer_dtype
+    from pagoda.engine.platform import cpu_has_fast_bf16
+
+    # NOTE: "auto" is float32 on CPUs without native bf16 (AVX2-only): the peer must not get bf16 there.
+    assert peer_dtype("auto") == ("bfloat16" if cpu_has_fast_bf16() else "float32")
+    assert [peer_dtype(d) for d in ("float32", "bfloat16", "float16")] == ["float32", "bfloat16", "float16"]
+
+
 def test_kv_cache_dtype_bench_times_each_cache_dtype(capsys):
     assert main(["bench", "kv-cache-dtype", "--cases", "4x64", "--kv-cache-dtypes", "auto,fp8,fp8_e5m2",
                  "--layers", "2", "--repeats", "1"]) == 0
