@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -124,18 +125,22 @@ def run_peer(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_mo
         command = [args.llamacpp_python, str(PEER_SCRIPTS["llamacpp"]), "--gguf", str(args.gguf), "--workloads",
                    path, "--threads", str(args.num_threads or os.cpu_count() or 1),
                    "--n-batch", str(args.max_num_batched_tokens)]
+    results = []
+    # NOTE: the peer's records are read as they come (its start-up alone can take minutes); its
+    # other output (logs, warnings) passes through to stderr, so the wait is never silent.
     try:
-        process = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env)
+        with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as process:
+            for line in process.stdout:
+                if not line.startswith("{"):
+                    sys.stderr.write(line)
+                    continue
+                record = json.loads(line)
+                record["engine"] = args.peer
+                print(json.dumps(record), flush=True)
+                if record.get("event") == "run":
+                    results.append(record)
     finally:
         os.unlink(path)
-    results = []
-    for line in process.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            record["engine"] = args.peer
-            print(json.dumps(record), flush=True)
-            if record.get("event") == "run":
-                results.append(record)
     if process.returncode != 0:
         raise RuntimeError(f"the {args.peer} run failed (exit code {process.returncode}); see its output above")
     return results

@@ -179,9 +179,9 @@ static inline int64_t request_of_row(const int32_t *query_start, int64_t num_req
  * register, or on AVX2-only CPUs two 8-lane halves, so one tile code serves both. */
 #include "vector_exp.h"
 
+#define VOP static inline __attribute__((always_inline))
 #if defined(__AVX512F__)
 typedef __m512 vec16;
-#define VOP static inline __attribute__((always_inline))
 VOP vec16 v_zero(void) { return _mm512_setzero_ps(); }
 VOP vec16 v_set1(float x) { return _mm512_set1_ps(x); }
 VOP vec16 v_add(vec16 a, vec16 b) { return _mm512_add_ps(a, b); }
@@ -216,7 +216,6 @@ static inline vec16 load16_e4m3(const uint8_t *p) {
 }
 #else
 typedef struct { __m256 lo, hi; } vec16;
-#define VOP static inline __attribute__((always_inline))
 #define V2(EXPR_LO, EXPR_HI) ((vec16){EXPR_LO, EXPR_HI})
 VOP vec16 v_zero(void) { return V2(_mm256_setzero_ps(), _mm256_setzero_ps()); }
 VOP vec16 v_set1(float x) { return V2(_mm256_set1_ps(x), _mm256_set1_ps(x)); }
