@@ -50,8 +50,9 @@ def describe_cpu() -> dict:
 
 
 def peer_dtype(dtype: str) -> str:
-    """The dtype to give the peer: the one Pagoda runs in, so that both compute alike ("auto"
-    is bfloat16 where the CPU has native bf16 and float32 elsewhere, engine/platform.py)."""
+    """The dtype to give the peer, which runs dense weights: ``dtype``, with "auto" resolved as
+    Pagoda resolves it for dense weights (bfloat16 where the CPU has native bf16, float32
+    elsewhere, where dense bf16 products take a slow fallback in the peer as in torch)."""
     import torch
 
     from pagoda.engine.platform import resolve_dtype

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pagoda.engine.platform import resolve_dtype
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -470,6 +472,14 @@ def check_compressed_tensors_scheme(quantization: dict) -> str:
         by = f"per {strategy}" + (f" of {weights['group_size']}" if strategy == "group" else "")
         schemes.add(f"W8A{'8' if activations else '16'} int8 weights {by}")
     return "; ".join(sorted(schemes))
+
+
+def resolve_model_dtype(dtype: str, quantization: str, model_dir: Path, device: torch.device,
+                        tensor_parallel_size: int = 1) -> torch.dtype:
+    """The dtype the model runs in: ``dtype`` ("auto" resolved for ``device`` and for whether
+    plan_quantization sends the checkpoint's linear weights through the quantized kernel)."""
+    quantized = plan_quantization(quantization, model_dir, device, tensor_parallel_size) is not None
+    return resolve_dtype(dtype, device, quantized_weights=quantized)
 
 
 def plan_quantization(quantization: str, model_dir: Path, device: torch.device,

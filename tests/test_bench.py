@@ -105,11 +105,12 @@ def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llam
     assert json.loads(output.read_text())[0] == {"engine": "machine", "event": "cpu", **cpu}
 
 
-def test_the_peer_computes_in_the_dtype_pagoda_runs_in():
+def test_the_peer_gets_the_dtype_dense_weights_run_in_here():
     from pagoda.benchmarks.compare import peer_dtype
     from pagoda.engine.platform import cpu_has_fast_bf16
 
-    # NOTE: "auto" is float32 on CPUs without native bf16 (AVX2-only): the peer must not get bf16 there.
+    # NOTE: "auto" is float32 for dense weights on CPUs without native bf16 (AVX2-only): the peer
+    # must not get bf16 there (vLLM's bf16 products fall back to one slow thread)
     assert peer_dtype("auto") == ("bfloat16" if cpu_has_fast_bf16() else "float32")
     assert [peer_dtype(d) for d in ("float32", "bfloat16", "float16")] == ["float32", "bfloat16", "float16"]
 

@@ -290,6 +290,22 @@ def test_converted_gguf_keeps_the_blocks_of_its_quantized_tensors():
     assert (model_dir / QUANTIZED_FILE).is_file() and default_gguf_path().is_file()
 
 
+def test_auto_dtype_is_bfloat16_where_the_quantized_kernel_runs_the_weights(tiny_llama_dir):
+    from pagoda.engine.model_loader import resolve_model_dtype
+    from pagoda.engine.platform import cpu_has_fast_bf16
+
+    cpu = torch.device("cpu")
+    dense = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32  # float32 on AVX2-only CPUs
+    assert resolve_model_dtype("auto", "auto", tiny_llama_dir, cpu) == dense
+    assert resolve_model_dtype("auto", "none", resolve_model(None), cpu) == dense
+    # NOTE: on AVX2-only CPUs too: the kernel takes bf16 activations, the one-call decode step is bf16 only
+    quantized = plan_quantization("auto", resolve_model(None), cpu) is not None
+    assert resolve_model_dtype("auto", "auto", resolve_model(None), cpu) == (torch.bfloat16 if quantized else dense)
+    if cpu_kernels.quant_linear_vector():
+        assert resolve_model_dtype("auto", "int8", tiny_llama_dir, cpu) == torch.bfloat16
+    assert resolve_model_dtype("float32", "auto", resolve_model(None), cpu) == torch.float32  # asked for, kept
+
+
 def test_quantization_choice_and_its_errors(tiny_llama_dir, tmp_path):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert plan_quantization("auto", tiny_llama_dir, cpu) is None  # a float checkpoint stays in floats

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.platform import resolve_dtype
+from pagoda.engine.model_loader import resolve_model, resolve_model_dtype
 from pagoda.server.config import ServerConfig
 from pagoda.server.testing import ServerThread, http_request
 from helpers import REPO, TINY_FLAGS, free_port
@@ -212,8 +212,10 @@ def test_readme_default_model_answers_a_chat(serve):
     positions = [log.find(stage) for stage in stages]
     assert -1 not in positions and positions == sorted(positions), log
     ready_line = log[positions[-1]:].splitlines()[0]
-    # NOTE: "auto" is bfloat16 where the CPU has it natively, float32 on AVX2-only CPUs
-    dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    # NOTE: "auto" is bfloat16 where the CPU has it natively or the weights are quantized (the default
+    # model's GGUF file wherever the quantized kernel runs), float32 otherwise
+    cpu = torch.device("cpu")
+    dtype = str(resolve_model_dtype("auto", "auto", resolve_model(None), cpu)).removeprefix("torch.")
     for fact in ("model SmolLM2-135M-Instruct", f" in {dtype} ", "attention backend ", "KV cache ", " tokens",
                  "scheduling policy fcfs", "eviction policy lru", "plugins: "):
         assert fact in ready_line, ready_line

@@ -35,9 +35,9 @@ from pagoda.engine.executor.base import Executor, create_executor
 from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
 from pagoda.engine.messages import WorkerInit
 from pagoda.engine.model_config import ModelConfig
-from pagoda.engine.model_loader import load_tokenizer, plan_quantization, resolve_model
+from pagoda.engine.model_loader import load_tokenizer, resolve_model, resolve_model_dtype
 from pagoda.engine.outputs import RequestOutput
-from pagoda.engine.platform import attention_shape, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.engine.platform import attention_shape, resolve_device, resolve_kv_cache_dtype
 from pagoda.engine.reasoning import REASONING_PARSERS, ReasoningParser
 from pagoda.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -88,9 +88,9 @@ class AsyncEngine:
         model_dir = await asyncio.to_thread(resolve_model, config.model)
         logger.info("model: %s", model_dir)
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
-        plan_quantization(config.quantization, model_dir, device, config.tensor_parallel_size)  # NOTE: a clear error before the worker starts
-        get_attention_backend(config.attention_backend, device, kv_dtype,
-                              attention_shape(model_config, resolve_dtype(config.dtype, device)))
+        # NOTE: plans the quantization too: a clear error before the worker starts
+        dtype = resolve_model_dtype(config.dtype, config.quantization, model_dir, device, config.tensor_parallel_size)
+        get_attention_backend(config.attention_backend, device, kv_dtype, attention_shape(model_config, dtype))
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         self.output_processor = OutputProcessor(self.tokenizer)
         if config.reasoning_parser is not None:
@@ -98,7 +98,7 @@ class AsyncEngine:
             self._reasoning = (parser, self.tokenizer.encode(parser.start, add_special_tokens=False),
                                tuple(self.tokenizer.encode(parser.end, add_special_tokens=False)))
         draft_dir, draft_config = await asyncio.to_thread(self._draft_model, model_config)
-        kv_dtype = kv_dtype or resolve_dtype(config.dtype, device)
+        kv_dtype = kv_dtype or dtype
         self.kv_cache_size = kv = size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config)
         if kv.limited_by_window:
             logger.warning("limiting max_model_len to the sliding window (%d tokens)", kv.max_model_len)

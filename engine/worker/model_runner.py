@@ -22,14 +22,15 @@ from pagoda.engine.worker.distributed import init_tensor_parallel
 from pagoda.engine.worker.input_batch import InputBatch
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
 from pagoda.engine.config import compiles_model
-from pagoda.engine.model_loader import compressed_tensors_config, default_cache_dir, load_weights, plan_quantization
+from pagoda.engine.model_loader import (compressed_tensors_config, default_cache_dir, load_weights, plan_quantization,
+                                        resolve_model_dtype)
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
 from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pagoda.engine.models.precompiled import cache_key
 from pagoda.engine.models.quantized import GroupQuantized, quantize_int8, quantized_weights
-from pagoda.engine.platform import attention_shape, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.engine.platform import attention_shape, resolve_device, resolve_kv_cache_dtype
 from pagoda.engine.worker.prompt_scoring import score_prompts
 from pagoda.engine.worker.sampler import Sampler, SamplerOutput
 
@@ -53,7 +54,8 @@ class ModelRunner:
         self.device = resolve_device(config.device, offset)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_model_dtype(config.dtype, config.quantization, init.model_dir, self.device,
+                                         init.world_size)
         fp8_cache = resolve_kv_cache_dtype(config.kv_cache_dtype)
         self.kv_cache_dtype = fp8_cache or self.dtype
         self.block_size = config.block_size
