@@ -106,7 +106,9 @@ def run_client(args: argparse.Namespace, model_dir: Path, name: str, flags: list
                "--metric-percentiles", "50,90,99", "--disable-tqdm", "--save-result", "--result-dir", result_dir,
                "--result-filename", filename, *flags]
     # NOTE: without the server's LD_PRELOAD (tcmalloc, iomp): the client is a plain Python process.
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    # VLLM_TARGET_DEVICE=cpu: else vLLM's generic platform loads its default `_C` build, whose
+    # AVX-512 code dies with SIGILL on AVX2-only CPUs (the CPU platform picks `_C_AVX2` there).
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | {"VLLM_TARGET_DEVICE": "cpu"}
     subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=True)
     return json.loads(Path(result_dir, filename).read_text())
 
