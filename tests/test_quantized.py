@@ -149,6 +149,22 @@ def test_kernel_bias_bfloat16_output_and_float32_input():
 
 
 @needs_kernels
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_4bit_sums_at_their_largest_are_exact(sign):
+    # Every activation quantizes to +-127 and every weight is 15: each 16-bit lane of the AVX2
+    # tile, which holds 16 of a group's products until its one widening per group, reaches
+    # 16 x 15 x 127 = 30480 (of 32767).
+    n, k = 48, 576
+    weight = Q.GroupQuantized(torch.full((n, k), 15, dtype=torch.int8), torch.full((n, k // 32), 0.5),
+                              torch.full((n, k // 32), -0.25), 4)
+    x = torch.full((6, k), sign).to(torch.bfloat16)
+    x[1] *= 3.0  # a different scale per row, still +-127 after quantization
+    out = cpu_kernels.quant_linear(x, Q.pack(weight), None, n, 4, True, out_f32=True)
+    expected = quantize_activations(x).double() @ weight.dequantize().double().T
+    assert torch.allclose(out.double(), expected, rtol=1e-6, atol=0)
+
+
+@needs_kernels
 def test_a_rows_result_does_not_depend_on_its_batch():
     weight = example_weights(3072, 576, seed=9)["q4m"]
     packed = Q.pack(weight)
