@@ -305,23 +305,34 @@ static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *xq, float 
     }
 }
 
+/* Ends a step of a tile's integer sums with them in registers (an empty asm that takes and gives
+ * them), so that the compiler does not hoist the next steps' loads and products above it: it
+ * did, and spilled sums to the stack to hold them (a fifth of the loop's instructions). */
+#define KEEP_IN_REGISTERS(v, n)                                                                    \
+    do {                                                                                           \
+        for (int i_ = 0; i_ < (n); i_++) __asm__("" : "+x"((v)[i_]));                             \
+    } while (0)
+
 /* Rows (at most QROWS) of x against one block of 16 features, AVX2: the four-byte dot products
  * by vpmaddubsw (unsigned x signed bytes, pairs summed to 16 bits) and vpmaddwd (to 32 bits).
  * 4-bit weights (0..15) are the unsigned side; 8-bit ones (stored + 128) give their magnitude
  * to the unsigned side and their sign to x's bytes, so that no 16-bit pair sum can saturate
- * (at most 2 x 128 x 127). This tile takes 8-bit weights, and single rows of 4-bit ones;
- * quant_tile_avx2_q4 below, two rows or more of 4-bit weights. */
+ * (at most 2 x 128 x 127). A 4-bit group's pair sums fit 16 bits together (each 16-bit lane
+ * adds 16 products, at most 16 x 15 x 127 = 30480), so they are widened by one vpmaddwd per
+ * group, not one per vpmaddubsw. AVX2 has 16 vector registers: a group's 8 integer sums (4
+ * rows x 2 halves of the block) stay in them, and the float accumulators, touched once a group,
+ * live in memory (in registers too, gcc spilled the integer sums instead). */
 static inline __attribute__((always_inline)) void quant_tile_avx2(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, int rows,
                             const uint8_t *wb, int bits, int has_min, const float *bias, void *y, int64_t ldy,
                             int64_t n0, int64_t N, int out_f32) {
     const int64_t groups = K / QGROUP, gbytes = group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc[QROWS][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    float acc[QROWS][QBLOCK] __attribute__((aligned(32)));
+    for (int m = 0; m < rows; m++) _mm256_store_ps(acc[m], _mm256_setzero_ps()), _mm256_store_ps(acc[m] + 8, _mm256_setzero_ps());
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *p = wb + g * gbytes;
-        __m256i isum[QROWS][2];
-        for (int m = 0; m < rows; m++) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+        __m256i isum[2 * QROWS];
+        for (int m = 0; m < 2 * rows; m++) isum[m] = _mm256_setzero_si256();
         for (int j = 0; j < (bits == 8 ? 8 : 4); j++) {
             __m256i w[2][2], sign[2];
             for (int f = 0; f < 2; f++) { /* features 0-7, then 8-15 */
@@ -343,10 +354,12 @@ static inline __attribute__((always_inline)) void quant_tile_avx2(const int8_t *
                     for (int f = 0; f < 2; f++) {
                         const __m256i pairs = bits == 8 ? _mm256_maddubs_epi16(w[f][0], _mm256_sign_epi8(b, sign[f]))
                                                         : _mm256_maddubs_epi16(w[f][h], b);
-                        isum[m][f] = _mm256_add_epi32(isum[m][f], _mm256_madd_epi16(pairs, ones));
+                        isum[2 * m + f] = bits == 8 ? _mm256_add_epi32(isum[2 * m + f], _mm256_madd_epi16(pairs, ones))
+                                                    : _mm256_add_epi16(isum[2 * m + f], pairs);
                     }
                 }
             }
+            KEEP_IN_REGISTERS(isum, 2 * rows);
         }
         for (int f = 0; f < 2; f++) {
             const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + vbytes + 16 * f)));
@@ -355,19 +368,17 @@ static inline __attribute__((always_inline)) void quant_tile_avx2(const int8_t *
                                         : _mm256_setzero_ps();
             for (int m = 0; m < rows; m++) {
                 const float d = xs[m * groups + g];
-                acc[m][f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][f]), _mm256_mul_ps(scale, _mm256_set1_ps(d)),
-                                            acc[m][f]);
-                if (has_min)
-                    acc[m][f] = _mm256_fmadd_ps(mins, _mm256_set1_ps(d * (float)xsum[m * groups + g]), acc[m][f]);
+                const __m256i sums = bits == 8 ? isum[2 * m + f] : _mm256_madd_epi16(isum[2 * m + f], ones);
+                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, _mm256_set1_ps(d)),
+                                           _mm256_load_ps(acc[m] + 8 * f));
+                if (has_min) a = _mm256_fmadd_ps(mins, _mm256_set1_ps(d * (float)xsum[m * groups + g]), a);
+                _mm256_store_ps(acc[m] + 8 * f, a);
             }
         }
     }
     for (int m = 0; m < rows; m++) {
-        float out[QBLOCK];
-        _mm256_storeu_ps(out, acc[m][0]);
-        _mm256_storeu_ps(out + 8, acc[m][1]);
         for (int n = 0; n < QBLOCK && n0 + n < N; n++) {
-            const float v = out[n] + (bias ? bias[n0 + n] : 0.0f);
+            const float v = acc[m][n] + (bias ? bias[n0 + n] : 0.0f);
             if (out_f32)
                 ((float *)y)[m * ldy + n0 + n] = v;
             else
@@ -376,87 +387,11 @@ static inline __attribute__((always_inline)) void quant_tile_avx2(const int8_t *
     }
 }
 
-/* Ends a step of a tile's sums with them in registers, so that the compiler does not hoist the
- * next steps' loads and products above it (it did, and spilled the sums to the stack to hold
- * them: a fifth of the loop's instructions). */
-#define KEEP_IN_REGISTERS(v, n)                                                                    \
-    do {                                                                                           \
-        if ((n) > 0) __asm__("" : "+x"((v)[0]));                                                   \
-        if ((n) > 1) __asm__("" : "+x"((v)[1]));                                                   \
-        if ((n) > 2) __asm__("" : "+x"((v)[2]));                                                   \
-        if ((n) > 3) __asm__("" : "+x"((v)[3]));                                                   \
-    } while (0)
-
-/* 4-bit weights on 2 to QROWS rows: the same sums as quant_tile_avx2's, bit for bit (integer
- * sums are exact; the float steps are the same, group by group), with fewer instructions:
- * - a group's eight pair sums fit 16 bits together (at most 16 x 15 x 127 = 30480), so they
- *   are added as 16-bit lanes and widened by one vpmaddwd a group, not one per vpmaddubsw;
- * - features 0-7 and 8-15 are two passes over the block (in L1 for the second), so that a
- *   pass's sums, weights and constants fit AVX2's 16 registers.
- * Against quant_tile_avx2 on 64 to 512 rows of Q4_1 (AMD Zen 3, one thread): 1.15x. On one
- * row it is slower (its pass has one chain of dependent sums). */
-static inline __attribute__((always_inline)) void quant_tile_avx2_q4(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, int rows,
-                               const uint8_t *wb, int has_min, const float *bias, void *y, int64_t ldy,
-                               int64_t n0, int64_t N, int out_f32) {
-    const int64_t groups = K / QGROUP, gbytes = group_bytes(4, has_min);
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
-    for (int f = 0; f < 2; f++) { /* features 0-7, then 8-15 */
-        __m256 acc[QROWS];
-        for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *p = wb + g * gbytes;
-            __m256i isum[QROWS];
-            for (int m = 0; m < rows; m++) isum[m] = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * f));
-                const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                for (int m = 0; m < rows; m++) {
-                    int32_t first, second; /* x's bytes 8j..8j+3 and 8j+4..8j+7, each broadcast from memory */
-                    __builtin_memcpy(&first, xq + m * K + g * QGROUP + 8 * j, 4);
-                    __builtin_memcpy(&second, xq + m * K + g * QGROUP + 8 * j + 4, 4);
-                    isum[m] = _mm256_add_epi16(isum[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(first)));
-                    isum[m] = _mm256_add_epi16(isum[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(second)));
-                }
-                KEEP_IN_REGISTERS(isum, rows);
-            }
-            const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * f)));
-            const __m256 mins = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 2 * QBLOCK
-                                                                                            + 16 * f)))
-                                        : _mm256_setzero_ps();
-            for (int m = 0; m < rows; m++) {
-                const float d = xs[m * groups + g];
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(isum[m], ones)),
-                                         _mm256_mul_ps(scale, _mm256_set1_ps(d)), acc[m]);
-                if (has_min) acc[m] = _mm256_fmadd_ps(mins, _mm256_set1_ps(d * (float)xsum[m * groups + g]), acc[m]);
-            }
-        }
-        for (int m = 0; m < rows; m++) {
-            float out[QBLOCK / 2];
-            _mm256_storeu_ps(out, acc[m]);
-            for (int n = 0; n < QBLOCK / 2 && n0 + 8 * f + n < N; n++) {
-                const int64_t col = n0 + 8 * f + n;
-                const float v = out[n] + (bias ? bias[col] : 0.0f);
-                if (out_f32)
-                    ((float *)y)[m * ldy + col] = v;
-                else
-                    ((uint16_t *)y)[m * ldy + col] = float_to_bf16(v);
-            }
-        }
-    }
-}
-
 /* Every row of x against one block (wb) of B-bit weights, H: with minimums; rows, bits and
  * minimums constants in each copy, so that the tile's accumulators live in registers and its
  * loops unroll (with them as arguments the tile kept its sums on the stack: 2.3x slower). */
-#define AVX2_TILE(R, B, H)                                                                                 \
-    do {                                                                                                   \
-        if ((B) == 4 && (R) > 1)                                                                           \
-            quant_tile_avx2_q4(xq + m * K, xs + m * groups, xsum + m * groups, K, R, wb, H, bias,          \
-                               (char *)y + m * ldy * esize, ldy, n0, N, out_f32);                          \
-        else                                                                                               \
-            quant_tile_avx2(xq + m * K, xs + m * groups, xsum + m * groups, K, R, wb, B, H, bias,          \
-                            (char *)y + m * ldy * esize, ldy, n0, N, out_f32);                             \
-    } while (0)
+#define AVX2_TILE(R, B, H) quant_tile_avx2(xq + m * K, xs + m * groups, xsum + m * groups, K, R, wb, B, H, bias, \
+                                           (char *)y + m * ldy * esize, ldy, n0, N, out_f32)
 #define DEFINE_AVX2_ROWS(NAME, B, H)                                                                      \
 static void NAME(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,            \
                  const uint8_t *wb, const float *bias, void *y, int64_t ldy, int64_t n0, int64_t N,       \
