@@ -17,8 +17,8 @@ Cascade attention: when every request of a step starts with the same blocks (a s
 prompt or few-shot prefix that the prefix cache shares) and enough requests share enough of
 them, the shared keys are attended once for all the step's query rows together (on the same
 tiles where they run; in float32 on an AMX CPU, by torch's CPU flash attention: the rows of
-every request against one matrix of keys; not by torch on CPUs without AMX, where it lost to
-the kernel alone), and each request's own keys by the kernel; the two parts merge by their
+every request against one matrix of keys, and so on CPUs without AVX-512; not by torch on other
+CPUs without AMX, where it lost to the kernel alone), and each request's own keys by the kernel; the two parts merge by their
 log-sum-exp. The kernel alone would read the shared blocks once per request (64 requests over
 a 512-token prefix: 64 passes over the same keys). One level, as vLLM's GPU cascade: a step
 whose requests do not all share the prefix runs as before.
@@ -49,9 +49,10 @@ def _env_int(name: str) -> int | None:
 # vector tiles (bfloat16 on CPUs without AMX: 1.3-1.5x from 32 requests over 256 tokens on an
 # AMD Zen 4, 0.9x at 16), and by torch's flash attention (float32 on a CPU whose tiles run),
 # whose per-call costs are higher. Below them the kernel alone is as fast. NOTE: by torch only
-# where the AMX tiles run: it paid on the Intel Xeon with AMX whose decode waits on memory
-# (64 x 512: 1.18x), and lost in every case on an AMD Zen 5 without AMX (0.23-0.75x), where the
-# kernel's repeated reads of the prefix come from the caches.
+# where it paid (cascade_by_torch_pays): on the Intel Xeon with AMX whose decode waits on memory
+# (64 x 512: 1.18x) and on an AVX2-only AMD Zen 3 (the 64 x 512 shared-prefix workload 0.93x of
+# the time, four pairs of runs, 2026-12-04); it lost in every case on an AMD Zen 5 with AVX-512
+# and no AMX (0.23-0.75x), where the kernel's repeated reads of the prefix come from the caches.
 CASCADE_ON_TILES = (8, 256)
 CASCADE_ON_VECTOR_TILES = (32, 256)
 CASCADE_BY_TORCH = (32, 512)
@@ -62,10 +63,16 @@ CASCADE_MIN_REQUESTS = _env_int("PAGODA_CASCADE_MIN_REQUESTS")
 CASCADE_MIN_TOKENS = _env_int("PAGODA_CASCADE_MIN_TOKENS")
 
 
-def cascade_thresholds(shared_on: str | None, amx_runs: bool) -> tuple[int, int]:
+def cascade_by_torch_pays(amx_runs: bool) -> bool:
+    """Whether the shared part of a cascade by torch's flash attention paid on CPUs like this
+    one (measured: where the AMX tiles run, and on CPUs without AVX-512)."""
+    return amx_runs or "avx512f" not in cpu_kernels.cpu_flags().split()
+
+
+def cascade_thresholds(shared_on: str | None, torch_pays: bool) -> tuple[int, int]:
     """The (requests, shared tokens) from which a step takes the cascade, with its shared part
     on ``shared_on`` tiles ("amx", "avx512_bf16"; cpu_kernels.attention_tiles()) or by torch
-    (None), on a CPU where the AMX tiles run or not."""
+    (None), on a CPU where the cascade by torch pays or not (cascade_by_torch_pays)."""
     overridden = CASCADE_MIN_REQUESTS is not None or CASCADE_MIN_TOKENS is not None
     # NOTE: an override asks for the cascade even where it is off by default; a variable it
     # leaves unset keeps the value of the path's row (by torch: as where AMX runs).
@@ -74,7 +81,7 @@ def cascade_thresholds(shared_on: str | None, amx_runs: bool) -> tuple[int, int]
     elif shared_on == "avx512_bf16":
         requests, tokens = CASCADE_ON_VECTOR_TILES
     else:
-        requests, tokens = CASCADE_BY_TORCH if amx_runs or overridden else NEVER
+        requests, tokens = CASCADE_BY_TORCH if torch_pays or overridden else NEVER
     if CASCADE_MIN_REQUESTS is not None:
         requests = CASCADE_MIN_REQUESTS or 10**9  # 0: never
     if CASCADE_MIN_TOKENS is not None:
@@ -188,6 +195,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         # NOTE: the tiles take head_dim 64 and 128 only; with others a step plans for the kernel.
         self.tiles = cpu_kernels.attention_tiles() if head_dim in (64, 128) else None
         self.amx_tiles = cpu_kernels.available() and cpu_kernels.packed_linear_amx_available()
+        self.torch_cascade_pays = cpu_kernels.available() and cascade_by_torch_pays(self.amx_tiles)
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
@@ -208,7 +216,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         if self.batch_invariant:
             metadata.backend_data = StepPlan(None)
             return
-        plan = StepPlan(find_shared_prefix(metadata, *cascade_thresholds(self.tiles, self.amx_tiles)))
+        plan = StepPlan(find_shared_prefix(metadata, *cascade_thresholds(self.tiles, self.torch_cascade_pays)))
         if self.tiles is not None and plan.shared is None:
             min_tokens = PREFILL_ON_TILES_MIN_TOKENS or PREFILL_ON_TILES_MIN_TOKENS_BY_KIND[self.tiles]
             chosen = plan_prefill_on_tiles(metadata, min_tokens)
@@ -238,7 +246,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         shared = None if quantized else plan.shared
         on_tiles = query.dtype == torch.bfloat16 and self.tiles is not None and not quantized
         if shared is not None and not on_tiles:
-            requests, tokens = cascade_thresholds(None, self.amx_tiles)
+            requests, tokens = cascade_thresholds(None, self.torch_cascade_pays)
             if metadata.num_reqs < requests or shared.tokens < tokens:
                 shared = None
         if shared is None:

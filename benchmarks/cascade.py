@@ -73,7 +73,7 @@ def run_cascade_bench(args: argparse.Namespace) -> int:
             cascade = _time(backend, kv_cache, metadata, inputs, args.layers, args.repeats)
             cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS = saved
             taken = cpu_paged.find_shared_prefix(metadata, *cpu_paged.cascade_thresholds(
-                None if path == "torch" else path, backend.amx_tiles))
+                None if path == "torch" else path, backend.torch_cascade_pays))
             print(json.dumps({"requests": requests, "shared_tokens": shared, "shared_part": path,
                               "kernel_ms": round(kernel * 1e3, 2), "cascade_ms": round(cascade * 1e3, 2),
                               "speedup": round(kernel / cascade, 2), "taken_by_default": taken is not None}))

@@ -124,20 +124,28 @@ def test_cascade_matches_naive(always_cascade, monkeypatch, shared_blocks, seq_l
 
 def test_a_step_takes_the_cascade_only_past_its_thresholds():
     # The thresholds as shipped: on AMX tiles 8 requests over 256 shared tokens, on the vector
-    # tiles 32 over 256, by torch 32 over 512 where AMX runs, and never by torch where it does
+    # tiles 32 over 256, by torch 32 over 512 where that pays, and never by torch where it does
     # not (it lost on AMD Zen 5).
-    assert cpu_paged.cascade_thresholds("amx", amx_runs=True) == (8, 256)
-    assert cpu_paged.cascade_thresholds("avx512_bf16", amx_runs=False) == (32, 256)
-    assert cpu_paged.cascade_thresholds(None, amx_runs=True) == (32, 512)
-    assert cpu_paged.cascade_thresholds(None, amx_runs=False)[0] == 10**9
+    assert cpu_paged.cascade_thresholds("amx", torch_pays=True) == (8, 256)
+    assert cpu_paged.cascade_thresholds("avx512_bf16", torch_pays=False) == (32, 256)
+    assert cpu_paged.cascade_thresholds(None, torch_pays=True) == (32, 512)
+    assert cpu_paged.cascade_thresholds(None, torch_pays=False)[0] == 10**9
     tables = [list(range(32)) + [100 + i] for i in range(32)]
-    thresholds = cpu_paged.cascade_thresholds(None, amx_runs=True)
-    never = cpu_paged.cascade_thresholds(None, amx_runs=False)
+    thresholds = cpu_paged.cascade_thresholds(None, torch_pays=True)
+    never = cpu_paged.cascade_thresholds(None, torch_pays=False)
     assert cpu_paged.find_shared_prefix(metadata_of(tables, [520] * 32, [1] * 32), *never) is None
     assert cpu_paged.find_shared_prefix(metadata_of(tables, [520] * 32, [1] * 32), *thresholds).tokens == 512
     assert cpu_paged.find_shared_prefix(metadata_of(tables[:31], [520] * 31, [1] * 31), *thresholds) is None
     one_apart = tables[:31] + [tables[31][:31] + [99, 131]]  # shares 31 blocks: 496 tokens
     assert cpu_paged.find_shared_prefix(metadata_of(one_apart, [520] * 32, [1] * 32), *thresholds) is None
+
+
+def test_the_cascade_by_torch_pays_with_amx_and_on_cpus_without_avx512(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : fpu sse2 avx2 fma f16c avx512f avx512bw\n")
+    assert cpu_paged.cascade_by_torch_pays(amx_runs=True)
+    assert not cpu_paged.cascade_by_torch_pays(amx_runs=False)  # AMD Zen 5: lost
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : fpu sse2 avx2 fma f16c\n")
+    assert cpu_paged.cascade_by_torch_pays(amx_runs=False)  # AVX2 only (AMD Zen 3): paid
 
 
 def test_the_thresholds_come_from_the_environment_of_the_worker():
