@@ -16,10 +16,11 @@ vector tiles (16 rows in registers against 16 keys or dimensions a step).
 Cascade attention: when every request of a step starts with the same blocks (a system
 prompt or few-shot prefix that the prefix cache shares) and enough requests share enough of
 them, the shared keys are attended once for all the step's query rows together (on the same
-tiles where they run; in float32 on an AMX CPU, by torch's CPU flash attention: the rows of
-every request against one matrix of keys, and so on CPUs without AVX-512; not by torch on other
-CPUs without AMX, where it lost to the kernel alone), and each request's own keys by the kernel; the two parts merge by their
-log-sum-exp. The kernel alone would read the shared blocks once per request (64 requests over
+tiles where they run; in float32 on an AMX CPU, and on CPUs without AVX-512, by torch's CPU
+flash attention: the rows of every request against one matrix of keys; not by torch on other
+CPUs without AMX, where it lost to the kernel alone), and each request's own keys by the
+kernel; the two parts merge by their log-sum-exp. The kernel alone would read the shared
+blocks once per request (64 requests over
 a 512-token prefix: 64 passes over the same keys). One level, as vLLM's GPU cascade: a step
 whose requests do not all share the prefix runs as before.
 
