@@ -164,7 +164,7 @@ def load() -> ctypes.CDLL:
     lib.quant_group_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.quant_group_bytes.restype = i64
     for name in ("packed_linear_available", "amx_probe", "quant_linear_vnni", "quant_linear_vector",
-                 "tile_attention_vector_available"):
+                 "tile_attention_vector_available", "tile_attention_float_available"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
     lib.silu_mul_bf16.argtypes = [pointer, i64, i64, pointer]
@@ -303,7 +303,7 @@ def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         blocks: int32 [n] the prefix's block ids.
         own_out, own_lse: paged_attention's output and log-sum-exp over each row's own keys.
         scale: Softmax scale.
-        tiles: "amx" or "avx512_bf16".
+        tiles: "amx", "avx512_bf16" or "avx2".
 
     Returns:
         [num_tokens, num_heads, head_dim] bfloat16, or None where the kernel does not run
@@ -318,7 +318,7 @@ def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     failed = _kernel("shared_prefix_attention_bf16")(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), blocks.data_ptr(), blocks.shape[0],
         block_size, num_tokens, num_heads, num_kv_heads, head_dim, scale, own_out.data_ptr(), own_lse.data_ptr(),
-        out.data_ptr(), _tiles_kind(tiles))
+        out.data_ptr(), tiles_kind(tiles))
     return None if failed else out
 
 
@@ -335,7 +335,7 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         requests: int32 [n] the requests to compute.
         scale: Softmax scale.
         out: [num_tokens, num_heads, head_dim] bfloat16, contiguous.
-        tiles: "amx" or "avx512_bf16".
+        tiles: "amx", "avx512_bf16" or "avx2".
 
     Returns:
         Whether it ran (False where the kernel does not: that kind of tiles not here;
@@ -349,18 +349,19 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     failed = _kernel("prefill_attention_bf16")(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), requests.data_ptr(),
-        requests.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), _tiles_kind(tiles))
+        requests.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), tiles_kind(tiles))
     return not failed
 
 
-TILE_KINDS = ("amx", "avx512_bf16")
+# NOTE: in the order of tile_attention.c's `kind` argument.
+TILE_KINDS = ("avx512_bf16", "amx", "avx2")
 
 
-def _tiles_kind(tiles: str) -> int:
-    """tile_attention.c's `amx` argument for a kind of tiles."""
+def tiles_kind(tiles: str) -> int:
+    """tile_attention.c's `kind` argument for a kind of tiles."""
     if tiles not in TILE_KINDS:
         raise ValueError(f"tiles must be one of {TILE_KINDS}, not {tiles!r}")
-    return int(tiles == "amx")
+    return TILE_KINDS.index(tiles)
 
 
 @functools.cache
@@ -368,12 +369,15 @@ def attention_tile_kinds() -> tuple[str, ...]:
     """Every kind of tiles csrc/tile_attention.c runs here (prefill chunks and a shared prefix:
     many query rows against one set of keys), the faster first: "amx" where AMX tiles run,
     "avx512_bf16" where the library was built for AVX512-BF16 (its dot products on 16 rows in
-    vector registers). Cached: tests that want another answer patch attention_tiles(), not
-    packed_linear_amx_available()."""
+    vector registers), "avx2" where it was built for AVX2 with FMA (float32 products on
+    operands widened once; in AVX-512 builds too, where the vector tiles come first, unmeasured
+    against them). Cached: tests that want another answer patch attention_tiles(),
+    not packed_linear_amx_available()."""
     if not available():
         return ()
     kinds = ("amx",) if packed_linear_amx_available() else ()
-    return kinds + (("avx512_bf16",) if load().tile_attention_vector_available() else ())
+    kinds += ("avx512_bf16",) if load().tile_attention_vector_available() else ()
+    return kinds + (("avx2",) if load().tile_attention_float_available() else ())
 
 
 def attention_tiles() -> str | None:

@@ -11,12 +11,13 @@ block so the kernel computes a block's scores with vector lanes over the block's
 In bfloat16, prefill chunks of PREFILL_ON_TILES_MIN_TOKENS_BY_KIND tokens or more go to
 csrc/tile_attention.c instead: a request's rows of a KV head as one matrix against its
 context, on AMX tiles (16 rows by 64 keys a product) where they run, else on AVX512-BF16
-vector tiles (16 rows in registers against 16 keys or dimensions a step).
+vector tiles (16 rows in registers against 16 keys or dimensions a step), else on AVX2's
+float32 tiles (operands widened once, 6 rows against 16 keys or dimensions a step).
 
 Cascade attention: when every request of a step starts with the same blocks (a system
 prompt or few-shot prefix that the prefix cache shares) and enough requests share enough of
 them, the shared keys are attended once for all the step's query rows together (on the same
-tiles where they run; in float32 on an AMX CPU, and on CPUs without AVX-512, by torch's CPU
+tiles where they run; in float32 on an AMX CPU and on CPUs without AVX-512, by torch's CPU
 flash attention: the rows of every request against one matrix of keys; not by torch on other
 CPUs without AMX, where it lost to the kernel alone), and each request's own keys by the
 kernel; the two parts merge by their log-sum-exp. The kernel alone would read the shared
@@ -48,14 +49,17 @@ def _env_int(name: str) -> int | None:
 # The (requests, shared tokens) from which a step takes the cascade, by measurement
 # (docs/benchmarks.md, cascade attention): with the shared part on AMX tiles, on AVX512-BF16
 # vector tiles (bfloat16 on CPUs without AMX: 1.3-1.5x from 32 requests over 256 tokens on an
-# AMD Zen 4, 0.9x at 16), and by torch's flash attention (float32 on a CPU whose tiles run),
-# whose per-call costs are higher. Below them the kernel alone is as fast. NOTE: by torch only
+# AMD Zen 4, 0.9x at 16), on AVX2's float32 tiles (bfloat16 on an AMD Zen 3: 1.19x at 8 requests
+# over 256 tokens, 2.6x at 64 over 512, 1.02x at 8 over 128), and by torch's flash attention
+# (float32 on a CPU whose tiles run), whose per-call costs are higher. Below them the kernel
+# alone is as fast. NOTE: by torch only
 # where it paid (cascade_by_torch_pays): on the Intel Xeon with AMX whose decode waits on memory
 # (64 x 512: 1.18x) and on an AVX2-only AMD Zen 3 (the 64 x 512 shared-prefix workload 0.93x of
 # the time, four pairs of runs, 2026-12-04); it lost in every case on an AMD Zen 5 with AVX-512
 # and no AMX (0.23-0.75x), where the kernel's repeated reads of the prefix come from the caches.
 CASCADE_ON_TILES = (8, 256)
 CASCADE_ON_VECTOR_TILES = (32, 256)
+CASCADE_ON_FLOAT_TILES = (8, 256)
 CASCADE_BY_TORCH = (32, 512)
 NEVER = (10**9, 10**9)
 # NOTE: read where the worker starts; they replace every pair above (for experiments and
@@ -81,6 +85,8 @@ def cascade_thresholds(shared_on: str | None, torch_pays: bool) -> tuple[int, in
         requests, tokens = CASCADE_ON_TILES
     elif shared_on == "avx512_bf16":
         requests, tokens = CASCADE_ON_VECTOR_TILES
+    elif shared_on == "avx2":
+        requests, tokens = CASCADE_ON_FLOAT_TILES
     else:
         requests, tokens = CASCADE_BY_TORCH if torch_pays or overridden else NEVER
     if CASCADE_MIN_REQUESTS is not None:
@@ -135,7 +141,7 @@ def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_token
 # vector tiles repack a chunk's whole context, which short chunks over long contexts do not
 # repay: 64 x 16 tokens over 300 took 0.86x the kernel's time on an AMD Zen 4, 64 x 64 over 512
 # 1.08x). PAGODA_PREFILL_TILES_MIN_TOKENS replaces both where the worker starts (0: never).
-PREFILL_ON_TILES_MIN_TOKENS_BY_KIND = {"amx": 16, "avx512_bf16": 64}
+PREFILL_ON_TILES_MIN_TOKENS_BY_KIND = {"amx": 16, "avx512_bf16": 64, "avx2": 16}
 PREFILL_ON_TILES_MIN_TOKENS = _env_int("PAGODA_PREFILL_TILES_MIN_TOKENS")
 if PREFILL_ON_TILES_MIN_TOKENS == 0:
     PREFILL_ON_TILES_MIN_TOKENS = 10**9

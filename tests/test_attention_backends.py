@@ -212,7 +212,7 @@ def _tile_kinds() -> list[str]:
     from pagoda.attention_backends import cpu_kernels
 
     return list(cpu_kernels.attention_tile_kinds()) or [pytest.param("none", marks=pytest.mark.skip(
-        reason="the prefill tiles need AMX or a build for AVX512-BF16"))]
+        reason="the prefill tiles need a build for AVX2 with FMA at least"))]
 
 
 @pytest.mark.parametrize("tiles", _tile_kinds())
@@ -222,7 +222,7 @@ def _tile_kinds() -> list[str]:
 def test_prefill_on_tiles_matches_naive(monkeypatch, tiles, block_size, group, head_dim, min_tokens):
     # Chunks from scratch and over cached context, crossing the tiles' 16- and 64-key steps and
     # 256-key partitions, beside decodes; with min_tokens 1 every row (decodes too) goes to the
-    # tiles. Each kind of tiles that runs here (AMX, AVX512-BF16 vectors).
+    # tiles. Each kind of tiles that runs here (AMX, AVX512-BF16 vectors, AVX2's float32).
     from pagoda.attention_backends import cpu_kernels, cpu_paged
 
     monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: tiles)
@@ -234,18 +234,25 @@ def test_prefill_on_tiles_matches_naive(monkeypatch, tiles, block_size, group, h
     assert ran and all(ran)  # the tiles ran, not the kernel in their place
 
 
-def paged_kernel_for(march: str, directory):
-    """csrc/paged_attention.c alone, built for ``march`` with the library's flags (seconds)."""
+def kernel_built_for(source: str, march: str, directory):
+    """One file of csrc/ alone, built for ``march`` with the library's flags (seconds), loaded."""
     import ctypes
     import subprocess
 
     from pagoda.attention_backends import cpu_kernels
 
-    target = directory / f"paged_attention-{march}.so"
+    target = directory / f"{source}-{march}.so"
     flags = [flag for flag in cpu_kernels._flags() if not flag.startswith("-march=")]
     subprocess.run([cpu_kernels._compiler(), f"-march={march}", *flags, f"-I{cpu_kernels._CSRC}", "-o", str(target),
-                    str(cpu_kernels._CSRC / "paged_attention.c"), "-lm"], check=True, capture_output=True, timeout=300)
-    lib = ctypes.CDLL(str(target))
+                    str(cpu_kernels._CSRC / source), "-lm"], check=True, capture_output=True, timeout=300)
+    return ctypes.CDLL(str(target))
+
+
+def paged_kernel_for(march: str, directory):
+    """csrc/paged_attention.c alone, built for ``march``."""
+    import ctypes
+
+    lib = kernel_built_for("paged_attention.c", march, directory)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in ("paged_attention_f32", "paged_attention_bf16", "paged_attention_bf16_e4m3"):
         getattr(lib, name).argtypes = [p, p, p, p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
@@ -295,3 +302,58 @@ def test_avx2_and_portable_builds_of_the_paged_kernel_match_this_ones(tmp_path, 
             tolerance = dict(rtol=1e-4, atol=1e-4) if q.dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
             torch.testing.assert_close(out.float(), native.float(), **tolerance, msg=f"{name} bs {block_size}")
             torch.testing.assert_close(lse, native_lse, rtol=1e-5, atol=1e-5, msg=f"{name} bs {block_size}")
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
+def test_avx2_and_portable_builds_of_the_tiles_match_this_ones(tmp_path, march):
+    """csrc/tile_attention.c built for an AVX2 CPU (x86-64-v3: the float32 tiles alone, no
+    AVX-512 kinds) gives this build's float32 tiles' outputs, for a prefill and a shared
+    prefix; built for an older CPU (x86-64-v2) it has no tiles and says so."""
+    import ctypes
+
+    from pagoda.attention_backends import cpu_kernels
+
+    if "avx2" not in cpu_kernels.attention_tile_kinds():
+        pytest.skip("this CPU runs no AVX2 build")
+    lib = kernel_built_for("tile_attention.c", march, tmp_path)
+    native = cpu_kernels.load()
+    for name in ("tile_attention_vector_available", "tile_attention_float_available"):
+        getattr(lib, name).restype = ctypes.c_int
+    for name in ("prefill_attention_bf16", "shared_prefix_attention_bf16"):
+        getattr(lib, name).argtypes = getattr(native, name).argtypes
+        getattr(lib, name).restype = ctypes.c_int
+    assert lib.tile_attention_vector_available() == 0
+    assert lib.tile_attention_float_available() == (march == "x86-64-v3")
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, block_size, kind = 6, 2, 64, 16, cpu_kernels.TILE_KINDS.index("avx2")
+    # prefill: two chunks (one over cached context), the second's context not whole blocks
+    query_lens, seq_lens = [37, 20], [37, 300]
+    tables = torch.arange(2 * 19, dtype=torch.int32).view(2, 19)
+    starts = torch.tensor([0, 37, 57], dtype=torch.int32)
+    lens, listed = torch.tensor(seq_lens, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    query = (torch.randn(57, heads, head_dim, generator=gen) * 3).bfloat16()
+    keys = torch.randn(38, kv_heads, head_dim, block_size, generator=gen).bfloat16()
+    values = torch.randn(38, kv_heads, block_size, head_dim, generator=gen).bfloat16()
+    expected = torch.zeros_like(query)
+    assert cpu_kernels.prefill_attention(query, keys, values, tables, lens, starts, listed, 0.125, expected, "avx2")
+    out = torch.zeros_like(query)
+    failed = lib.prefill_attention_bf16(query.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
+                                        tables.stride(0), lens.data_ptr(), starts.data_ptr(), listed.data_ptr(), 2,
+                                        heads, kv_heads, head_dim, block_size, 0.125, out.data_ptr(), kind)
+    # shared prefix: 5 decodes over 3 shared blocks, merged with their own attention
+    blocks = torch.tensor([4, 9, 2], dtype=torch.int32)
+    own, own_lse = query[:5].clone(), torch.randn(5, heads, generator=gen)
+    shared_expected = cpu_kernels.shared_prefix_attention(query[:5].contiguous(), keys, values, blocks, own, own_lse,
+                                                          0.125, "avx2")
+    shared_out = torch.zeros_like(own)
+    shared_failed = lib.shared_prefix_attention_bf16(query.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                                     blocks.data_ptr(), 3, block_size, 5, heads, kv_heads, head_dim,
+                                                     0.125, own.data_ptr(), own_lse.data_ptr(), shared_out.data_ptr(),
+                                                     kind)
+    if march == "x86-64-v2":
+        assert failed and shared_failed  # no tiles: the caller takes the kernel
+        return
+    assert not failed and not shared_failed
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(shared_out.float(), shared_expected.float(), rtol=1e-2, atol=1e-2)
+    assert out.abs().sum() > 0 and shared_out.abs().sum() > 0

@@ -123,10 +123,11 @@ def test_cascade_matches_naive(always_cascade, monkeypatch, shared_blocks, seq_l
 
 
 def test_a_step_takes_the_cascade_only_past_its_thresholds():
-    # The thresholds as shipped: on AMX tiles 8 requests over 256 shared tokens, on the vector
-    # tiles 32 over 256, by torch 32 over 512 where that pays, and never by torch where it does
-    # not (it lost on AMD Zen 5).
+    # The thresholds as shipped: on AMX tiles and AVX2's float32 tiles 8 requests over 256 shared
+    # tokens, on the vector tiles 32 over 256, by torch 32 over 512 where that pays, and never by
+    # torch where it does not (it lost on AMD Zen 5).
     assert cpu_paged.cascade_thresholds("amx", torch_pays=True) == (8, 256)
+    assert cpu_paged.cascade_thresholds("avx2", torch_pays=True) == (8, 256)
     assert cpu_paged.cascade_thresholds("avx512_bf16", torch_pays=False) == (32, 256)
     assert cpu_paged.cascade_thresholds(None, torch_pays=True) == (32, 512)
     assert cpu_paged.cascade_thresholds(None, torch_pays=False)[0] == 10**9

@@ -44,7 +44,7 @@ void paged_attention_bf16(const uint16_t *query, const uint16_t *key_cache, cons
 int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                                  const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int amx);
+                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int kind);
 
 /* A product's packed weight: QUANTIZED (a: bits, b: with minimums) or BLOCKED bfloat16
  * (a: the rows from which AMX tiles run; gate/up packed for the SiLU-mul epilogue). */
@@ -210,8 +210,8 @@ static void add_residual(uint16_t *h, const uint16_t *y, int64_t rows, int64_t h
  * With shared_blocks (num_shared blocks that every sequence's table starts with, as the
  * cpu_paged backend found them), each layer's attention is a cascade, as the backend computes
  * it: each row's own keys (the tables from the first block after them, suffix_seq_lens) by the
- * paged kernel, the shared keys once for all rows by tile_attention.c (AMX tiles if amx, else
- * AVX512-BF16 dot products), merged by their log-sum-exps; where the tiles cannot run (no
+ * paged kernel, the shared keys once for all rows by tile_attention.c (on tiles of the kind
+ * `tiles`, cpu_kernels.TILE_KINDS), merged by their log-sum-exps; where the tiles cannot run (no
  * memory), every row by the paged kernel over its whole table. */
 int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int64_t rows, const uint16_t *embed,
                      const int64_t *tokens, const int64_t *positions, const int64_t *slots,
@@ -220,7 +220,7 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int6
                      const uint16_t *final_norm, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t intermediate, int64_t block_size, int64_t vocab,
                      int64_t max_positions, float eps, float scale, const int32_t *shared_blocks,
-                     int64_t num_shared, const int32_t *suffix_seq_lens, int amx, uint16_t *out) {
+                     int64_t num_shared, const int32_t *suffix_seq_lens, int tiles, uint16_t *out) {
     for (int64_t r = 0; r < rows; r++)
         if (tokens[r] < 0 || tokens[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -2;
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -262,7 +262,7 @@ int one_token_decode(const struct decode_layer *layers, int64_t num_layers, int6
                                  num_kv_heads, head_dim, block_size, scale, 1.0f);
             whole = shared_prefix_attention_bf16(queries, layer->key_cache, layer->value_cache, shared_blocks,
                                                  num_shared, block_size, rows, num_heads, num_kv_heads, head_dim, scale,
-                                                 own, own_lse, attn, amx);
+                                                 own, own_lse, attn, tiles);
         }
         if (whole)
             paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,

@@ -30,12 +30,15 @@
  * accumulators held in tiles across the partition. Rescaling and horizontal reductions happen
  * once a partition, as in the paged kernel.
  *
- * Two kinds of tiles, on the same packed operands and the same softmax: AMX tile products
- * (amx = 1), and on CPUs without AMX, AVX512-BF16 dot products (amx = 0): 16 rows held in 16
- * vector registers against 16 keys (scores) or 16 dimensions (values) at a time, each packed
- * pair of keys or values loaded once for the 16 rows, each row's pair broadcast from memory
- * (vdpbf16ps: two bfloat16 products into every float32 lane). The paged kernel's decode tile
- * has 3 rows for a group of 3 and repacks its pairs for them; here a pair serves 16.
+ * Three kinds of tiles (`kind`). Two on the same packed operands and the same softmax: AMX
+ * tile products (AMX_TILES), and on CPUs without AMX, AVX512-BF16 dot products (VECTOR_TILES):
+ * 16 rows held in 16 vector registers against 16 keys (scores) or 16 dimensions (values) at a
+ * time, each packed pair of keys or values loaded once for the 16 rows, each row's pair
+ * broadcast from memory (vdpbf16ps: two bfloat16 products into every float32 lane). The paged
+ * kernel's decode tile has 3 rows for a group of 3 and repacks its pairs for them; here a pair
+ * serves 16. The third, on CPUs with AVX2 and FMA (FLOAT_TILES; in every build for them,
+ * AVX-512 ones too), packs the operands in float32 instead and multiplies with FMAs (see
+ * "float32 tiles" below).
  *
  * Each entry point returns 0, or 1 where it does not run (that kind not in this build or
  * process, head_dim not 64 or 128, no memory): the caller then takes another path.
@@ -45,19 +48,36 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_FLOAT_TILES 1
 #include <immintrin.h>
 
 #include "vector_exp.h"
+#else
+#define HAVE_FLOAT_TILES 0
+#endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if HAVE_FLOAT_TILES && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_VECTOR_TILES 1
+#else
+#define HAVE_VECTOR_TILES 0
+#endif
+
+#if HAVE_VECTOR_TILES && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX_TILES 1
 #include "amx_tiles.h"
 #else
 #define HAVE_AMX_TILES 0
 #endif
 
-#define KEYS 64           /* keys per step of a task */
+/* The kinds of tiles: the entry points' `kind` (cpu_kernels.TILE_KINDS) */
+enum { VECTOR_TILES = 0, AMX_TILES = 1, FLOAT_TILES = 2 };
+
+int tile_attention_vector_available(void) { return HAVE_VECTOR_TILES; }
+int tile_attention_float_available(void) { return HAVE_FLOAT_TILES; }
+
+#if HAVE_FLOAT_TILES
+#define KEYS 64           /* keys per step of a task (AMX), and the padding of every kind's keys */
 #define MIN_SCORE (-1e30f)
 
 /* One task: 16 rows (of a KV head's padded row matrix qp, D wide) against the keys of kb and
@@ -72,6 +92,15 @@ static inline int64_t keys_seen(const int64_t *last, int64_t padded_keys, int64_
     return seen > padded_keys ? padded_keys : seen;
 }
 
+static inline void start_rows(float (*acc)[128], float *m, float *l, int64_t D) {
+    for (int r = 0; r < 16; r++) {
+        m[r] = MIN_SCORE;
+        l[r] = 0;
+        for (int64_t d = 0; d < D; d++) acc[r][d] = 0;
+    }
+}
+
+#if HAVE_VECTOR_TILES
 /* The softmax over a partition's raw scores (keys p0..p0+width-1), row by row: scaled, masked
  * past the last key each row sees, probabilities rounded to bfloat16 into probs; each row's
  * maximum m and sum l take the partition in, its accumulators rescaled to the new maximum. */
@@ -108,14 +137,6 @@ static inline __attribute__((always_inline)) void partition_softmax(
         }
         m[r] = new_max;
         l[r] += _mm512_reduce_add_ps(sum);
-    }
-}
-
-static inline void start_rows(float (*acc)[128], float *m, float *l, int64_t D) {
-    for (int r = 0; r < 16; r++) {
-        m[r] = MIN_SCORE;
-        l[r] = 0;
-        for (int64_t d = 0; d < D; d++) acc[r][d] = 0;
     }
 }
 
@@ -226,11 +247,17 @@ static inline __attribute__((always_inline)) void attend_rows_vector(
     }
 }
 
+static __m512i pair_interleave(void) {
+    uint16_t pattern[32];
+    for (int i = 0; i < 16; i++) pattern[2 * i] = (uint16_t)i, pattern[2 * i + 1] = (uint16_t)(32 + i);
+    return _mm512_loadu_si512(pattern);
+}
+
 /* The keys of `blocks` (the first `keys` tokens of them) for one KV head in the scores'
  * tile layout: [padded_keys/16][D/2][16][2], zero past `keys`. */
 static void pack_keys(uint16_t *dst, const uint16_t *key_cache, const int32_t *blocks, int64_t keys,
-                      int64_t padded_keys, int64_t block_size, int64_t block_stride, int64_t h, int64_t D,
-                      __m512i interleave) {
+                      int64_t padded_keys, int64_t block_size, int64_t block_stride, int64_t h, int64_t D) {
+    const __m512i interleave = pair_interleave();
     memset(dst + keys / 16 * (D / 2) * 32, 0, (padded_keys / 16 - keys / 16) * D * 32);
     for (int64_t b = 0; b * block_size < keys; b++) {
         const uint16_t *k = key_cache + (int64_t)blocks[b] * block_stride + h * D * block_size;
@@ -255,8 +282,8 @@ static void pack_keys(uint16_t *dst, const uint16_t *key_cache, const int32_t *b
 
 /* The values of `blocks` (the first `keys` tokens) for one KV head as [padded_keys/2][D][2]. */
 static void pack_values(uint16_t *dst, const uint16_t *value_cache, const int32_t *blocks, int64_t keys,
-                        int64_t padded_keys, int64_t block_size, int64_t block_stride, int64_t h, int64_t D,
-                        __m512i interleave) {
+                        int64_t padded_keys, int64_t block_size, int64_t block_stride, int64_t h, int64_t D) {
+    const __m512i interleave = pair_interleave();
     for (int64_t kp = 0; kp < padded_keys / 2; kp++) {
         uint16_t *pair = dst + kp * D * 2;
         const int64_t first = 2 * kp, second = first + 1;
@@ -288,12 +315,6 @@ static void pack_queries(uint16_t *dst, const uint16_t *query, int64_t first, in
     }
 }
 
-static __m512i pair_interleave(void) {
-    uint16_t pattern[32];
-    for (int i = 0; i < 16; i++) pattern[2 * i] = (uint16_t)i, pattern[2 * i + 1] = (uint16_t)(32 + i);
-    return _mm512_loadu_si512(pattern);
-}
-
 /* A row's result into out (bfloat16): acc / l, or with own_out/own_lse, merged with the row's
  * attention over its own keys by each part's share of the softmax's sum. */
 static inline void store_row(uint16_t *out, const float *acc, float m, float l, const uint16_t *own_out,
@@ -314,70 +335,320 @@ static inline void store_row(uint16_t *out, const float *acc, float m, float l, 
     }
 }
 
-static inline void attend(int amx, const uint16_t *qp, const uint16_t *kb, const uint16_t *vb, const int64_t *last,
+#endif /* HAVE_VECTOR_TILES */
+
+/* -- float32 tiles (AVX2 with FMA) -------------------------------------------------------------
+ * The operands packed to float32 once (bfloat16 widened by a shift), so the products are FMAs
+ * with nothing to convert in the loops: keys as [padded_keys/16][D][16] (16 keys a dimension),
+ * values as [padded_keys][D], queries as [padded_rows][D]. A task's 16 rows go through the
+ * products 6, 6 and 4 at a time against 16 keys (scores) or 16 dimensions (values), each row's
+ * query or probability broadcast from memory. Probabilities stay float32 (no products need
+ * them in bfloat16 here). */
+
+/* Two loaded vectors kept in registers: gcc otherwise folds their loads into every FMA that
+ * uses them (4 rows: 8 loads besides the 4 broadcasts per 8 FMAs, as many as the FMAs' cycles). */
+#define IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
+
+static inline __m256 widen8(const uint16_t *p) { /* 8 bfloat16 -> float32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* 8 float32 rounded to bfloat16 (to nearest even; a NaN stays NaN) into p. */
+static inline void narrow8(uint16_t *p, __m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    r = _mm256_srli_epi32(r, 16);
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)),
+                                             _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    /* [r0..r3 r0..r3 | r4..r7 r4..r7] as 16-bit, then the two low quarters together */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
+static inline float reduce_max8(__m256 v) {
+    v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
+    v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0x4e));
+    return _mm256_cvtss_f32(_mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0xb1)));
+}
+
+static inline float reduce_add8(__m256 v) {
+    v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));
+    v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4e));
+    return _mm256_cvtss_f32(_mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xb1)));
+}
+
+/* partition_softmax on 8 lanes, the probabilities written over the scores. */
+static inline __attribute__((always_inline)) void partition_softmax_float(
+        float (*scores)[PART], const int64_t *last, int64_t p0, int64_t width, const int64_t D, float scale,
+        float (*acc)[128], float *m, float *l) {
+    const __m256 scale8 = _mm256_set1_ps(scale), floor8 = _mm256_set1_ps(MIN_SCORE);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int r = 0; r < 16; r++) {
+        const int64_t valid = last[r] + 1 - p0; /* keys of the partition the row sees */
+        __m256 vmax = floor8;
+        for (int64_t j = 0; j < width; j += 8) {
+            const int64_t visible = valid - j < 0 ? 0 : valid - j > 8 ? 8 : valid - j;
+            const __m256 shown = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)visible), lane));
+            const __m256 s = _mm256_blendv_ps(floor8, _mm256_mul_ps(_mm256_loadu_ps(&scores[r][j]), scale8), shown);
+            _mm256_storeu_ps(&scores[r][j], s);
+            vmax = _mm256_max_ps(vmax, s);
+        }
+        const float part_max = reduce_max8(vmax), new_max = part_max > m[r] ? part_max : m[r];
+        const __m256 mrow = _mm256_set1_ps(new_max);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < width; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[r][j]), mrow));
+            sum = _mm256_add_ps(sum, e);
+            _mm256_storeu_ps(&scores[r][j], e);
+        }
+        if (new_max > m[r] && l[r] > 0) {
+            const float correction = expf(m[r] - new_max);
+            l[r] *= correction;
+            const __m256 c8 = _mm256_set1_ps(correction);
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(&acc[r][d], _mm256_mul_ps(_mm256_loadu_ps(&acc[r][d]), c8));
+        }
+        m[r] = new_max;
+        l[r] += reduce_add8(sum);
+    }
+}
+
+/* Scores of R rows (q, D apart) against 16 keys (k: [D][16]) into scores[0..R-1][0..15]. */
+static inline __attribute__((always_inline)) void score_rows(const float *q, const float *k, const int R,
+                                                             const int64_t D, float (*scores)[PART]) {
+    __m256 s[12];
+    for (int i = 0; i < 2 * R; i++) s[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m256 k0 = _mm256_loadu_ps(k + d * 16), k1 = _mm256_loadu_ps(k + d * 16 + 8);
+        IN_REGISTERS(k0, k1);
+        for (int i = 0; i < R; i++) {
+            const __m256 x = _mm256_broadcast_ss(q + i * D + d);
+            s[2 * i] = _mm256_fmadd_ps(x, k0, s[2 * i]);
+            s[2 * i + 1] = _mm256_fmadd_ps(x, k1, s[2 * i + 1]);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        _mm256_storeu_ps(scores[i], s[2 * i]);
+        _mm256_storeu_ps(scores[i] + 8, s[2 * i + 1]);
+    }
+}
+
+/* acc[0..R-1][c..c+15] += probabilities (probs[0..R-1][0..width-1]) x values (v: [width][D]). */
+static inline __attribute__((always_inline)) void weigh_rows(float (*acc)[128], float (*probs)[PART], const float *v,
+                                                             const int R, int64_t width, const int64_t D, int64_t c) {
+    __m256 a[12];
+    for (int i = 0; i < R; i++) a[2 * i] = _mm256_loadu_ps(&acc[i][c]), a[2 * i + 1] = _mm256_loadu_ps(&acc[i][c + 8]);
+    for (int64_t t = 0; t < width; t++) {
+        __m256 v0 = _mm256_loadu_ps(v + t * D + c), v1 = _mm256_loadu_ps(v + t * D + c + 8);
+        IN_REGISTERS(v0, v1);
+        for (int i = 0; i < R; i++) {
+            const __m256 x = _mm256_broadcast_ss(&probs[i][t]);
+            a[2 * i] = _mm256_fmadd_ps(x, v0, a[2 * i]);
+            a[2 * i + 1] = _mm256_fmadd_ps(x, v1, a[2 * i + 1]);
+        }
+    }
+    for (int i = 0; i < R; i++) _mm256_storeu_ps(&acc[i][c], a[2 * i]), _mm256_storeu_ps(&acc[i][c + 8], a[2 * i + 1]);
+}
+
+/* The task on float32 operands: the 16 rows in blocks of 6, 6 and 4 (12 or 8 accumulators, two
+ * vectors of keys or values, a broadcast: AVX2's 16 registers). */
+static inline __attribute__((always_inline)) void attend_rows_float(
+        const float *qf, const float *kf, const float *vf, const int64_t *last, int64_t padded_keys,
+        const int64_t D, float scale, float (*acc)[128], float *m, float *l) {
+    float scores[16][PART] __attribute__((aligned(64)));
+    start_rows(acc, m, l, D);
+    const int64_t seen = keys_seen(last, padded_keys, 16);
+    for (int64_t p0 = 0; p0 < seen; p0 += PART) {
+        const int64_t width = seen - p0 < PART ? seen - p0 : PART; /* a multiple of 16 */
+        for (int64_t n = 0; n < width; n += 16) {
+            const float *k = kf + (p0 + n) / 16 * D * 16;
+            score_rows(qf, k, 6, D, (float (*)[PART])&scores[0][n]);
+            score_rows(qf + 6 * D, k, 6, D, (float (*)[PART])&scores[6][n]);
+            score_rows(qf + 12 * D, k, 4, D, (float (*)[PART])&scores[12][n]);
+        }
+        partition_softmax_float(scores, last, p0, width, D, scale, acc, m, l);
+        const float *v = vf + p0 * D;
+        for (int64_t c = 0; c < D; c += 16) {
+            weigh_rows(acc, scores, v, 6, width, D, c);
+            weigh_rows(acc + 6, scores + 6, v, 6, width, D, c);
+            weigh_rows(acc + 12, scores + 12, v, 4, width, D, c);
+        }
+    }
+}
+
+/* The keys of `blocks` (the first `keys` tokens) for one KV head as [padded_keys/16][D][16]. */
+static void pack_keys_float(float *dst, const uint16_t *key_cache, const int32_t *blocks, int64_t keys,
+                            int64_t padded_keys, int64_t block_size, int64_t block_stride, int64_t h, int64_t D) {
+    memset(dst + keys / 16 * D * 16, 0, (padded_keys / 16 - keys / 16) * D * 16 * sizeof(float));
+    for (int64_t b = 0; b * block_size < keys; b++) {
+        const uint16_t *k = key_cache + (int64_t)blocks[b] * block_stride + h * D * block_size;
+        const int64_t n = keys - b * block_size < block_size ? keys - b * block_size : block_size;
+        for (int64_t d = 0; d < D; d++) {
+            const uint16_t *row = k + d * block_size; /* dimension d of the block's keys */
+            int64_t t = 0;
+            if (block_size % 8 == 0) /* 8 keys never straddle two groups of 16 */
+                for (; t + 8 <= n; t += 8) {
+                    const int64_t key = b * block_size + t;
+                    _mm256_storeu_ps(dst + (key / 16 * D + d) * 16 + key % 16, widen8(row + t));
+                }
+            for (; t < n; t++) {
+                const int64_t key = b * block_size + t;
+                const uint32_t bits = (uint32_t)row[t] << 16;
+                memcpy(dst + (key / 16 * D + d) * 16 + key % 16, &bits, sizeof(bits));
+            }
+        }
+    }
+}
+
+/* The values of `blocks` (the first `keys` tokens) for one KV head as [padded_keys][D]. */
+static void pack_values_float(float *dst, const uint16_t *value_cache, const int32_t *blocks, int64_t keys,
+                              int64_t padded_keys, int64_t block_size, int64_t block_stride, int64_t h, int64_t D) {
+    for (int64_t key = 0; key < keys; key++) {
+        const uint16_t *v = value_cache + (int64_t)blocks[key / block_size] * block_stride
+                            + (h * block_size + key % block_size) * D;
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + key * D + d, widen8(v + d));
+    }
+    memset(dst + keys * D, 0, (padded_keys - keys) * D * sizeof(float));
+}
+
+/* pack_queries in float32. */
+static void pack_queries_float(float *dst, const uint16_t *query, int64_t first, int64_t tokens, int64_t padded_rows,
+                               int64_t num_heads, int64_t G, int64_t h, int64_t D) {
+    for (int64_t r = 0; r < padded_rows; r++) {
+        if (r < tokens * G) {
+            const uint16_t *q = query + ((first + r / G) * num_heads + h * G + r % G) * D;
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + r * D + d, widen8(q + d));
+        } else {
+            memset(dst + r * D, 0, D * sizeof(float));
+        }
+    }
+}
+
+/* store_row on 8 lanes. */
+static inline void store_row_float(uint16_t *out, const float *acc, float m, float l, const uint16_t *own_out,
+                                   const float *own_lse, int64_t D) {
+    __m256 a = _mm256_set1_ps(1.0f / l), b = _mm256_setzero_ps();
+    if (own_out) {
+        const float shared_lse = m + logf(l), own = *own_lse, top = shared_lse > own ? shared_lse : own;
+        const float ws = expf(shared_lse - top), wo = expf(own - top), total = ws + wo;
+        a = _mm256_set1_ps(ws / total / l);
+        b = _mm256_set1_ps(wo / total);
+    }
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 merged = _mm256_mul_ps(_mm256_loadu_ps(acc + d), a);
+        if (own_out) merged = _mm256_fmadd_ps(widen8(own_out + d), b, merged);
+        narrow8(out + d, merged);
+    }
+}
+
+/* -- every kind: packing, a task, a row's result ------------------------------------------------ */
+
+static size_t element_bytes(int kind) { return kind == FLOAT_TILES ? sizeof(float) : sizeof(uint16_t); }
+
+/* Operand `part` (0 keys, 1 values, 2 queries) of KV head h into dst, in `kind`'s layout. */
+static void pack_operand(int kind, int part, void *dst, const uint16_t *key_cache, const uint16_t *value_cache,
+                         const uint16_t *query, const int32_t *blocks, int64_t keys, int64_t padded_keys,
+                         int64_t block_size, int64_t block_stride, int64_t first, int64_t tokens, int64_t padded_rows,
+                         int64_t num_heads, int64_t G, int64_t h, int64_t D) {
+#if HAVE_VECTOR_TILES
+    if (kind != FLOAT_TILES) {
+        if (part == 0) pack_keys(dst, key_cache, blocks, keys, padded_keys, block_size, block_stride, h, D);
+        else if (part == 1) pack_values(dst, value_cache, blocks, keys, padded_keys, block_size, block_stride, h, D);
+        else pack_queries(dst, query, first, tokens, padded_rows, num_heads, G, h, D);
+        return;
+    }
+#endif
+    (void)kind;
+    if (part == 0) pack_keys_float(dst, key_cache, blocks, keys, padded_keys, block_size, block_stride, h, D);
+    else if (part == 1) pack_values_float(dst, value_cache, blocks, keys, padded_keys, block_size, block_stride, h, D);
+    else pack_queries_float(dst, query, first, tokens, padded_rows, num_heads, G, h, D);
+}
+
+static inline void attend(int kind, const void *qp, const void *kb, const void *vb, const int64_t *last,
                           int64_t padded_keys, int64_t D, float scale, float (*acc)[128], float *m, float *l) {
 #if HAVE_AMX_TILES
-    if (amx) {
+    if (kind == AMX_TILES) {
         if (D == 64) attend_rows_amx(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
         else attend_rows_amx(qp, kb, vb, last, padded_keys, 128, scale, acc, m, l);
         return;
     }
 #endif
-    (void)amx;
-    if (D == 64) attend_rows_vector(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
-    else attend_rows_vector(qp, kb, vb, last, padded_keys, 128, scale, acc, m, l);
+#if HAVE_VECTOR_TILES
+    if (kind == VECTOR_TILES) {
+        if (D == 64) attend_rows_vector(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
+        else attend_rows_vector(qp, kb, vb, last, padded_keys, 128, scale, acc, m, l);
+        return;
+    }
+#endif
+    (void)kind;
+    if (D == 64) attend_rows_float(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
+    else attend_rows_float(qp, kb, vb, last, padded_keys, 128, scale, acc, m, l);
+}
+
+static inline void store(int kind, uint16_t *out, const float *acc, float m, float l, const uint16_t *own_out,
+                         const float *own_lse, int64_t D) {
+#if HAVE_VECTOR_TILES
+    if (kind != FLOAT_TILES) {
+        store_row(out, acc, m, l, own_out, own_lse, D);
+        return;
+    }
+#endif
+    (void)kind;
+    store_row_float(out, acc, m, l, own_out, own_lse, D);
 }
 
 /* Whether tiles of the kind asked for run here (AMX: built with them and permitted). */
-static int kind_runs(int amx) {
+static int kind_runs(int kind) {
+    if (kind == AMX_TILES) {
 #if HAVE_AMX_TILES
-    return !amx || pagoda_amx_permitted();
+        return pagoda_amx_permitted();
 #else
-    return !amx;
+        return 0;
 #endif
+    }
+    return kind == FLOAT_TILES || (kind == VECTOR_TILES && HAVE_VECTOR_TILES);
 }
 
 /* Per thread, around its tasks: the AMX tile configuration and its release. */
-static inline void begin_tiles(int amx) {
+static inline void begin_tiles(int kind) {
 #if HAVE_AMX_TILES
-    if (amx) configure_tiles();
+    if (kind == AMX_TILES) configure_tiles();
 #endif
-    (void)amx;
+    (void)kind;
 }
-static inline void end_tiles(int amx) {
+static inline void end_tiles(int kind) {
 #if HAVE_AMX_TILES
-    if (amx) _tile_release();
+    if (kind == AMX_TILES) _tile_release();
 #endif
-    (void)amx;
+    (void)kind;
 }
-
-int tile_attention_vector_available(void) { return 1; }
 
 int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                                  const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int amx) {
+                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int kind) {
     const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads;
-    if ((D != 64 && D != 128) || num_blocks <= 0 || !kind_runs(amx)) return 1;
+    if ((D != 64 && D != 128) || num_blocks <= 0 || !kind_runs(kind)) return 1;
     const int64_t keys = num_blocks * block_size, padded_keys = (keys + KEYS - 1) / KEYS * KEYS;
     const int64_t rows = num_tokens * G, padded_rows = (rows + 15) / 16 * 16;
     const int64_t block_stride = KV * D * block_size;
-    uint16_t *kb = aligned_alloc(64, (size_t)(2 * KV * D * padded_keys * 2 + KV * padded_rows * D * 2));
+    const size_t E = element_bytes(kind);
+    char *kb = aligned_alloc(64, (size_t)(2 * KV * D * padded_keys + KV * padded_rows * D) * E);
     if (!kb) return 1;
-    uint16_t *vb = kb + KV * D * padded_keys, *qp = vb + KV * padded_keys * D;
-    const __m512i interleave = pair_interleave();
+    char *vb = kb + KV * D * padded_keys * E, *qp = vb + KV * padded_keys * D * E;
     /* dynamic: the keys' jobs (first) take longest; statically the first thread got them all */
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t job = 0; job < 3 * KV; job++) {
-        const int64_t h = job % KV;
-        if (job < KV) pack_keys(kb + h * D * padded_keys, key_cache, blocks, keys, padded_keys, block_size, block_stride, h, D, interleave);
-        else if (job < 2 * KV) pack_values(vb + h * padded_keys * D, value_cache, blocks, keys, padded_keys, block_size, block_stride, h, D, interleave);
-        else pack_queries(qp + h * padded_rows * D, query, 0, num_tokens, padded_rows, num_heads, G, h, D);
+        const int64_t part = job / KV, h = job % KV;
+        char *dst = part == 0 ? kb + h * D * padded_keys * E : part == 1 ? vb + h * padded_keys * D * E
+                                                                          : qp + h * padded_rows * D * E;
+        pack_operand(kind, (int)part, dst, key_cache, value_cache, query, blocks, keys, padded_keys, block_size,
+                     block_stride, 0, num_tokens, padded_rows, num_heads, G, h, D);
     }
     const int64_t tasks_per_head = padded_rows / 16;
     #pragma omp parallel
     {
-        begin_tiles(amx);
+        begin_tiles(kind);
         float acc[16][128] __attribute__((aligned(64)));
         float m[16], l[16];
         int64_t last[16];
@@ -385,18 +656,25 @@ int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cach
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < KV * tasks_per_head; task++) {
             const int64_t h = task / tasks_per_head, r0 = task % tasks_per_head * 16;
-            attend(amx, qp + (h * padded_rows + r0) * D, kb + h * D * padded_keys, vb + h * padded_keys * D, last,
-                   padded_keys, D, scale, acc, m, l);
+            attend(kind, qp + (h * padded_rows + r0) * D * E, kb + h * D * padded_keys * E,
+                   vb + h * padded_keys * D * E, last, padded_keys, D, scale, acc, m, l);
             for (int64_t i = 0; i < 16 && r0 + i < rows; i++) {
                 const int64_t r = r0 + i, at = (r / G) * num_heads + h * G + r % G;
-                store_row(out + at * D, acc[i], m[i], l[i], own_out + at * D, own_lse + at, D);
+                store(kind, out + at * D, acc[i], m[i], l[i], own_out + at * D, own_lse + at, D);
             }
         }
-        end_tiles(amx);
+        end_tiles(kind);
     }
     free(kb);
     return 0;
 }
+
+/* Bytes of packed operands at a time in a prefill: the listed requests go in groups of about
+ * this much, each packed and then attended. All at once, 64 chunks of 16 tokens over 300 took
+ * 34 MB in float32: past glibc's largest mmap threshold (32 MB), so every call mapped (and the
+ * kernel zeroed) fresh pages, and the tiles lost to the paged kernel (0.6-0.8x). Groups of 4 and
+ * of 16 MB measured the same (AMD Zen 3). */
+#define PACK_BUDGET ((int64_t)16 << 20)
 
 /* The causal attention of the query rows of the requests listed in `requests` (prefill chunks:
  * request i owns rows query_start[i]..query_start[i+1], the last of its seq_lens[i] tokens)
@@ -405,71 +683,81 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
                            const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                            const int32_t *query_start, const int32_t *requests, int64_t num_listed,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                           uint16_t *out, int amx) {
+                           uint16_t *out, int kind) {
     const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads;
-    if ((D != 64 && D != 128) || !kind_runs(amx) || num_listed == 0) return num_listed ? 1 : 0;
+    if ((D != 64 && D != 128) || !kind_runs(kind) || num_listed == 0) return num_listed ? 1 : 0;
     const int64_t block_stride = KV * D * block_size;
-    /* per listed request: its padded keys and rows, and where its packed operands start */
+    const int64_t E = (int64_t)element_bytes(kind);
+    /* per listed request: its padded keys and rows, where its packed operands start (in
+     * elements, from its group's start) and its first task (in its group) */
     int64_t *plan = malloc(sizeof(int64_t) * 4 * (num_listed + 1));
     if (!plan) return 1;
     int64_t *padded_keys = plan, *padded_rows = plan + num_listed, *offset = plan + 2 * num_listed;
     int64_t *first_task = plan + 3 * num_listed; /* num_listed + 1 entries */
-    int64_t total = 0, tasks = 0;
+    int64_t largest = 0;
     for (int64_t j = 0; j < num_listed; j++) {
         const int64_t i = requests[j], tokens = query_start[i + 1] - query_start[i];
         padded_keys[j] = (seq_lens[i] + KEYS - 1) / KEYS * KEYS;
         padded_rows[j] = (tokens * G + 15) / 16 * 16;
-        offset[j] = total;
-        total += KV * (2 * D * padded_keys[j] + padded_rows[j] * D);
-        first_task[j] = tasks;
-        tasks += KV * padded_rows[j] / 16;
+        const int64_t size = KV * (2 * D * padded_keys[j] + padded_rows[j] * D);
+        largest = size > largest ? size : largest;
     }
-    first_task[num_listed] = tasks;
-    uint16_t *work = aligned_alloc(64, (size_t)(total * 2 + 63) / 64 * 64);
+    const int64_t capacity = largest * E > PACK_BUDGET ? largest * E : PACK_BUDGET;
+    char *work = aligned_alloc(64, (size_t)(capacity + 63) / 64 * 64);
     if (!work) {
         free(plan);
         return 1;
     }
-    const __m512i interleave = pair_interleave();
-    /* per request: keys [kv][...], then values [kv][...], then queries [kv][...] */
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t job = 0; job < 3 * KV * num_listed; job++) {
-        const int64_t j = job / (3 * KV), part = job % (3 * KV) / KV, h = job % KV, i = requests[j];
-        const int32_t *table = block_tables + i * block_table_stride;
-        uint16_t *base = work + offset[j];
-        const int64_t keys = seq_lens[i], pk = padded_keys[j], pr = padded_rows[j];
-        if (part == 0) pack_keys(base + h * D * pk, key_cache, table, keys, pk, block_size, block_stride, h, D, interleave);
-        else if (part == 1) pack_values(base + KV * D * pk + h * pk * D, value_cache, table, keys, pk, block_size, block_stride, h, D, interleave);
-        else pack_queries(base + 2 * KV * D * pk + h * pr * D, query, query_start[i], query_start[i + 1] - query_start[i],
-                          pr, num_heads, G, h, D);
-    }
-    #pragma omp parallel
-    {
-        begin_tiles(amx);
-        float acc[16][128] __attribute__((aligned(64)));
-        float m[16], l[16];
-        int64_t last[16];
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
-            int64_t j = 0;
-            while (first_task[j + 1] <= task) j++;
-            const int64_t i = requests[j], pk = padded_keys[j], pr = padded_rows[j];
-            const int64_t per_head = pr / 16, h = (task - first_task[j]) / per_head;
-            const int64_t r0 = (task - first_task[j]) % per_head * 16;
-            const int64_t tokens = query_start[i + 1] - query_start[i], start = seq_lens[i] - tokens;
-            for (int r = 0; r < 16; r++) { /* row r0 + r is token (r0 + r) / G, at start + that */
-                const int64_t token = (r0 + r) / G < tokens ? (r0 + r) / G : tokens - 1;
-                last[r] = start + token;
-            }
-            const uint16_t *base = work + offset[j];
-            attend(amx, base + 2 * KV * D * pk + (h * pr + r0) * D, base + h * D * pk, base + KV * D * pk + h * pk * D,
-                   last, pk, D, scale, acc, m, l);
-            for (int64_t k = 0; k < 16 && r0 + k < tokens * G; k++) {
-                const int64_t r = r0 + k, at = (query_start[i] + r / G) * num_heads + h * G + r % G;
-                store_row(out + at * D, acc[k], m[k], l[k], NULL, NULL, D);
-            }
+    for (int64_t j0 = 0, j1; j0 < num_listed; j0 = j1) {
+        int64_t total = 0, tasks = 0;
+        for (j1 = j0; j1 < num_listed; j1++) {
+            const int64_t size = KV * (2 * D * padded_keys[j1] + padded_rows[j1] * D);
+            if (j1 > j0 && (total + size) * E > capacity) break;
+            offset[j1] = total;
+            total += size;
+            first_task[j1] = tasks;
+            tasks += KV * padded_rows[j1] / 16;
         }
-        end_tiles(amx);
+        first_task[j1] = tasks;
+        /* per request: keys [kv][...], then values [kv][...], then queries [kv][...] */
+        #pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t job = 3 * KV * j0; job < 3 * KV * j1; job++) {
+            const int64_t j = job / (3 * KV), part = job % (3 * KV) / KV, h = job % KV, i = requests[j];
+            const int64_t pk = padded_keys[j], pr = padded_rows[j];
+            char *base = work + offset[j] * E;
+            char *dst = base + (part == 0 ? h * D * pk : part == 1 ? KV * D * pk + h * pk * D : 2 * KV * D * pk + h * pr * D) * E;
+            pack_operand(kind, (int)part, dst, key_cache, value_cache, query, block_tables + i * block_table_stride,
+                         seq_lens[i], pk, block_size, block_stride, query_start[i], query_start[i + 1] - query_start[i],
+                         pr, num_heads, G, h, D);
+        }
+        #pragma omp parallel
+        {
+            begin_tiles(kind);
+            float acc[16][128] __attribute__((aligned(64)));
+            float m[16], l[16];
+            int64_t last[16];
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < tasks; task++) {
+                int64_t j = j0;
+                while (first_task[j + 1] <= task) j++;
+                const int64_t i = requests[j], pk = padded_keys[j], pr = padded_rows[j];
+                const int64_t per_head = pr / 16, h = (task - first_task[j]) / per_head;
+                const int64_t r0 = (task - first_task[j]) % per_head * 16;
+                const int64_t tokens = query_start[i + 1] - query_start[i], start = seq_lens[i] - tokens;
+                for (int r = 0; r < 16; r++) { /* row r0 + r is token (r0 + r) / G, at start + that */
+                    const int64_t token = (r0 + r) / G < tokens ? (r0 + r) / G : tokens - 1;
+                    last[r] = start + token;
+                }
+                const char *base = work + offset[j] * E;
+                attend(kind, base + (2 * KV * D * pk + (h * pr + r0) * D) * E, base + h * D * pk * E,
+                       base + (KV * D * pk + h * pk * D) * E, last, pk, D, scale, acc, m, l);
+                for (int64_t k = 0; k < 16 && r0 + k < tokens * G; k++) {
+                    const int64_t r = r0 + k, at = (query_start[i] + r / G) * num_heads + h * G + r % G;
+                    store(kind, out + at * D, acc[k], m[k], l[k], NULL, NULL, D);
+                }
+            }
+            end_tiles(kind);
+        }
     }
     free(work);
     free(plan);
@@ -479,8 +767,8 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
 int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                                  const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int amx) {
-    (void)amx, (void)query, (void)key_cache, (void)value_cache, (void)blocks, (void)num_blocks, (void)block_size;
+                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int kind) {
+    (void)kind, (void)query, (void)key_cache, (void)value_cache, (void)blocks, (void)num_blocks, (void)block_size;
     (void)num_tokens, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)scale, (void)own_out;
     (void)own_lse, (void)out;
     return 1;
@@ -490,12 +778,10 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
                            const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                            const int32_t *query_start, const int32_t *requests, int64_t num_listed,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                           uint16_t *out, int amx) {
-    (void)amx, (void)query, (void)key_cache, (void)value_cache, (void)block_tables, (void)block_table_stride, (void)seq_lens;
+                           uint16_t *out, int kind) {
+    (void)kind, (void)query, (void)key_cache, (void)value_cache, (void)block_tables, (void)block_table_stride, (void)seq_lens;
     (void)query_start, (void)requests, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size;
     (void)scale, (void)out;
     return num_listed ? 1 : 0;
 }
-
-int tile_attention_vector_available(void) { return 0; }
 #endif

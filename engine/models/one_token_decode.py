@@ -16,8 +16,8 @@ decoder runs one of Pagoda's kernels (quantized weights: GGUF files' own types,
 engine/models/linear.py; not oneDNN's), the attention backend is ``cpu_paged`` over a
 bfloat16 cache, and batch invariance is not asked for (a row then takes one path whatever its
 step holds). A step whose sequences share a prefix that the backend attends to as a cascade
-takes the cascade in the call too, its shared part on the backend's tiles (AMX or AVX512-BF16;
-without tiles, such a step runs layer by layer). A step with prefill tokens runs layer by
+takes the cascade in the call too, its shared part on the backend's tiles (AMX, AVX512-BF16 or AVX2's
+float32 ones; without tiles, such a step runs layer by layer). A step with prefill tokens runs layer by
 layer. ``PAGODA_ONE_TOKEN_DECODE=0`` turns it off (for A/B measurements).
 """
 
@@ -119,8 +119,8 @@ class OneTokenDecode:
                 and (getattr(metadata.backend_data, "shared", None) is None or self.tiles is not None))
 
     def _cascade(self, metadata: AttentionMetadata) -> tuple[int, int, int, int]:
-        """The C call's shared blocks, their count, the rows' own context lengths and its amx
-        flag: the backend's shared prefix for this step, or none."""
+        """The C call's shared blocks, their count, the rows' own context lengths and the kind of
+        tiles for the shared part: the backend's shared prefix for this step, or none."""
         shared = getattr(metadata.backend_data, "shared", None)
         if shared is None:
             return 0, 0, 0, 0
@@ -128,7 +128,7 @@ class OneTokenDecode:
                 and shared.blocks.is_contiguous() and shared.suffix_seq_lens.is_contiguous()):
             raise ValueError("one_token_decode: the shared prefix's blocks and lengths are not contiguous int32")
         return (shared.blocks.data_ptr(), shared.blocks.shape[0], shared.suffix_seq_lens.data_ptr(),
-                int(self.tiles == "amx"))
+                cpu_kernels.tiles_kind(self.tiles))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The final-normed hidden states [rows, hidden] of the step's tokens, one a sequence."""
