@@ -144,12 +144,13 @@ def load() -> ctypes.CDLL:
     lib.packed_linear_bf16.restype = None
     lib.packed_silu_mul_linear_bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, i64]
     lib.packed_silu_mul_linear_bf16.restype = None
-    lib.shared_prefix_attention_bf16.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64,
-                                                 ctypes.c_float, pointer, pointer, pointer, ctypes.c_int]
-    lib.shared_prefix_attention_bf16.restype = ctypes.c_int
-    lib.prefill_attention_bf16.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, i64,
-                                           i64, i64, i64, i64, ctypes.c_float, pointer, ctypes.c_int]
-    lib.prefill_attention_bf16.restype = ctypes.c_int
+    for dtype in ("bf16", "f32"):
+        shared, prefill = getattr(lib, f"shared_prefix_attention_{dtype}"), getattr(lib, f"prefill_attention_{dtype}")
+        shared.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer,
+                           pointer, pointer, ctypes.c_int]
+        prefill.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, i64, i64, i64, i64, i64,
+                            ctypes.c_float, pointer, ctypes.c_int]
+        shared.restype = prefill.restype = ctypes.c_int
     lib.quant_linear.argtypes = [pointer, i64, i64, ctypes.c_int, i64, pointer, ctypes.c_int, ctypes.c_int, i64,
                                  pointer, pointer, i64, ctypes.c_int]
     lib.quant_linear.restype = ctypes.c_int
@@ -298,24 +299,26 @@ def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     ``tiles`` (attention_tiles(); csrc/tile_attention.c).
 
     Args:
-        query: [num_tokens, num_heads, head_dim] bfloat16, contiguous.
-        key_cache, value_cache: As for paged_attention.
+        query: [num_tokens, num_heads, head_dim] bfloat16 (or float32, on "avx2" only),
+            contiguous.
+        key_cache, value_cache: As for paged_attention, in the query's dtype.
         blocks: int32 [n] the prefix's block ids.
         own_out, own_lse: paged_attention's output and log-sum-exp over each row's own keys.
         scale: Softmax scale.
         tiles: "amx", "avx512_bf16" or "avx2".
 
     Returns:
-        [num_tokens, num_heads, head_dim] bfloat16, or None where the kernel does not run
-        (that kind of tiles not here; head_dim not 64 or 128; no memory).
+        [num_tokens, num_heads, head_dim] in the query's dtype, or None where the kernel does
+        not run (that kind of tiles not here or not for float32; head_dim not 64 or 128; no
+        memory).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, _, block_size = key_cache.shape
-    assert query.dtype == key_cache.dtype == value_cache.dtype == own_out.dtype == torch.bfloat16
+    assert query.dtype == key_cache.dtype == value_cache.dtype == own_out.dtype
     assert query.is_contiguous() and own_out.is_contiguous() and own_lse.is_contiguous()
     assert blocks.dtype == torch.int32 and blocks.is_contiguous() and own_lse.dtype == torch.float32
     out = torch.empty_like(query)
-    failed = _kernel("shared_prefix_attention_bf16")(
+    failed = _kernel(f"shared_prefix_attention_{_TILE_DTYPES[query.dtype]}")(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), blocks.data_ptr(), blocks.shape[0],
         block_size, num_tokens, num_heads, num_kv_heads, head_dim, scale, own_out.data_ptr(), own_lse.data_ptr(),
         out.data_ptr(), tiles_kind(tiles))
@@ -331,27 +334,30 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
 
     Args:
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc: As for
-            paged_attention (bfloat16).
+            paged_attention (bfloat16, or float32 on "avx2" only).
         requests: int32 [n] the requests to compute.
         scale: Softmax scale.
-        out: [num_tokens, num_heads, head_dim] bfloat16, contiguous.
+        out: [num_tokens, num_heads, head_dim] in the query's dtype, contiguous.
         tiles: "amx", "avx512_bf16" or "avx2".
 
     Returns:
-        Whether it ran (False where the kernel does not: that kind of tiles not here;
-        head_dim not 64 or 128; no memory).
+        Whether it ran (False where the kernel does not: that kind of tiles not here or not
+        for float32; head_dim not 64 or 128; no memory).
     """
     _, num_heads, head_dim = query.shape
     _, num_kv_heads, _, block_size = key_cache.shape
-    assert query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16
+    assert query.dtype == key_cache.dtype == value_cache.dtype == out.dtype
     assert query.is_contiguous() and out.is_contiguous() and block_tables.stride(1) == 1
     assert requests.dtype == torch.int32 and requests.is_contiguous()
-    failed = _kernel("prefill_attention_bf16")(
+    failed = _kernel(f"prefill_attention_{_TILE_DTYPES[query.dtype]}")(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), requests.data_ptr(),
         requests.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), tiles_kind(tiles))
     return not failed
 
+
+# The entry points' suffix per dtype (float32 runs on the "avx2" tiles alone).
+_TILE_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 # NOTE: in the order of tile_attention.c's `kind` argument.
 TILE_KINDS = ("avx512_bf16", "amx", "avx2")
@@ -382,8 +388,10 @@ def attention_tile_kinds() -> tuple[str, ...]:
 
 def attention_tiles() -> str | None:
     """The tiles the cpu_paged backend uses here (the first of attention_tile_kinds()), or None:
-    the paged kernel takes every row."""
-    kinds = attention_tile_kinds()
+    the paged kernel takes every row. NOTE: not the float32 tiles on a CPU with AVX-512 (Intel
+    Skylake-SP to Ice Lake, without AVX512-BF16): measured on AVX2-only CPUs alone, they stay a
+    kind that the tests run there."""
+    kinds = [kind for kind in attention_tile_kinds() if kind != "avx2" or "avx512f" not in cpu_flags().split()]
     return kinds[0] if kinds else None
 
 

@@ -76,8 +76,8 @@ def cascade_by_torch_pays(amx_runs: bool) -> bool:
 
 def cascade_thresholds(shared_on: str | None, torch_pays: bool) -> tuple[int, int]:
     """The (requests, shared tokens) from which a step takes the cascade, with its shared part
-    on ``shared_on`` tiles ("amx", "avx512_bf16"; cpu_kernels.attention_tiles()) or by torch
-    (None), on a CPU where the cascade by torch pays or not (cascade_by_torch_pays)."""
+    on ``shared_on`` tiles ("amx", "avx512_bf16", "avx2"; cpu_kernels.attention_tiles()) or by
+    torch (None), on a CPU where the cascade by torch pays or not (cascade_by_torch_pays)."""
     overridden = CASCADE_MIN_REQUESTS is not None or CASCADE_MIN_TOKENS is not None
     # NOTE: an override asks for the cascade even where it is off by default; a variable it
     # leaves unset keeps the value of the path's row (by torch: as where AMX runs).
@@ -197,12 +197,19 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         # Prefill chunks and the shared part of cascade attention on tiles where they run
-        # (bfloat16): AMX's, else AVX512-BF16 dot products on 16 rows; else the kernel and
-        # torch's flash attention.
+        # (bfloat16): AMX's, else AVX512-BF16 dot products on 16 rows, else AVX2's float32
+        # ones (for float32 too); else the kernel and torch's flash attention.
         # NOTE: the tiles take head_dim 64 and 128 only; with others a step plans for the kernel.
         self.tiles = cpu_kernels.attention_tiles() if head_dim in (64, 128) else None
         self.amx_tiles = cpu_kernels.available() and cpu_kernels.packed_linear_amx_available()
         self.torch_cascade_pays = cpu_kernels.available() and cascade_by_torch_pays(self.amx_tiles)
+
+    def tiles_for(self, dtype: torch.dtype) -> str | None:
+        """The tiles that take prefill chunks and a cascade's shared part in ``dtype``, or None:
+        bfloat16 on any kind, float32 on AVX2's float32 tiles alone."""
+        if dtype == torch.bfloat16 or (dtype == torch.float32 and self.tiles == "avx2"):
+            return self.tiles
+        return None
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
@@ -219,7 +226,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         # requests for the prefill tiles; torch_sdpa's view of the step is built only if a
         # dtype without kernels asks for it (see forward).
         # NOTE: with the thresholds of the tiles where they run: forward() holds a step that
-        # the torch path takes (float32) to its own.
+        # the torch path takes (float32 beside other tiles than AVX2's) to its own.
         if self.batch_invariant:
             metadata.backend_data = StepPlan(None)
             return
@@ -251,7 +258,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         # attention take the model's dtype).
         quantized = key_cache.dtype in FP8_DTYPES
         shared = None if quantized else plan.shared
-        on_tiles = query.dtype == torch.bfloat16 and self.tiles is not None and not quantized
+        on_tiles = not quantized and self.tiles_for(query.dtype) is not None
         if shared is not None and not on_tiles:
             requests, tokens = cascade_thresholds(None, self.torch_cascade_pays)
             if metadata.num_reqs < requests or shared.tokens < tokens:

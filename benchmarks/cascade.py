@@ -4,8 +4,9 @@ without cascade attention (attention_backends/cpu_paged.py), in-process.
 For each (requests, shared tokens) pair, a step of one decode row per request over the
 shared blocks plus ``--own`` tokens of its own, through the cpu_paged backend as the model
 calls it (write of the new keys, attention), over ``--layers`` layers' calls; the kernel
-alone against the cascade (its shared part on the attention tiles where they run, AMX's or
-AVX512-BF16's, else by torch's flash attention). Shapes default to SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64).
+alone against the cascade (its shared part on the attention tiles where they run, AMX's,
+AVX512-BF16's or AVX2's float32 ones, else by torch's flash attention). Shapes default to
+SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def run_cascade_bench(args: argparse.Namespace) -> int:
     try:
         for requests, shared in args.cases:
             backend, kv_cache, metadata, inputs = _step(requests, shared, args.own, args, gen)
-            path = backend.tiles if backend.tiles and args.dtype == "bfloat16" else "torch"
+            path = backend.tiles_for(getattr(torch, args.dtype)) or "torch"
             cpu_paged.CASCADE_MIN_REQUESTS = 0  # never
             kernel = _time(backend, kv_cache, metadata, inputs, args.layers, args.repeats)
             cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS = 1, 1  # always

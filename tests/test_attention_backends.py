@@ -208,21 +208,25 @@ def test_selection_checks_the_models_dtype_head_size_and_group(monkeypatch):
     assert get_attention_backend("auto", cpu, shape=AttentionShape(torch.bfloat16, 64, 8, 2)) is HalfOnly
 
 
-def _tile_kinds() -> list[str]:
+def _tile_kinds() -> list[tuple[str, torch.dtype]]:
+    """Each kind of tiles that runs here with bfloat16, and the float32 tiles with float32."""
     from pagoda.attention_backends import cpu_kernels
 
-    return list(cpu_kernels.attention_tile_kinds()) or [pytest.param("none", marks=pytest.mark.skip(
-        reason="the prefill tiles need a build for AVX2 with FMA at least"))]
+    kinds = cpu_kernels.attention_tile_kinds()
+    return ([(kind, torch.bfloat16) for kind in kinds] + [("avx2", torch.float32)] * ("avx2" in kinds)
+            or [pytest.param("none", None, marks=pytest.mark.skip(
+                reason="the prefill tiles need a build for AVX2 with FMA at least"))])
 
 
-@pytest.mark.parametrize("tiles", _tile_kinds())
+@pytest.mark.parametrize("tiles,dtype", _tile_kinds())
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (8, 64), (2, 128)])
 @pytest.mark.parametrize("min_tokens", [1, 16])
-def test_prefill_on_tiles_matches_naive(monkeypatch, tiles, block_size, group, head_dim, min_tokens):
+def test_prefill_on_tiles_matches_naive(monkeypatch, tiles, dtype, block_size, group, head_dim, min_tokens):
     # Chunks from scratch and over cached context, crossing the tiles' 16- and 64-key steps and
     # 256-key partitions, beside decodes; with min_tokens 1 every row (decodes too) goes to the
-    # tiles. Each kind of tiles that runs here (AMX, AVX512-BF16 vectors, AVX2's float32).
+    # tiles. Each kind of tiles that runs here (AMX, AVX512-BF16 vectors, AVX2's float32; those
+    # in float32 too).
     from pagoda.attention_backends import cpu_kernels, cpu_paged
 
     monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: tiles)
@@ -230,21 +234,23 @@ def test_prefill_on_tiles_matches_naive(monkeypatch, tiles, block_size, group, h
     ran, prefill_attention = [], cpu_kernels.prefill_attention
     monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda *a: ran.append(prefill_attention(*a)) or ran[-1])
     cases = ([300, 17, 600, 1, 70, 33], [300, 17, 40, 1, 1, 16])
-    backend_matches_naive("cpu_paged", block_size, group, head_dim, torch.bfloat16, cases=cases)
+    backend_matches_naive("cpu_paged", block_size, group, head_dim, dtype, cases=cases)
     assert ran and all(ran)  # the tiles ran, not the kernel in their place
 
 
-def kernel_built_for(source: str, march: str, directory):
-    """One file of csrc/ alone, built for ``march`` with the library's flags (seconds), loaded."""
+def kernel_built_for(source: str, march: str, directory, *defines: str):
+    """One file of csrc/ alone, built for ``march`` with the library's flags and ``defines``
+    ("NAME=VALUE"; seconds), loaded."""
     import ctypes
     import subprocess
 
     from pagoda.attention_backends import cpu_kernels
 
-    target = directory / f"{source}-{march}.so"
+    target = directory / f"{source}-{march}-{len(defines)}.so"
     flags = [flag for flag in cpu_kernels._flags() if not flag.startswith("-march=")]
-    subprocess.run([cpu_kernels._compiler(), f"-march={march}", *flags, f"-I{cpu_kernels._CSRC}", "-o", str(target),
-                    str(cpu_kernels._CSRC / source), "-lm"], check=True, capture_output=True, timeout=300)
+    subprocess.run([cpu_kernels._compiler(), f"-march={march}", *flags, *(f"-D{d}" for d in defines),
+                    f"-I{cpu_kernels._CSRC}", "-o", str(target), str(cpu_kernels._CSRC / source), "-lm"], check=True,
+                   capture_output=True, timeout=300)
     return ctypes.CDLL(str(target))
 
 
@@ -304,56 +310,91 @@ def test_avx2_and_portable_builds_of_the_paged_kernel_match_this_ones(tmp_path, 
             torch.testing.assert_close(lse, native_lse, rtol=1e-5, atol=1e-5, msg=f"{name} bs {block_size}")
 
 
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
-def test_avx2_and_portable_builds_of_the_tiles_match_this_ones(tmp_path, march):
-    """csrc/tile_attention.c built for an AVX2 CPU (x86-64-v3: the float32 tiles alone, no
-    AVX-512 kinds) gives this build's float32 tiles' outputs, for a prefill and a shared
-    prefix; built for an older CPU (x86-64-v2) it has no tiles and says so."""
+def _attention_reference(query, keys, values, last, scale):
+    """float32 softmax(q k^T) v of each row (tokens, heads, dims) over keys (kv_heads, n, dims)
+    0..last[token] (a causal chunk: last per token), with the heads grouped over the KV heads."""
+    group = query.shape[1] // keys.shape[0]
+    out = torch.empty(query.shape, dtype=torch.float32)
+    for t in range(query.shape[0]):
+        k, v = keys[:, :last[t] + 1].float(), values[:, :last[t] + 1].float()
+        q = query[t].float().view(keys.shape[0], group, -1)
+        weights = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1)
+        out[t] = (weights @ v).reshape(query.shape[1], -1)
+    return out
+
+
+@pytest.mark.parametrize("march,budget", [("x86-64-v3", None), ("x86-64-v3", 4096), ("x86-64-v2", None)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_avx2_and_portable_builds_of_the_tiles(tmp_path, march, budget, dtype):
+    """csrc/tile_attention.c built for an AVX2 CPU (x86-64-v3: the float32 tiles alone; the other
+    kinds decline) against a torch reference, for a prefill of two chunks (one over cached
+    context, not whole blocks) and a shared prefix merged with each row's own attention; with a
+    4 KB packing budget every chunk is a group of its own and each outgrows the budget. Built
+    for an older CPU (x86-64-v2) it has no tiles, and every entry point declines."""
     import ctypes
 
     from pagoda.attention_backends import cpu_kernels
 
     if "avx2" not in cpu_kernels.attention_tile_kinds():
         pytest.skip("this CPU runs no AVX2 build")
-    lib = kernel_built_for("tile_attention.c", march, tmp_path)
-    native = cpu_kernels.load()
+    lib = kernel_built_for("tile_attention.c", march, tmp_path, *([f"PACK_BUDGET={budget}"] if budget else []))
+    native, suffix = cpu_kernels.load(), {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+    prefill, shared = getattr(lib, f"prefill_attention_{suffix}"), getattr(lib, f"shared_prefix_attention_{suffix}")
+    for fn, name in ((prefill, "prefill_attention_bf16"), (shared, "shared_prefix_attention_bf16")):
+        fn.argtypes, fn.restype = getattr(native, name).argtypes, ctypes.c_int
     for name in ("tile_attention_vector_available", "tile_attention_float_available"):
-        getattr(lib, name).restype = ctypes.c_int
-    for name in ("prefill_attention_bf16", "shared_prefix_attention_bf16"):
-        getattr(lib, name).argtypes = getattr(native, name).argtypes
         getattr(lib, name).restype = ctypes.c_int
     assert lib.tile_attention_vector_available() == 0
     assert lib.tile_attention_float_available() == (march == "x86-64-v3")
     gen = torch.Generator().manual_seed(11)
-    heads, kv_heads, head_dim, block_size, kind = 6, 2, 64, 16, cpu_kernels.TILE_KINDS.index("avx2")
-    # prefill: two chunks (one over cached context), the second's context not whole blocks
-    query_lens, seq_lens = [37, 20], [37, 300]
+    heads, kv_heads, head_dim, block_size, scale = 6, 2, 64, 16, 0.125
     tables = torch.arange(2 * 19, dtype=torch.int32).view(2, 19)
-    starts = torch.tensor([0, 37, 57], dtype=torch.int32)
-    lens, listed = torch.tensor(seq_lens, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
-    query = (torch.randn(57, heads, head_dim, generator=gen) * 3).bfloat16()
-    keys = torch.randn(38, kv_heads, head_dim, block_size, generator=gen).bfloat16()
-    values = torch.randn(38, kv_heads, block_size, head_dim, generator=gen).bfloat16()
-    expected = torch.zeros_like(query)
-    assert cpu_kernels.prefill_attention(query, keys, values, tables, lens, starts, listed, 0.125, expected, "avx2")
+    starts, lens = torch.tensor([0, 37, 57], dtype=torch.int32), torch.tensor([37, 300], dtype=torch.int32)
+    listed = torch.tensor([0, 1], dtype=torch.int32)
+    query = (torch.randn(57, heads, head_dim, generator=gen) * 3).to(dtype)
+    keys = torch.randn(38, kv_heads, head_dim, block_size, generator=gen).to(dtype)
+    values = torch.randn(38, kv_heads, block_size, head_dim, generator=gen).to(dtype)
+
+    def call(fn, *args, kind):
+        return fn(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args), kind)
+
     out = torch.zeros_like(query)
-    failed = lib.prefill_attention_bf16(query.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
-                                        tables.stride(0), lens.data_ptr(), starts.data_ptr(), listed.data_ptr(), 2,
-                                        heads, kv_heads, head_dim, block_size, 0.125, out.data_ptr(), kind)
-    # shared prefix: 5 decodes over 3 shared blocks, merged with their own attention
+    prefill_args = (query, keys, values, tables, tables.stride(0), lens, starts, listed, 2, heads, kv_heads, head_dim,
+                    block_size, scale, out)
+    # 5 decodes after 3 shared blocks, merged with attention over "their own keys" (random here)
     blocks = torch.tensor([4, 9, 2], dtype=torch.int32)
     own, own_lse = query[:5].clone(), torch.randn(5, heads, generator=gen)
-    shared_expected = cpu_kernels.shared_prefix_attention(query[:5].contiguous(), keys, values, blocks, own, own_lse,
-                                                          0.125, "avx2")
     shared_out = torch.zeros_like(own)
-    shared_failed = lib.shared_prefix_attention_bf16(query.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                                                     blocks.data_ptr(), 3, block_size, 5, heads, kv_heads, head_dim,
-                                                     0.125, own.data_ptr(), own_lse.data_ptr(), shared_out.data_ptr(),
-                                                     kind)
+    shared_args = (query, keys, values, blocks, 3, block_size, 5, heads, kv_heads, head_dim, scale, own, own_lse,
+                   shared_out)
+    float_tiles = cpu_kernels.tiles_kind("avx2")
     if march == "x86-64-v2":
-        assert failed and shared_failed  # no tiles: the caller takes the kernel
+        assert call(prefill, *prefill_args, kind=float_tiles) and call(shared, *shared_args, kind=float_tiles)
         return
-    assert not failed and not shared_failed
-    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(shared_out.float(), shared_expected.float(), rtol=1e-2, atol=1e-2)
-    assert out.abs().sum() > 0 and shared_out.abs().sum() > 0
+    for other in ("avx512_bf16", "amx"):  # not in this build: declined
+        assert call(prefill, *prefill_args, kind=cpu_kernels.tiles_kind(other)) == 1
+    assert call(prefill, *prefill_args, kind=float_tiles) == 0
+    assert call(shared, *shared_args, kind=float_tiles) == 0
+
+    def context(request):  # [kv_heads, tokens, dims] of a request's blocks
+        ids = tables[request].long()
+        return keys[ids].permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim), values[ids].transpose(0, 1).reshape(
+            kv_heads, -1, head_dim)
+
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for request, (first, count) in enumerate(((0, 37), (37, 20))):
+        k, v = context(request)
+        last = [int(lens[request]) - count + t for t in range(count)]
+        torch.testing.assert_close(out[first:first + count].float(),
+                                   _attention_reference(query[first:first + count], k, v, last, scale), **tolerance)
+    k = keys[blocks.long()].permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
+    v = values[blocks.long()].transpose(0, 1).reshape(kv_heads, -1, head_dim)
+    common = _attention_reference(query[:5], k, v, [47] * 5, scale)
+    # the shared part's log-sum-exp, to merge as the kernel does
+    group = heads // kv_heads
+    scores = torch.einsum("thd,hkd->thk", query[:5].float().view(5, kv_heads, group, head_dim).reshape(5, heads, -1),
+                          k.float().repeat_interleave(group, 0)) * scale
+    common_lse = torch.logsumexp(scores, dim=-1)
+    weight = torch.sigmoid(common_lse - own_lse).unsqueeze(-1)  # e^a / (e^a + e^b)
+    expected = weight * common + (1 - weight) * own.float()
+    torch.testing.assert_close(shared_out.float(), expected, **tolerance)

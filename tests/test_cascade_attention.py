@@ -92,9 +92,10 @@ CASES = [
 
 
 # The shared part in bfloat16: on each kind of tiles (csrc/tile_attention.c) that runs here,
-# and by torch's flash attention everywhere (float32 always takes that one).
+# and by torch's flash attention everywhere; in float32 by torch and on AVX2's float32 tiles.
 PATHS = [(torch.float32, "torch"), (torch.bfloat16, "torch")]
 PATHS += [(torch.bfloat16, kind) for kind in cpu_kernels.attention_tile_kinds()]
+PATHS += [(torch.float32, "avx2")] * ("avx2" in cpu_kernels.attention_tile_kinds())
 
 
 @pytest.mark.parametrize("shared_blocks,seq_lens,query_lens", CASES)

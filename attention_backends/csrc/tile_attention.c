@@ -12,7 +12,8 @@
  * float32 softmax between them.
  *
  * Layout (the cpu_paged backend's cache):
- *   query, out, own_out:  [num_tokens, num_heads, head_dim] bfloat16
+ *   query, out, own_out:  [num_tokens, num_heads, head_dim] bfloat16 (float32 in the _f32 entry
+ *                         points: the float32 tiles only)
  *   own_lse:              [num_tokens, num_heads] float32, the log-sum-exp of each row's scaled
  *                         scores over its own keys (paged_attention's)
  *   key cache:            [num_blocks, num_kv_heads, head_dim, block_size] (keys transposed)
@@ -476,57 +477,68 @@ static inline __attribute__((always_inline)) void attend_rows_float(
     }
 }
 
+/* 8 elements from p + i of a bfloat16 (f32 = 0) or float32 (f32 = 1) array, as float32. */
+static inline __m256 load8(const void *p, int64_t i, int f32) {
+    return f32 ? _mm256_loadu_ps((const float *)p + i) : widen8((const uint16_t *)p + i);
+}
+
+static inline float load1(const void *p, int64_t i, int f32) {
+    if (f32) return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof(x));
+    return x;
+}
+
 /* The keys of `blocks` (the first `keys` tokens) for one KV head as [padded_keys/16][D][16]. */
-static void pack_keys_float(float *dst, const uint16_t *key_cache, const int32_t *blocks, int64_t keys,
+static void pack_keys_float(float *dst, const void *key_cache, int f32, const int32_t *blocks, int64_t keys,
                             int64_t padded_keys, int64_t block_size, int64_t block_stride, int64_t h, int64_t D) {
     memset(dst + keys / 16 * D * 16, 0, (padded_keys / 16 - keys / 16) * D * 16 * sizeof(float));
     for (int64_t b = 0; b * block_size < keys; b++) {
-        const uint16_t *k = key_cache + (int64_t)blocks[b] * block_stride + h * D * block_size;
+        const int64_t k = (int64_t)blocks[b] * block_stride + h * D * block_size;
         const int64_t n = keys - b * block_size < block_size ? keys - b * block_size : block_size;
         for (int64_t d = 0; d < D; d++) {
-            const uint16_t *row = k + d * block_size; /* dimension d of the block's keys */
+            const int64_t row = k + d * block_size; /* dimension d of the block's keys */
             int64_t t = 0;
             if (block_size % 8 == 0) /* 8 keys never straddle two groups of 16 */
                 for (; t + 8 <= n; t += 8) {
                     const int64_t key = b * block_size + t;
-                    _mm256_storeu_ps(dst + (key / 16 * D + d) * 16 + key % 16, widen8(row + t));
+                    _mm256_storeu_ps(dst + (key / 16 * D + d) * 16 + key % 16, load8(key_cache, row + t, f32));
                 }
             for (; t < n; t++) {
                 const int64_t key = b * block_size + t;
-                const uint32_t bits = (uint32_t)row[t] << 16;
-                memcpy(dst + (key / 16 * D + d) * 16 + key % 16, &bits, sizeof(bits));
+                dst[(key / 16 * D + d) * 16 + key % 16] = load1(key_cache, row + t, f32);
             }
         }
     }
 }
 
 /* The values of `blocks` (the first `keys` tokens) for one KV head as [padded_keys][D]. */
-static void pack_values_float(float *dst, const uint16_t *value_cache, const int32_t *blocks, int64_t keys,
+static void pack_values_float(float *dst, const void *value_cache, int f32, const int32_t *blocks, int64_t keys,
                               int64_t padded_keys, int64_t block_size, int64_t block_stride, int64_t h, int64_t D) {
     for (int64_t key = 0; key < keys; key++) {
-        const uint16_t *v = value_cache + (int64_t)blocks[key / block_size] * block_stride
-                            + (h * block_size + key % block_size) * D;
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + key * D + d, widen8(v + d));
+        const int64_t v = (int64_t)blocks[key / block_size] * block_stride + (h * block_size + key % block_size) * D;
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + key * D + d, load8(value_cache, v + d, f32));
     }
     memset(dst + keys * D, 0, (padded_keys - keys) * D * sizeof(float));
 }
 
 /* pack_queries in float32. */
-static void pack_queries_float(float *dst, const uint16_t *query, int64_t first, int64_t tokens, int64_t padded_rows,
-                               int64_t num_heads, int64_t G, int64_t h, int64_t D) {
+static void pack_queries_float(float *dst, const void *query, int f32, int64_t first, int64_t tokens,
+                               int64_t padded_rows, int64_t num_heads, int64_t G, int64_t h, int64_t D) {
     for (int64_t r = 0; r < padded_rows; r++) {
         if (r < tokens * G) {
-            const uint16_t *q = query + ((first + r / G) * num_heads + h * G + r % G) * D;
-            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + r * D + d, widen8(q + d));
+            const int64_t q = ((first + r / G) * num_heads + h * G + r % G) * D;
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + r * D + d, load8(query, q + d, f32));
         } else {
             memset(dst + r * D, 0, D * sizeof(float));
         }
     }
 }
 
-/* store_row on 8 lanes. */
-static inline void store_row_float(uint16_t *out, const float *acc, float m, float l, const uint16_t *own_out,
-                                   const float *own_lse, int64_t D) {
+/* store_row on 8 lanes, into a bfloat16 or (f32) float32 row; own_out in the same dtype. */
+static inline void store_row_float(void *out, const float *acc, float m, float l, const void *own_out,
+                                   const float *own_lse, int64_t D, int f32) {
     __m256 a = _mm256_set1_ps(1.0f / l), b = _mm256_setzero_ps();
     if (own_out) {
         const float shared_lse = m + logf(l), own = *own_lse, top = shared_lse > own ? shared_lse : own;
@@ -536,8 +548,9 @@ static inline void store_row_float(uint16_t *out, const float *acc, float m, flo
     }
     for (int64_t d = 0; d < D; d += 8) {
         __m256 merged = _mm256_mul_ps(_mm256_loadu_ps(acc + d), a);
-        if (own_out) merged = _mm256_fmadd_ps(widen8(own_out + d), b, merged);
-        narrow8(out + d, merged);
+        if (own_out) merged = _mm256_fmadd_ps(load8(own_out, d, f32), b, merged);
+        if (f32) _mm256_storeu_ps((float *)out + d, merged);
+        else narrow8((uint16_t *)out + d, merged);
     }
 }
 
@@ -545,9 +558,10 @@ static inline void store_row_float(uint16_t *out, const float *acc, float m, flo
 
 static size_t element_bytes(int kind) { return kind == FLOAT_TILES ? sizeof(float) : sizeof(uint16_t); }
 
-/* Operand `part` (0 keys, 1 values, 2 queries) of KV head h into dst, in `kind`'s layout. */
-static void pack_operand(int kind, int part, void *dst, const uint16_t *key_cache, const uint16_t *value_cache,
-                         const uint16_t *query, const int32_t *blocks, int64_t keys, int64_t padded_keys,
+/* Operand `part` (0 keys, 1 values, 2 queries) of KV head h into dst, in `kind`'s layout, from
+ * bfloat16 or (f32, the float32 tiles only) float32 operands. */
+static void pack_operand(int kind, int f32, int part, void *dst, const void *key_cache, const void *value_cache,
+                         const void *query, const int32_t *blocks, int64_t keys, int64_t padded_keys,
                          int64_t block_size, int64_t block_stride, int64_t first, int64_t tokens, int64_t padded_rows,
                          int64_t num_heads, int64_t G, int64_t h, int64_t D) {
 #if HAVE_VECTOR_TILES
@@ -559,9 +573,10 @@ static void pack_operand(int kind, int part, void *dst, const uint16_t *key_cach
     }
 #endif
     (void)kind;
-    if (part == 0) pack_keys_float(dst, key_cache, blocks, keys, padded_keys, block_size, block_stride, h, D);
-    else if (part == 1) pack_values_float(dst, value_cache, blocks, keys, padded_keys, block_size, block_stride, h, D);
-    else pack_queries_float(dst, query, first, tokens, padded_rows, num_heads, G, h, D);
+    if (part == 0) pack_keys_float(dst, key_cache, f32, blocks, keys, padded_keys, block_size, block_stride, h, D);
+    else if (part == 1)
+        pack_values_float(dst, value_cache, f32, blocks, keys, padded_keys, block_size, block_stride, h, D);
+    else pack_queries_float(dst, query, f32, first, tokens, padded_rows, num_heads, G, h, D);
 }
 
 static inline void attend(int kind, const void *qp, const void *kb, const void *vb, const int64_t *last,
@@ -585,7 +600,7 @@ static inline void attend(int kind, const void *qp, const void *kb, const void *
     else attend_rows_float(qp, kb, vb, last, padded_keys, 128, scale, acc, m, l);
 }
 
-static inline void store(int kind, uint16_t *out, const float *acc, float m, float l, const uint16_t *own_out,
+static inline void store(int kind, int f32, void *out, const float *acc, float m, float l, const void *own_out,
                          const float *own_lse, int64_t D) {
 #if HAVE_VECTOR_TILES
     if (kind != FLOAT_TILES) {
@@ -594,7 +609,7 @@ static inline void store(int kind, uint16_t *out, const float *acc, float m, flo
     }
 #endif
     (void)kind;
-    store_row_float(out, acc, m, l, own_out, own_lse, D);
+    store_row_float(out, acc, m, l, own_out, own_lse, D, f32);
 }
 
 /* Whether tiles of the kind asked for run here (AMX: built with them and permitted). */
@@ -608,6 +623,9 @@ static int kind_runs(int kind) {
     }
     return kind == FLOAT_TILES || (kind == VECTOR_TILES && HAVE_VECTOR_TILES);
 }
+
+/* Whether tiles of `kind` run here on operands of that dtype (float32 on the float32 tiles only). */
+static int runs(int kind, int f32) { return kind_runs(kind) && (!f32 || kind == FLOAT_TILES); }
 
 /* Per thread, around its tasks: the AMX tile configuration and its release. */
 static inline void begin_tiles(int kind) {
@@ -623,12 +641,13 @@ static inline void end_tiles(int kind) {
     (void)kind;
 }
 
-int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                                 const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
-                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int kind) {
-    const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads;
-    if ((D != 64 && D != 128) || num_blocks <= 0 || !kind_runs(kind)) return 1;
+/* The entry points below on bfloat16 or (f32) float32 operands; out and own_out in that dtype. */
+static int shared_prefix(const void *query, const void *key_cache, const void *value_cache, const int32_t *blocks,
+                         int64_t num_blocks, int64_t block_size, int64_t num_tokens, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, float scale, const void *own_out,
+                         const float *own_lse, void *out, int kind, int f32) {
+    const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads, OE = f32 ? 4 : 2;
+    if ((D != 64 && D != 128) || num_blocks <= 0 || !runs(kind, f32)) return 1;
     const int64_t keys = num_blocks * block_size, padded_keys = (keys + KEYS - 1) / KEYS * KEYS;
     const int64_t rows = num_tokens * G, padded_rows = (rows + 15) / 16 * 16;
     const int64_t block_stride = KV * D * block_size;
@@ -642,7 +661,7 @@ int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cach
         const int64_t part = job / KV, h = job % KV;
         char *dst = part == 0 ? kb + h * D * padded_keys * E : part == 1 ? vb + h * padded_keys * D * E
                                                                           : qp + h * padded_rows * D * E;
-        pack_operand(kind, (int)part, dst, key_cache, value_cache, query, blocks, keys, padded_keys, block_size,
+        pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, blocks, keys, padded_keys, block_size,
                      block_stride, 0, num_tokens, padded_rows, num_heads, G, h, D);
     }
     const int64_t tasks_per_head = padded_rows / 16;
@@ -660,7 +679,8 @@ int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cach
                    vb + h * padded_keys * D * E, last, padded_keys, D, scale, acc, m, l);
             for (int64_t i = 0; i < 16 && r0 + i < rows; i++) {
                 const int64_t r = r0 + i, at = (r / G) * num_heads + h * G + r % G;
-                store(kind, out + at * D, acc[i], m[i], l[i], own_out + at * D, own_lse + at, D);
+                store(kind, f32, (char *)out + at * D * OE, acc[i], m[i], l[i], (const char *)own_out + at * D * OE,
+                      own_lse + at, D);
             }
         }
         end_tiles(kind);
@@ -674,18 +694,19 @@ int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cach
  * 34 MB in float32: past glibc's largest mmap threshold (32 MB), so every call mapped (and the
  * kernel zeroed) fresh pages, and the tiles lost to the paged kernel (0.6-0.8x). Groups of 4 and
  * of 16 MB measured the same (AMD Zen 3). */
+#ifndef PACK_BUDGET /* (tests build with a small one, to cross groups) */
 #define PACK_BUDGET ((int64_t)16 << 20)
+#endif
 
 /* The causal attention of the query rows of the requests listed in `requests` (prefill chunks:
  * request i owns rows query_start[i]..query_start[i+1], the last of its seq_lens[i] tokens)
  * over their contexts, into out. */
-int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                           const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
-                           const int32_t *query_start, const int32_t *requests, int64_t num_listed,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                           uint16_t *out, int kind) {
-    const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads;
-    if ((D != 64 && D != 128) || !kind_runs(kind) || num_listed == 0) return num_listed ? 1 : 0;
+static int prefill(const void *query, const void *key_cache, const void *value_cache, const int32_t *block_tables,
+                   int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start,
+                   const int32_t *requests, int64_t num_listed, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t block_size, float scale, void *out, int kind, int f32) {
+    const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads, OE = f32 ? 4 : 2;
+    if ((D != 64 && D != 128) || !runs(kind, f32) || num_listed == 0) return num_listed ? 1 : 0;
     const int64_t block_stride = KV * D * block_size;
     const int64_t E = (int64_t)element_bytes(kind);
     /* per listed request: its padded keys and rows, where its packed operands start (in
@@ -694,15 +715,18 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
     if (!plan) return 1;
     int64_t *padded_keys = plan, *padded_rows = plan + num_listed, *offset = plan + 2 * num_listed;
     int64_t *first_task = plan + 3 * num_listed; /* num_listed + 1 entries */
-    int64_t largest = 0;
+    int64_t largest = 0, all = 0;
     for (int64_t j = 0; j < num_listed; j++) {
         const int64_t i = requests[j], tokens = query_start[i + 1] - query_start[i];
         padded_keys[j] = (seq_lens[i] + KEYS - 1) / KEYS * KEYS;
         padded_rows[j] = (tokens * G + 15) / 16 * 16;
         const int64_t size = KV * (2 * D * padded_keys[j] + padded_rows[j] * D);
         largest = size > largest ? size : largest;
+        all += size;
     }
-    const int64_t capacity = largest * E > PACK_BUDGET ? largest * E : PACK_BUDGET;
+    /* bytes: the budget (or all of it, if less), or the largest request where that is more */
+    const int64_t budget = all * E < PACK_BUDGET ? all * E : PACK_BUDGET;
+    const int64_t capacity = largest * E > budget ? largest * E : budget;
     char *work = aligned_alloc(64, (size_t)(capacity + 63) / 64 * 64);
     if (!work) {
         free(plan);
@@ -726,7 +750,7 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
             const int64_t pk = padded_keys[j], pr = padded_rows[j];
             char *base = work + offset[j] * E;
             char *dst = base + (part == 0 ? h * D * pk : part == 1 ? KV * D * pk + h * pk * D : 2 * KV * D * pk + h * pr * D) * E;
-            pack_operand(kind, (int)part, dst, key_cache, value_cache, query, block_tables + i * block_table_stride,
+            pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, block_tables + i * block_table_stride,
                          seq_lens[i], pk, block_size, block_stride, query_start[i], query_start[i + 1] - query_start[i],
                          pr, num_heads, G, h, D);
         }
@@ -753,7 +777,7 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
                        base + (KV * D * pk + h * pk * D) * E, last, pk, D, scale, acc, m, l);
                 for (int64_t k = 0; k < 16 && r0 + k < tokens * G; k++) {
                     const int64_t r = r0 + k, at = (query_start[i] + r / G) * num_heads + h * G + r % G;
-                    store(kind, out + at * D, acc[k], m[k], l[k], NULL, NULL, D);
+                    store(kind, f32, (char *)out + at * D * OE, acc[k], m[k], l[k], NULL, NULL, D);
                 }
             }
             end_tiles(kind);
@@ -763,15 +787,46 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
     free(plan);
     return 0;
 }
+
 #else
+/* No tiles in this build: every entry point declines, and the caller takes the paged kernel. */
+static int shared_prefix(const void *query, const void *key_cache, const void *value_cache, const int32_t *blocks,
+                         int64_t num_blocks, int64_t block_size, int64_t num_tokens, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, float scale, const void *own_out,
+                         const float *own_lse, void *out, int kind, int f32) {
+    (void)query, (void)key_cache, (void)value_cache, (void)blocks, (void)num_blocks, (void)block_size;
+    (void)num_tokens, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)scale, (void)own_out;
+    (void)own_lse, (void)out, (void)kind, (void)f32;
+    return 1;
+}
+
+static int prefill(const void *query, const void *key_cache, const void *value_cache, const int32_t *block_tables,
+                   int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start,
+                   const int32_t *requests, int64_t num_listed, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t block_size, float scale, void *out, int kind, int f32) {
+    (void)query, (void)key_cache, (void)value_cache, (void)block_tables, (void)block_table_stride, (void)seq_lens;
+    (void)query_start, (void)requests, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size;
+    (void)scale, (void)out, (void)kind, (void)f32;
+    return num_listed ? 1 : 0;
+}
+#endif
+
+/* -- the entry points ------------------------------------------------------------------------- */
+
 int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                                  const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                                  const uint16_t *own_out, const float *own_lse, uint16_t *out, int kind) {
-    (void)kind, (void)query, (void)key_cache, (void)value_cache, (void)blocks, (void)num_blocks, (void)block_size;
-    (void)num_tokens, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)scale, (void)own_out;
-    (void)own_lse, (void)out;
-    return 1;
+    return shared_prefix(query, key_cache, value_cache, blocks, num_blocks, block_size, num_tokens, num_heads,
+                         num_kv_heads, head_dim, scale, own_out, own_lse, out, kind, 0);
+}
+
+int shared_prefix_attention_f32(const float *query, const float *key_cache, const float *value_cache,
+                                const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                                const float *own_out, const float *own_lse, float *out, int kind) {
+    return shared_prefix(query, key_cache, value_cache, blocks, num_blocks, block_size, num_tokens, num_heads,
+                         num_kv_heads, head_dim, scale, own_out, own_lse, out, kind, 1);
 }
 
 int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
@@ -779,9 +834,15 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
                            const int32_t *query_start, const int32_t *requests, int64_t num_listed,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                            uint16_t *out, int kind) {
-    (void)kind, (void)query, (void)key_cache, (void)value_cache, (void)block_tables, (void)block_table_stride, (void)seq_lens;
-    (void)query_start, (void)requests, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size;
-    (void)scale, (void)out;
-    return num_listed ? 1 : 0;
+    return prefill(query, key_cache, value_cache, block_tables, block_table_stride, seq_lens, query_start, requests,
+                   num_listed, num_heads, num_kv_heads, head_dim, block_size, scale, out, kind, 0);
 }
-#endif
+
+int prefill_attention_f32(const float *query, const float *key_cache, const float *value_cache,
+                          const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
+                          const int32_t *query_start, const int32_t *requests, int64_t num_listed, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
+                          int kind) {
+    return prefill(query, key_cache, value_cache, block_tables, block_table_stride, seq_lens, query_start, requests,
+                   num_listed, num_heads, num_kv_heads, head_dim, block_size, scale, out, kind, 1);
+}
