@@ -17,13 +17,13 @@ float32 tiles (operands widened once, 6 rows against 16 keys or dimensions a ste
 Cascade attention: when every request of a step starts with the same blocks (a system
 prompt or few-shot prefix that the prefix cache shares) and enough requests share enough of
 them, the shared keys are attended once for all the step's query rows together (on the same
-tiles where they run; in float32 on an AMX CPU and on CPUs without AVX-512, by torch's CPU
-flash attention: the rows of every request against one matrix of keys; not by torch on other
-CPUs without AMX, where it lost to the kernel alone), and each request's own keys by the
-kernel; the two parts merge by their log-sum-exp. The kernel alone would read the shared
-blocks once per request (64 requests over
-a 512-token prefix: 64 passes over the same keys). One level, as vLLM's GPU cascade: a step
-whose requests do not all share the prefix runs as before.
+tiles where they run, float32 on AVX2's too; else in float32 on an AMX CPU and on CPUs
+without AVX-512, by torch's CPU flash attention: the rows of every request against one matrix
+of keys; not by torch on other CPUs without AMX, where it lost to the kernel alone), and each
+request's own keys by the kernel; the two parts merge by their log-sum-exp. The kernel alone
+would read the shared blocks once per request (64 requests over a 512-token prefix: 64 passes
+over the same keys). One level, as vLLM's GPU cascade: a step whose requests do not all share
+the prefix runs as before.
 
 Dtypes: bfloat16 and float32 use the kernels; other dtypes (float16) fall back to
 torch_sdpa's torch code on the same layout.
@@ -51,12 +51,12 @@ def _env_int(name: str) -> int | None:
 # vector tiles (bfloat16 on CPUs without AMX: 1.3-1.5x from 32 requests over 256 tokens on an
 # AMD Zen 4, 0.9x at 16), on AVX2's float32 tiles (bfloat16 on an AMD Zen 3: 1.19x at 8 requests
 # over 256 tokens, 2.6x at 64 over 512, 1.02x at 8 over 128), and by torch's flash attention
-# (float32 on a CPU whose tiles run), whose per-call costs are higher. Below them the kernel
-# alone is as fast. NOTE: by torch only
-# where it paid (cascade_by_torch_pays): on the Intel Xeon with AMX whose decode waits on memory
-# (64 x 512: 1.18x) and on an AVX2-only AMD Zen 3 (the 64 x 512 shared-prefix workload 0.93x of
-# the time, four pairs of runs, 2026-12-04); it lost in every case on an AMD Zen 5 with AVX-512
-# and no AMX (0.23-0.75x), where the kernel's repeated reads of the prefix come from the caches.
+# (float32 on a CPU whose AMX tiles run), whose per-call costs are higher. Below them the
+# kernel alone is as fast. NOTE: by torch only where it paid (cascade_by_torch_pays): on the
+# Intel Xeon with AMX whose decode waits on memory (64 x 512: 1.18x) and on an AVX2-only AMD
+# Zen 3 before its float32 tiles (the 64 x 512 shared-prefix workload 0.93x of the time, four
+# pairs of runs, 2026-12-04); it lost in every case on an AMD Zen 5 with AVX-512 and no AMX
+# (0.23-0.75x), where the kernel's repeated reads of the prefix come from the caches.
 CASCADE_ON_TILES = (8, 256)
 CASCADE_ON_VECTOR_TILES = (32, 256)
 CASCADE_ON_FLOAT_TILES = (8, 256)
@@ -137,10 +137,11 @@ def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_token
 
 
 # Prefill chunks of at least this many tokens go to the tiles (csrc/tile_attention.c) in
-# bfloat16, by kind of tiles (measured: attention-backends.md, "Prefill chunks on tiles"; the
-# vector tiles repack a chunk's whole context, which short chunks over long contexts do not
-# repay: 64 x 16 tokens over 300 took 0.86x the kernel's time on an AMD Zen 4, 64 x 64 over 512
-# 1.08x). PAGODA_PREFILL_TILES_MIN_TOKENS replaces both where the worker starts (0: never).
+# bfloat16 (float32 too on AVX2's), by kind of tiles (measured: attention-backends.md, "Prefill
+# chunks on tiles"; the vector tiles repack a chunk's whole context, which short chunks over
+# long contexts do not repay: 64 x 16 tokens over 300 took 0.86x the kernel's time on an AMD
+# Zen 4, 64 x 64 over 512 1.08x; the float32 tiles 1.2-1.5x from 16 tokens on an AMD Zen 3).
+# PAGODA_PREFILL_TILES_MIN_TOKENS replaces every kind's where the worker starts (0: never).
 PREFILL_ON_TILES_MIN_TOKENS_BY_KIND = {"amx": 16, "avx512_bf16": 64, "avx2": 16}
 PREFILL_ON_TILES_MIN_TOKENS = _env_int("PAGODA_PREFILL_TILES_MIN_TOKENS")
 if PREFILL_ON_TILES_MIN_TOKENS == 0:
