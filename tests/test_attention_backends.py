@@ -398,3 +398,17 @@ def test_avx2_and_portable_builds_of_the_tiles(tmp_path, march, budget, dtype):
     weight = torch.sigmoid(common_lse - own_lse).unsqueeze(-1)  # e^a / (e^a + e^b)
     expected = weight * common + (1 - weight) * own.float()
     torch.testing.assert_close(shared_out.float(), expected, **tolerance)
+
+
+def test_the_float32_tiles_are_the_default_only_without_avx512(monkeypatch):
+    # Measured on AVX2-only CPUs alone: an AVX-512 CPU without AVX512-BF16 (Intel Skylake-SP to
+    # Ice Lake) keeps the paged kernel, and one with the vector tiles takes those first.
+    from pagoda.attention_backends import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "attention_tile_kinds", lambda: ("avx2",))
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : fpu sse2 avx2 fma f16c\n")
+    assert cpu_kernels.attention_tiles() == "avx2"
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : fpu sse2 avx2 fma f16c avx512f avx512bw\n")
+    assert cpu_kernels.attention_tiles() is None
+    monkeypatch.setattr(cpu_kernels, "attention_tile_kinds", lambda: ("avx512_bf16", "avx2"))
+    assert cpu_kernels.attention_tiles() == "avx512_bf16"
