@@ -328,7 +328,8 @@ def _attention_reference(query, keys, values, last, scale):
 def test_avx2_and_portable_builds_of_the_tiles(tmp_path, march, budget, dtype):
     """csrc/tile_attention.c built for an AVX2 CPU (x86-64-v3: the float32 tiles alone; the other
     kinds decline) against a torch reference, for a prefill of two chunks (one over cached
-    context, not whole blocks) and a shared prefix merged with each row's own attention; with a
+    context, not whole blocks; bit for bit the paged kernel's AVX2 build) and a shared prefix
+    merged with each row's own attention; with a
     4 KB packing budget every chunk is a group of its own and each outgrows the budget. Built
     for an older CPU (x86-64-v2) it has no tiles, and every entry point declines."""
     import ctypes
@@ -381,6 +382,14 @@ def test_avx2_and_portable_builds_of_the_tiles(tmp_path, march, budget, dtype):
         return keys[ids].permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim), values[ids].transpose(0, 1).reshape(
             kv_heads, -1, head_dim)
 
+    # The prefill rows bit for bit the paged kernel's of the same build (its AVX2 path): a
+    # token's attention is the same whichever of the two takes its chunk.
+    paged = paged_kernel_for(march, tmp_path)
+    by_kernel = torch.zeros_like(query)
+    getattr(paged, f"paged_attention_{suffix}")(
+        query.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        starts.data_ptr(), by_kernel.data_ptr(), None, None, 2, heads, kv_heads, head_dim, block_size, scale, 1.0)
+    assert torch.equal(out, by_kernel)
     tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for request, (first, count) in enumerate(((0, 37), (37, 20))):
         k, v = context(request)

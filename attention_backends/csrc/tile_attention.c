@@ -341,14 +341,29 @@ static inline void store_row(uint16_t *out, const float *acc, float m, float l, 
 /* -- float32 tiles (AVX2 with FMA) -------------------------------------------------------------
  * The operands packed to float32 once (bfloat16 widened by a shift), so the products are FMAs
  * with nothing to convert in the loops: keys as [padded_keys/16][D][16] (16 keys a dimension),
- * values as [padded_keys][D], queries as [padded_rows][D]. A task's 16 rows go through the
- * products 6, 6 and 4 at a time against 16 keys (scores) or 16 dimensions (values), each row's
- * query or probability broadcast from memory. Probabilities stay float32 (no products need
- * them in bfloat16 here). */
+ * values as [padded_keys][D], queries as [padded_rows][D] (scaled as packed). A task's 16 rows
+ * go through the products a few at a time against 8 keys (scores) or 16 dimensions (values),
+ * each row's query or probability broadcast from memory. Probabilities stay float32.
+ *
+ * A prefill row's result is bit for bit the paged kernel's AVX2 one (csrc/paged_attention.c,
+ * its tiles for prefill chunks; block sizes that are multiples of 16): the same operations in
+ * the same order on each lane, so a token's attention does not depend on which of the two took
+ * its chunk (one chunk on the tiles, the same tokens' tail after a prefix-cache hit on the
+ * kernel, as a repeated prompt has it): the query scaled before the products, each score as
+ * the kernel's 2 or 4 partial sums over the dimensions (paged_partials), the softmax's sum in
+ * two 8-lane halves of 16 keys, the rescaling by exp8, the values added key by key. */
 
-/* Two loaded vectors kept in registers: gcc otherwise folds their loads into every FMA that
- * uses them (4 rows: 8 loads besides the 4 broadcasts per 8 FMAs, as many as the FMAs' cycles). */
+/* Loaded vectors kept in registers: gcc otherwise folds their loads into every FMA that uses
+ * them (4 rows: 8 loads besides the 4 broadcasts per 8 FMAs, as many as the FMAs' cycles). */
 #define IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
+#define IN_REGISTER(a) __asm__("" : "+x"(a))
+
+/* The partial sums per score of the paged kernel's tile for prefill chunks of this group and
+ * head size (tile_tokens and the FAST_TASK there: 4 where the tile has at most 4 rows, else 2). */
+static inline int paged_partials(int64_t G, int64_t D) {
+    const int64_t max_rows = D <= 64 ? 8 : 4, tokens = G >= max_rows ? 1 : max_rows / G;
+    return G * tokens <= 4 ? 4 : 2;
+}
 
 static inline __m256 widen8(const uint16_t *p) { /* 8 bfloat16 -> float32 */
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -379,11 +394,12 @@ static inline float reduce_add8(__m256 v) {
     return _mm256_cvtss_f32(_mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xb1)));
 }
 
-/* partition_softmax on 8 lanes, the probabilities written over the scores. */
+/* partition_softmax on 8 lanes over scores already scaled, the probabilities written over them;
+ * the sum in two halves of each 16 keys, as the paged kernel's. */
 static inline __attribute__((always_inline)) void partition_softmax_float(
-        float (*scores)[PART], const int64_t *last, int64_t p0, int64_t width, const int64_t D, float scale,
+        float (*scores)[PART], const int64_t *last, int64_t p0, int64_t width, const int64_t D,
         float (*acc)[128], float *m, float *l) {
-    const __m256 scale8 = _mm256_set1_ps(scale), floor8 = _mm256_set1_ps(MIN_SCORE);
+    const __m256 floor8 = _mm256_set1_ps(MIN_SCORE);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int r = 0; r < 16; r++) {
         const int64_t valid = last[r] + 1 - p0; /* keys of the partition the row sees */
@@ -391,47 +407,55 @@ static inline __attribute__((always_inline)) void partition_softmax_float(
         for (int64_t j = 0; j < width; j += 8) {
             const int64_t visible = valid - j < 0 ? 0 : valid - j > 8 ? 8 : valid - j;
             const __m256 shown = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)visible), lane));
-            const __m256 s = _mm256_blendv_ps(floor8, _mm256_mul_ps(_mm256_loadu_ps(&scores[r][j]), scale8), shown);
+            const __m256 s = _mm256_blendv_ps(floor8, _mm256_loadu_ps(&scores[r][j]), shown);
             _mm256_storeu_ps(&scores[r][j], s);
             vmax = _mm256_max_ps(vmax, s);
         }
         const float part_max = reduce_max8(vmax), new_max = part_max > m[r] ? part_max : m[r];
         const __m256 mrow = _mm256_set1_ps(new_max);
-        __m256 sum = _mm256_setzero_ps();
+        __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t j = 0; j < width; j += 8) {
             const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[r][j]), mrow));
-            sum = _mm256_add_ps(sum, e);
+            sum[j / 8 % 2] = _mm256_add_ps(sum[j / 8 % 2], e);
             _mm256_storeu_ps(&scores[r][j], e);
         }
         if (new_max > m[r] && l[r] > 0) {
-            const float correction = expf(m[r] - new_max);
+            const float correction = _mm256_cvtss_f32(exp8(_mm256_set1_ps(m[r] - new_max)));
             l[r] *= correction;
             const __m256 c8 = _mm256_set1_ps(correction);
             for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(&acc[r][d], _mm256_mul_ps(_mm256_loadu_ps(&acc[r][d]), c8));
         }
         m[r] = new_max;
-        l[r] += reduce_add8(sum);
+        l[r] += reduce_add8(_mm256_add_ps(sum[0], sum[1]));
     }
 }
 
-/* Scores of R rows (q, D apart) against 16 keys (k: [D][16]) into scores[0..R-1][0..15]. */
-static inline __attribute__((always_inline)) void score_rows(const float *q, const float *k, const int R,
-                                                             const int64_t D, float (*scores)[PART]) {
-    __m256 s[12];
-    for (int i = 0; i < 2 * R; i++) s[i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d++) {
-        __m256 k0 = _mm256_loadu_ps(k + d * 16), k1 = _mm256_loadu_ps(k + d * 16 + 8);
-        IN_REGISTERS(k0, k1);
-        for (int i = 0; i < R; i++) {
-            const __m256 x = _mm256_broadcast_ss(q + i * D + d);
-            s[2 * i] = _mm256_fmadd_ps(x, k0, s[2 * i]);
-            s[2 * i + 1] = _mm256_fmadd_ps(x, k1, s[2 * i + 1]);
+/* Scores of R rows (q, D apart) against 8 V keys (k: the first 8 V lanes of a [D][16] group)
+ * into scores[0..R-1][0..8 V - 1], each as P partial sums over the dimensions (d % P) added at
+ * the end as the paged kernel adds them (P 1: one sum). */
+static inline __attribute__((always_inline)) void score_rows(const float *q, const float *k, const int R, const int P,
+                                                             const int V, const int64_t D, float (*scores)[PART]) {
+    __m256 s[4][6][2];
+    for (int j = 0; j < P; j++)
+        for (int i = 0; i < R; i++)
+            for (int v = 0; v < V; v++) s[j][i][v] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += P)
+        for (int j = 0; j < P; j++) {
+            __m256 k0 = _mm256_loadu_ps(k + (d + j) * 16), k1 = V == 2 ? _mm256_loadu_ps(k + (d + j) * 16 + 8) : k0;
+            IN_REGISTERS(k0, k1);
+            for (int i = 0; i < R; i++) {
+                const __m256 x = _mm256_broadcast_ss(q + i * D + d + j);
+                s[j][i][0] = _mm256_fmadd_ps(x, k0, s[j][i][0]);
+                if (V == 2) s[j][i][1] = _mm256_fmadd_ps(x, k1, s[j][i][1]);
+            }
         }
-    }
-    for (int i = 0; i < R; i++) {
-        _mm256_storeu_ps(scores[i], s[2 * i]);
-        _mm256_storeu_ps(scores[i] + 8, s[2 * i + 1]);
-    }
+    for (int i = 0; i < R; i++)
+        for (int v = 0; v < V; v++) {
+            __m256 sum = s[0][i][v];
+            if (P == 2) sum = _mm256_add_ps(sum, s[1][i][v]);
+            if (P == 4) sum = _mm256_add_ps(_mm256_add_ps(sum, s[1][i][v]), _mm256_add_ps(s[2][i][v], s[3][i][v]));
+            _mm256_storeu_ps(scores[i] + 8 * v, sum);
+        }
 }
 
 /* acc[0..R-1][c..c+15] += probabilities (probs[0..R-1][0..width-1]) x values (v: [width][D]). */
@@ -451,11 +475,14 @@ static inline __attribute__((always_inline)) void weigh_rows(float (*acc)[128], 
     for (int i = 0; i < R; i++) _mm256_storeu_ps(&acc[i][c], a[2 * i]), _mm256_storeu_ps(&acc[i][c + 8], a[2 * i + 1]);
 }
 
-/* The task on float32 operands: the 16 rows in blocks of 6, 6 and 4 (12 or 8 accumulators, two
- * vectors of keys or values, a broadcast: AVX2's 16 registers). */
+/* The task on float32 operands, its scores as P partial sums (1: the shared part of a cascade,
+ * which need not match the kernel). Rows in blocks that keep their sums in registers beside the
+ * keys or values and a broadcast (AVX2's 16): against 16 keys 6, 6 and 4 rows (P 1) or five of
+ * 3 and one (P 2), against 8 keys five of 3 and one (P 4); against 16 dimensions of the values
+ * 6, 6 and 4. */
 static inline __attribute__((always_inline)) void attend_rows_float(
         const float *qf, const float *kf, const float *vf, const int64_t *last, int64_t padded_keys,
-        const int64_t D, float scale, float (*acc)[128], float *m, float *l) {
+        const int64_t D, const int P, float (*acc)[128], float *m, float *l) {
     float scores[16][PART] __attribute__((aligned(64)));
     start_rows(acc, m, l, D);
     const int64_t seen = keys_seen(last, padded_keys, 16);
@@ -463,11 +490,23 @@ static inline __attribute__((always_inline)) void attend_rows_float(
         const int64_t width = seen - p0 < PART ? seen - p0 : PART; /* a multiple of 16 */
         for (int64_t n = 0; n < width; n += 16) {
             const float *k = kf + (p0 + n) / 16 * D * 16;
-            score_rows(qf, k, 6, D, (float (*)[PART])&scores[0][n]);
-            score_rows(qf + 6 * D, k, 6, D, (float (*)[PART])&scores[6][n]);
-            score_rows(qf + 12 * D, k, 4, D, (float (*)[PART])&scores[12][n]);
+            float (*to)[PART] = (float (*)[PART])&scores[0][n]; /* row r's scores of keys n.. at to[r] */
+            if (P == 1) {
+                score_rows(qf, k, 6, 1, 2, D, to);
+                score_rows(qf + 6 * D, k, 6, 1, 2, D, to + 6);
+                score_rows(qf + 12 * D, k, 4, 1, 2, D, to + 12);
+            } else if (P == 2) {
+                for (int r0 = 0; r0 < 15; r0 += 3) score_rows(qf + r0 * D, k, 3, 2, 2, D, to + r0);
+                score_rows(qf + 15 * D, k, 1, 2, 2, D, to + 15);
+            } else {
+                for (int half = 0; half < 16; half += 8) { /* keys n + half.. */
+                    float (*half_to)[PART] = (float (*)[PART])&scores[0][n + half];
+                    for (int r0 = 0; r0 < 15; r0 += 3) score_rows(qf + r0 * D, k + half, 3, 4, 1, D, half_to + r0);
+                    score_rows(qf + 15 * D, k + half, 1, 4, 1, D, half_to + 15);
+                }
+            }
         }
-        partition_softmax_float(scores, last, p0, width, D, scale, acc, m, l);
+        partition_softmax_float(scores, last, p0, width, D, acc, m, l);
         const float *v = vf + p0 * D;
         for (int64_t c = 0; c < D; c += 16) {
             weigh_rows(acc, scores, v, 6, width, D, c);
@@ -523,13 +562,15 @@ static void pack_values_float(float *dst, const void *value_cache, int f32, cons
     memset(dst + keys * D, 0, (padded_keys - keys) * D * sizeof(float));
 }
 
-/* pack_queries in float32. */
+/* pack_queries in float32, times the softmax's scale (as the paged kernel scales them). */
 static void pack_queries_float(float *dst, const void *query, int f32, int64_t first, int64_t tokens,
-                               int64_t padded_rows, int64_t num_heads, int64_t G, int64_t h, int64_t D) {
+                               int64_t padded_rows, int64_t num_heads, int64_t G, int64_t h, int64_t D, float scale) {
+    const __m256 scale8 = _mm256_set1_ps(scale);
     for (int64_t r = 0; r < padded_rows; r++) {
         if (r < tokens * G) {
             const int64_t q = ((first + r / G) * num_heads + h * G + r % G) * D;
-            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + r * D + d, load8(query, q + d, f32));
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(dst + r * D + d, _mm256_mul_ps(load8(query, q + d, f32), scale8));
         } else {
             memset(dst + r * D, 0, D * sizeof(float));
         }
@@ -563,7 +604,7 @@ static size_t element_bytes(int kind) { return kind == FLOAT_TILES ? sizeof(floa
 static void pack_operand(int kind, int f32, int part, void *dst, const void *key_cache, const void *value_cache,
                          const void *query, const int32_t *blocks, int64_t keys, int64_t padded_keys,
                          int64_t block_size, int64_t block_stride, int64_t first, int64_t tokens, int64_t padded_rows,
-                         int64_t num_heads, int64_t G, int64_t h, int64_t D) {
+                         int64_t num_heads, int64_t G, int64_t h, int64_t D, float scale) {
 #if HAVE_VECTOR_TILES
     if (kind != FLOAT_TILES) {
         if (part == 0) pack_keys(dst, key_cache, blocks, keys, padded_keys, block_size, block_stride, h, D);
@@ -576,11 +617,15 @@ static void pack_operand(int kind, int f32, int part, void *dst, const void *key
     if (part == 0) pack_keys_float(dst, key_cache, f32, blocks, keys, padded_keys, block_size, block_stride, h, D);
     else if (part == 1)
         pack_values_float(dst, value_cache, f32, blocks, keys, padded_keys, block_size, block_stride, h, D);
-    else pack_queries_float(dst, query, f32, first, tokens, padded_rows, num_heads, G, h, D);
+    else pack_queries_float(dst, query, f32, first, tokens, padded_rows, num_heads, G, h, D, scale);
 }
 
+/* A task on tiles of `kind`; on the float32 ones (whose queries come scaled) each score as
+ * `partials` partial sums (a prefill's as the paged kernel's, paged_partials; a shared prefix's
+ * in one). */
 static inline void attend(int kind, const void *qp, const void *kb, const void *vb, const int64_t *last,
-                          int64_t padded_keys, int64_t D, float scale, float (*acc)[128], float *m, float *l) {
+                          int64_t padded_keys, int64_t D, float scale, int partials, float (*acc)[128], float *m,
+                          float *l) {
 #if HAVE_AMX_TILES
     if (kind == AMX_TILES) {
         if (D == 64) attend_rows_amx(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
@@ -595,9 +640,16 @@ static inline void attend(int kind, const void *qp, const void *kb, const void *
         return;
     }
 #endif
-    (void)kind;
-    if (D == 64) attend_rows_float(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
-    else attend_rows_float(qp, kb, vb, last, padded_keys, 128, scale, acc, m, l);
+    (void)kind, (void)scale;
+#define FLOAT_TASK(P)                                                                                      \
+    do {                                                                                                   \
+        if (D == 64) attend_rows_float(qp, kb, vb, last, padded_keys, 64, P, acc, m, l);                  \
+        else attend_rows_float(qp, kb, vb, last, padded_keys, 128, P, acc, m, l);                         \
+    } while (0)
+    if (partials == 1) FLOAT_TASK(1);
+    else if (partials == 2) FLOAT_TASK(2);
+    else FLOAT_TASK(4);
+#undef FLOAT_TASK
 }
 
 static inline void store(int kind, int f32, void *out, const float *acc, float m, float l, const void *own_out,
@@ -662,7 +714,7 @@ static int shared_prefix(const void *query, const void *key_cache, const void *v
         char *dst = part == 0 ? kb + h * D * padded_keys * E : part == 1 ? vb + h * padded_keys * D * E
                                                                           : qp + h * padded_rows * D * E;
         pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, blocks, keys, padded_keys, block_size,
-                     block_stride, 0, num_tokens, padded_rows, num_heads, G, h, D);
+                     block_stride, 0, num_tokens, padded_rows, num_heads, G, h, D, scale);
     }
     const int64_t tasks_per_head = padded_rows / 16;
     #pragma omp parallel
@@ -676,7 +728,7 @@ static int shared_prefix(const void *query, const void *key_cache, const void *v
         for (int64_t task = 0; task < KV * tasks_per_head; task++) {
             const int64_t h = task / tasks_per_head, r0 = task % tasks_per_head * 16;
             attend(kind, qp + (h * padded_rows + r0) * D * E, kb + h * D * padded_keys * E,
-                   vb + h * padded_keys * D * E, last, padded_keys, D, scale, acc, m, l);
+                   vb + h * padded_keys * D * E, last, padded_keys, D, scale, 1, acc, m, l);
             for (int64_t i = 0; i < 16 && r0 + i < rows; i++) {
                 const int64_t r = r0 + i, at = (r / G) * num_heads + h * G + r % G;
                 store(kind, f32, (char *)out + at * D * OE, acc[i], m[i], l[i], (const char *)own_out + at * D * OE,
@@ -752,7 +804,7 @@ static int prefill(const void *query, const void *key_cache, const void *value_c
             char *dst = base + (part == 0 ? h * D * pk : part == 1 ? KV * D * pk + h * pk * D : 2 * KV * D * pk + h * pr * D) * E;
             pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, block_tables + i * block_table_stride,
                          seq_lens[i], pk, block_size, block_stride, query_start[i], query_start[i + 1] - query_start[i],
-                         pr, num_heads, G, h, D);
+                         pr, num_heads, G, h, D, scale);
         }
         #pragma omp parallel
         {
@@ -774,7 +826,8 @@ static int prefill(const void *query, const void *key_cache, const void *value_c
                 }
                 const char *base = work + offset[j] * E;
                 attend(kind, base + (2 * KV * D * pk + (h * pr + r0) * D) * E, base + h * D * pk * E,
-                       base + (KV * D * pk + h * pk * D) * E, last, pk, D, scale, acc, m, l);
+                       base + (KV * D * pk + h * pk * D) * E, last, pk, D, scale, paged_partials(G, D), acc, m,
+                       l);
                 for (int64_t k = 0; k < 16 && r0 + k < tokens * G; k++) {
                     const int64_t r = r0 + k, at = (query_start[i] + r / G) * num_heads + h * G + r % G;
                     store(kind, f32, (char *)out + at * D * OE, acc[k], m[k], l[k], NULL, NULL, D);
