@@ -342,8 +342,8 @@ static inline void store_row(uint16_t *out, const float *acc, float m, float l, 
  * The operands packed to float32 once (bfloat16 widened by a shift), so the products are FMAs
  * with nothing to convert in the loops: keys as [padded_keys/16][D][16] (16 keys a dimension),
  * values as [padded_keys][D], queries as [padded_rows][D] (scaled as packed). A task's 16 rows
- * go through the products a few at a time against 8 keys (scores) or 16 dimensions (values),
- * each row's query or probability broadcast from memory. Probabilities stay float32.
+ * go through the products a few at a time against 16 or 8 keys (scores) or 16 dimensions
+ * (values), each row's query or probability broadcast from memory. Probabilities stay float32.
  *
  * A prefill row's result is bit for bit the paged kernel's AVX2 one (csrc/paged_attention.c,
  * its tiles for prefill chunks; block sizes that are multiples of 16): the same operations in
@@ -353,10 +353,9 @@ static inline void store_row(uint16_t *out, const float *acc, float m, float l, 
  * the kernel's 2 or 4 partial sums over the dimensions (paged_partials), the softmax's sum in
  * two 8-lane halves of 16 keys, the rescaling by exp8, the values added key by key. */
 
-/* Loaded vectors kept in registers: gcc otherwise folds their loads into every FMA that uses
+/* Two loaded vectors kept in registers: gcc otherwise folds their loads into every FMA that uses
  * them (4 rows: 8 loads besides the 4 broadcasts per 8 FMAs, as many as the FMAs' cycles). */
 #define IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
-#define IN_REGISTER(a) __asm__("" : "+x"(a))
 
 /* The partial sums per score of the paged kernel's tile for prefill chunks of this group and
  * head size (tile_tokens and the FAST_TASK there: 4 where the tile has at most 4 rows, else 2). */
