@@ -152,7 +152,7 @@ def load() -> ctypes.CDLL:
                             ctypes.c_float, pointer, ctypes.c_int]
         shared.restype = prefill.restype = ctypes.c_int
     lib.quant_linear.argtypes = [pointer, i64, i64, ctypes.c_int, i64, pointer, ctypes.c_int, ctypes.c_int, i64,
-                                 pointer, pointer, i64, ctypes.c_int]
+                                 pointer, pointer, i64, ctypes.c_int, i64]
     lib.quant_linear.restype = ctypes.c_int
     lib.quant_linear_argmax.argtypes = [pointer, i64, i64, ctypes.c_int, i64, pointer, ctypes.c_int, ctypes.c_int,
                                         i64, pointer, pointer]
@@ -168,6 +168,9 @@ def load() -> ctypes.CDLL:
                  "tile_attention_vector_available", "tile_attention_float_available"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
+    lib.quant_silu_mul_linear.argtypes = [pointer, i64, i64, i64, pointer, ctypes.c_int, ctypes.c_int, i64, pointer,
+                                          i64, pointer]
+    lib.quant_silu_mul_linear.restype = ctypes.c_int
     lib.silu_mul_bf16.argtypes = [pointer, i64, i64, pointer]
     lib.silu_mul_bf16.restype = None
     lib.one_token_decode_set_exp16.argtypes = [pointer]
@@ -525,9 +528,11 @@ def _quant_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, bits: int,
-                 has_min: bool, out_f32: bool = False) -> torch.Tensor:
+                 has_min: bool, out_f32: bool = False, amx_min_rows: int = 0) -> torch.Tensor:
     """x @ W.T + bias for a 2-D bfloat16 or float32 x and a weight packed by
     engine/models/quantized.py (``bits`` 8 or 4, with or without minimums); bias float32.
+    From ``amx_min_rows`` rows (0: never) of bfloat16 x without bias, on AMX tiles: pass it
+    only where :func:`packed_linear_amx_available` (the tiles proved to run).
 
     Returns:
         [x rows, out_features] in x's dtype, or float32 with ``out_f32``.
@@ -539,8 +544,28 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if m and _kernel("quant_linear")(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.float32), k,
                                      weight.data_ptr(), bits, int(has_min), out_features,
                                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
-                                     int(out_f32)):
+                                     int(out_f32), amx_min_rows):
         raise MemoryError("quant_linear: out of memory for the quantized activations")
+    return out
+
+
+def quant_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, intermediate_size: int, bits: int, has_min: bool,
+                          amx_min_rows: int = 0) -> torch.Tensor:
+    """SiLU(gate) * up of a bfloat16 x's product with a quantized gate/up weight (gate's
+    features, then up's): from ``amx_min_rows`` rows (0: never) on AMX tiles with the
+    activation in the product's epilogue (pass it only where :func:`packed_linear_amx_available`);
+    else quant_linear, then :func:`silu_mul`.
+
+    Returns:
+        bfloat16 [x rows, intermediate_size].
+    """
+    assert x.dtype == torch.bfloat16
+    x = _quant_operands(x, weight, None, 2 * intermediate_size, bits, has_min)
+    m, k = x.shape
+    out = torch.empty(m, intermediate_size, dtype=torch.bfloat16)
+    if m and _kernel("quant_silu_mul_linear")(x.data_ptr(), m, x.stride(0), k, weight.data_ptr(), bits, int(has_min),
+                                              intermediate_size, out.data_ptr(), amx_min_rows, None):
+        raise MemoryError("quant_silu_mul_linear: out of memory")
     return out
 
 

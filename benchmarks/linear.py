@@ -12,7 +12,9 @@ packing this machine has:
   shape (engine/models/linear.py: amx_min_rows; the calibration runs before the timing);
 - ``q8``, ``q4m``: the quantized kernel (attention_backends/csrc/quant_linear.c) on the
   weights quantized to int8 (``--quantization int8``) and to GGUF's Q4_1 (the default
-  model's file), activations quantized per row; SiLU(gate) * up element-wise.
+  model's file), activations quantized per row; SiLU(gate) * up element-wise. Where AMX
+  tiles run, from the calibrated number of rows on them (quant_amx_min_rows), the weight
+  dequantized a chunk at a time.
 
 Each layer's products are one compiled function, as the model's regions are, so every
 variant pays the same per-call costs. The shapes default to SmolLM2-135M's.
@@ -48,8 +50,12 @@ def _variants(args: argparse.Namespace, weights: dict[str, torch.Tensor]) -> dic
         def layer(x, attn, w_qkv, w_o, w_gate_up, w_down):
             if packing in linear.BLOCKED_LAYOUT:
                 act = torch.ops.pagoda.blocked_silu_mul_linear(x, w_gate_up, inter, rows["gate_up"])
+            elif rows["gate_up"]:  # quantized, on the tiles from there (as GateUpLinear runs it)
+                act = torch.ops.pagoda.quant_silu_mul_linear(x, w_gate_up, inter, *quantized.QUANT_PACKINGS[packing],
+                                                             rows["gate_up"])
             else:
-                gate, up = linear.packed_linear(x, w_gate_up, None, packing, 2 * inter).split(inter, dim=-1)
+                gate, up = linear.packed_linear(x, w_gate_up, None, packing, 2 * inter, rows["gate_up"]).split(
+                    inter, dim=-1)
                 act = F.silu(gate) * up
             # NOTE: every result is returned, or the compiler drops the products it does not need.
             return (linear.packed_linear(x, w_qkv, None, packing, qkv, rows["qkv"]),
@@ -72,7 +78,13 @@ def _variants(args: argparse.Namespace, weights: dict[str, torch.Tensor]) -> dic
         # the quantized kernel (inputs in groups of 32): int8 from the weights, and Q4_1 as in a GGUF file
         for packing, quantize in (("q8", quantized.quantize_int8), ("q4m", _q4_1)):
             pack = functools.partial(_pack_quantized, quantize=quantize)
-            variants[packing] = (pack, pack, layer_of(packing, dict.fromkeys(out_features, 0)))
+            rows = dict.fromkeys(out_features, 0)
+            if linear.packing_available("amx"):  # as the model runs them: many rows on the tiles
+                rows = {name: linear.quant_amx_min_rows(pack(w), packing, out_features[name], w.shape[1],
+                                                        fused_silu_mul=name == "gate_up")
+                        for name, w in weights.items()}
+                print(f"{packing}: the tiles from {rows} rows")
+            variants[packing] = (pack, pack, layer_of(packing, rows))
     return variants
 
 

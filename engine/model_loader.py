@@ -515,12 +515,9 @@ def plan_quantization(quantization: str, model_dir: Path, device: torch.device,
     if compressed is None and not (Path(model_dir) / QUANTIZED_FILE).is_file():
         return None
     problem = _quantized_kernel_problem(device, tensor_parallel_size)
-    if problem is None and not _amx_tiles_run():
+    if problem is None:
         return "gguf" if compressed is None else "compressed-tensors"
-    # NOTE: on AMX, not measured against each other yet: the bfloat16 kernel on AMX tiles
-    # is several times denser than AVX512-VNNI on batches and prefill (docs/quantization.md).
-    logger.info("the checkpoint's quantized weights are dequantized (%s)",
-                problem or "AMX tiles run here, and the quantized kernel is not yet measured against them")
+    logger.info("the checkpoint's quantized weights are dequantized (%s)", problem)
     return None
 
 
@@ -538,12 +535,6 @@ def _quantized_kernel_problem(device: torch.device, tensor_parallel_size: int) -
         return ("neither AVX512-VNNI nor AVX2: the quantized kernel is a plain loop there, many times slower "
                 "than the float kernels")
     return None
-
-
-def _amx_tiles_run() -> bool:
-    from pagoda.attention_backends import cpu_kernels
-
-    return cpu_kernels.packed_linear_amx_available()
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

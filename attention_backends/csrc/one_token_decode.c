@@ -28,12 +28,14 @@
 #endif
 
 int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
-                 int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32);
+                 int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32, int64_t amx_min_rows);
 void paged_write_kv_bf16(const uint16_t *key, const uint16_t *value, const int64_t *slot_mapping,
                          uint16_t *key_cache, uint16_t *value_cache, int64_t num_tokens, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, int64_t key_stride, int64_t value_stride);
 void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
                         const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t amx_min_rows, int64_t out_f32);
+int quant_silu_mul_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
+                         int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows);
 void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
                                  uint16_t *y, int64_t ldy, int64_t amx_min_rows);
 void paged_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
@@ -46,8 +48,9 @@ int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cach
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                                  const uint16_t *own_out, const float *own_lse, uint16_t *out, int kind);
 
-/* A product's packed weight: QUANTIZED (a: bits, b: with minimums) or BLOCKED bfloat16
- * (a: the rows from which AMX tiles run; gate/up packed for the SiLU-mul epilogue). */
+/* A product's packed weight: QUANTIZED (a: bits, b: with minimums + 2 x the rows from which
+ * AMX tiles run) or BLOCKED bfloat16 (a: the rows from which AMX tiles run; gate/up packed
+ * for the SiLU-mul epilogue). */
 enum { QUANTIZED = 0, BLOCKED = 1 };
 struct decode_product {
     const void *weight;
@@ -110,7 +113,7 @@ static int product(const uint16_t *x, int64_t rows, int64_t k, const struct deco
         packed_linear_bf16(x, rows, k, p->weight, n, k, bias, y, n, p->a, 0);
         return 0;
     }
-    return quant_linear(x, rows, k, 0, k, p->weight, (int)p->a, (int)p->b, n, bias, y, n, 0);
+    return quant_linear(x, rows, k, 0, k, p->weight, (int)p->a, (int)(p->b & 1), n, bias, y, n, 0, p->b >> 1);
 }
 
 #ifdef __AVX512F__
@@ -180,6 +183,21 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t intermediate, 
     }
 }
 
+/* act [M, I] = SiLU(gate) * up of x's product with a quantized gate/up weight [2I, K]: on AMX
+ * tiles where quant_silu_mul_tiles takes it, else quant_linear into gate_up (a [M, 2I] scratch,
+ * or NULL: allocated here) and silu_mul_bf16. Returns 0, or -1 if memory ran out. */
+int quant_silu_mul_linear(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
+                          int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows, uint16_t *gate_up) {
+    const int tiles = quant_silu_mul_tiles(x, M, ldx, K, w, bits, has_min, I, act, amx_min_rows);
+    if (tiles) return tiles < 0 ? -1 : 0;
+    uint16_t *scratch = gate_up ? gate_up : malloc((size_t)(M * 2 * I) * sizeof(uint16_t));
+    const int failed = !scratch || quant_linear(x, M, ldx, 0, K, w, bits, has_min, 2 * I, NULL, scratch, 2 * I, 0,
+                                                amx_min_rows);
+    if (!failed) silu_mul_bf16(scratch, M, I, act);
+    if (!gate_up) free(scratch);
+    return failed ? -1 : 0;
+}
+
 /* act = SiLU(gate) * up of x's gate/up product. */
 static int silu_mul(const uint16_t *x, int64_t rows, int64_t k, const struct decode_product *p,
                     int64_t intermediate, uint16_t *gate_up, uint16_t *act) {
@@ -187,9 +205,8 @@ static int silu_mul(const uint16_t *x, int64_t rows, int64_t k, const struct dec
         packed_silu_mul_linear_bf16(x, rows, k, p->weight, intermediate, k, act, intermediate, p->a);
         return 0;
     }
-    const int failed = product(x, rows, k, p, 2 * intermediate, NULL, gate_up);
-    silu_mul_bf16(gate_up, rows, intermediate, act);
-    return failed;
+    return quant_silu_mul_linear(x, rows, k, k, p->weight, (int)p->a, (int)(p->b & 1), intermediate, act, p->b >> 1,
+                                 gate_up);
 }
 
 /* h += y, row by row, rounded to bfloat16. */

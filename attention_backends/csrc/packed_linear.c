@@ -417,6 +417,20 @@ static int use_amx(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, int64_t
     *tail = padded_tail(x, M, ldx, K);
     return !(M % 16 && !*tail); /* no memory for the padded rows: the vectors */
 }
+/* For quant_linear.c, whose products of many rows run here on weights it dequantizes a chunk
+ * at a time into this file's layout: every row of x against the units [0, units) of w (half-
+ * groups; with SILU_MUL, groups packed for it) through the epilogue (enum epilogue) into y,
+ * ldy elements of y's type apart, the tiles configured by the calling thread; tail as from
+ * amx_padded_tail. No bias. */
+void amx_tile_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *tail, const uint16_t *w, int64_t K,
+                   void *y, int64_t ldy, int64_t N, int64_t units, int epilogue) {
+    /* NOTE: the tiles count y in bfloat16 elements (see packed_linear_bf16) */
+    if (epilogue == PLAIN_F32) amx_rows(x, ldx, M, tail, w, K, NULL, y, 2 * ldy, N, 0, units, PLAIN_F32);
+    else if (epilogue == SILU_MUL) amx_rows(x, ldx, M, tail, w, K, NULL, y, ldy, N, 0, units, SILU_MUL);
+    else amx_rows(x, ldx, M, tail, w, K, NULL, y, ldy, N, 0, units, PLAIN);
+}
+
+uint16_t *amx_padded_tail(const uint16_t *x, int64_t M, int64_t ldx, int64_t K) { return padded_tail(x, M, ldx, K); }
 #else
 int amx_probe(void) { return 0; }
 #endif

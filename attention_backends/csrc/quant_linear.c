@@ -496,10 +496,130 @@ static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum,
 #endif
 #endif
 
-/* The entry point (see the top of the file); returns 0, or -1 if memory ran out. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__)
+#define QUANT_TILES 1
+#include "amx_tiles.h"
+
+/* packed_linear.c's tile loop, over weights in its bfloat16 layout; its epilogues */
+void amx_tile_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *tail, const uint16_t *w, int64_t K,
+                   void *y, int64_t ldy, int64_t N, int64_t units, int epilogue);
+uint16_t *amx_padded_tail(const uint16_t *x, int64_t M, int64_t ldx, int64_t K);
+enum { TILES_PLAIN, TILES_PLAIN_F32, TILES_SILU_MUL };
+
+#define TILE_CHUNK_BYTES (512 * 1024) /* of dequantized weight per pass of the rows (packed_linear.c's chunk) */
+
+/* Input feature k (0..31) of a group, for each of a block's 16 features: scale * q + min. */
+static inline __attribute__((always_inline)) __m512 weight_column(const uint8_t *p, const int k, const int bits,
+                                                                  const __m512 scale, const __m512 mins) {
+    __m512i q;
+    if (bits == 8) { /* byte k % 4 of each feature's 4 in vector k / 4, stored + 128 */
+        const __m512i v = _mm512_loadu_si512(p + 64 * (k / 4));
+        q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * (k % 4)), _mm512_set1_epi32(0xff)),
+                             _mm512_set1_epi32(128));
+    } else { /* vector k / 8; byte (k % 8) & 3, its low nibble for k % 8 < 4 */
+        const __m512i v = _mm512_loadu_si512(p + 64 * (k / 8));
+        q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (k % 8 & 3) + (k % 8 < 4 ? 0 : 4)), _mm512_set1_epi32(0x0f));
+    }
+    return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q), mins);
+}
+
+/* Block b of the weight (16 features) dequantized to bfloat16 (rounded to nearest even) into
+ * its 16 features' place of a group of packed_linear.c's layout ([K / 2][64][2], dst the first
+ * pair's first of those features). */
+static void dequantize_block(const uint8_t *w, int64_t b, int64_t K, int bits, int has_min, uint16_t *dst) {
+    const int64_t groups = K / QGROUP, gbytes = group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
+    const uint8_t *wb = w + b * groups * gbytes;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = wb + g * gbytes;
+        const __m512 scale = load_halves(p + vbytes);
+        const __m512 mins = has_min ? load_halves(p + vbytes + 2 * QBLOCK) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int k = 0; k < QGROUP; k += 2) {
+            const __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(weight_column(p, k, bits, scale, mins)));
+            const __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(weight_column(p, k + 1, bits, scale, mins)));
+            _mm512_storeu_si512(dst + (g * QGROUP + k) / 2 * 128, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+        }
+    }
+}
+
+/* quant_linear of many bfloat16 rows without bias on AMX tiles (TILES_PLAIN, TILES_PLAIN_F32:
+ * y [M, N]), or SiLU(gate) * up of a gate/up weight [2N, K] (TILES_SILU_MUL: y [M, N], N a
+ * multiple of 32). The output in units of 32 features; each thread dequantizes its contiguous
+ * range of units a chunk at a time (L2-sized) into packed_linear.c's layout (for SiLU-mul:
+ * group c holds gate features 32c.. then up features 32c..) and passes every row over the
+ * chunk with packed_linear.c's tile loop. The weight's bytes are read once either way; the
+ * dequantizing costs a few operations a weight, which the rows share. x is not quantized
+ * here: the sums differ from the vectors' (int8 x) by rounding. Returns 0, or -1 if memory
+ * ran out. */
+static int quant_linear_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
+                              int has_min, int64_t N, void *y, int64_t ldy, int epilogue) {
+    const int silu = epilogue == TILES_SILU_MUL;
+    const int64_t blocks = (N + QBLOCK - 1) / QBLOCK, units = (N + 2 * QBLOCK - 1) / (2 * QBLOCK);
+    const int64_t unit_elements = (silu ? 4 : 2) * QBLOCK * K; /* bfloat16 weights a unit */
+    int64_t chunk = TILE_CHUNK_BYTES / (unit_elements * (int64_t)sizeof(uint16_t));
+    if (!silu) chunk = chunk / 2 * 2; /* whole groups */
+    if (chunk < 2) chunk = 2;
+    uint16_t *tail = amx_padded_tail(x, M, ldx, K);
+    const int threads = omp_get_max_threads();
+    const size_t chunk_elements = (size_t)(chunk * unit_elements);
+    uint16_t *buffers = aligned_alloc(64, threads * chunk_elements * sizeof(uint16_t));
+    if ((M % 16 && !tail) || !buffers) {
+        free(tail), free(buffers);
+        return -1;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t end = units * (t + 1) / nt;
+        uint16_t *buffer = buffers + t * chunk_elements;
+        configure_tiles();
+        for (int64_t u = units * t / nt; u < end; u += chunk) {
+            const int64_t count = end - u < chunk ? end - u : chunk, f0 = 2 * QBLOCK * u;
+            for (int64_t i = 0; i < (silu ? 4 : 2) * count; i++) {
+                /* SiLU-mul: group u + i / 4 of gate's two blocks then up's; else blocks 2u.. */
+                const int64_t b = silu ? (i % 4 < 2 ? 0 : blocks) + 2 * (u + i / 4) + i % 2 : 2 * u + i;
+                if (silu || b < blocks)
+                    dequantize_block(w, b, K, bits, has_min, buffer + i / 4 * (K * 64) + i % 4 * 2 * QBLOCK);
+            }
+            amx_tile_rows(x, ldx, M, tail, buffer, K, (char *)y + f0 * (epilogue == TILES_PLAIN_F32 ? 4 : 2), ldy,
+                          N - f0 < 2 * QBLOCK * count ? N - f0 : 2 * QBLOCK * count, count, epilogue);
+        }
+        _tile_release();
+    }
+    free(tail), free(buffers);
+    return 0;
+}
+#endif
+
+/* act [M, I] = SiLU(gate) * up of x's product with a quantized gate/up weight [2I, K] (gate's
+ * features, then up's), rounded to bfloat16, on AMX tiles with the activation in the product's
+ * epilogue (as packed_linear.c's), where they take it: from amx_min_rows rows (0: never), I a
+ * multiple of 32. Returns 1 if done, 0 if not taken (the caller then runs quant_linear and
+ * the activation: one_token_decode.c's quant_silu_mul_linear), -1 if memory ran out. */
+int quant_silu_mul_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
+                         int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows) {
+#ifdef QUANT_TILES
+    if (amx_min_rows > 0 && M >= amx_min_rows && I % 32 == 0 && pagoda_amx_permitted())
+        return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, I, act, I, TILES_SILU_MUL) ? -1 : 1;
+#else
+    (void)x, (void)M, (void)ldx, (void)K, (void)w, (void)bits, (void)has_min, (void)I, (void)act, (void)amx_min_rows;
+#endif
+    return 0;
+}
+
+/* The entry point (see the top of the file); returns 0, or -1 if memory ran out. From
+ * amx_min_rows rows (0: never) of bfloat16 x without bias, on a CPU whose AMX tiles the caller
+ * has proved to run, the product runs on the tiles (quant_linear_tiles). */
 int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
-                 int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32) {
+                 int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32, int64_t amx_min_rows) {
     const int64_t groups = K / QGROUP;
+#ifdef QUANT_TILES
+    if (amx_min_rows > 0 && M >= amx_min_rows && !x_f32 && !bias && pagoda_amx_permitted())
+        return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, N, y, ldy, out_f32 ? TILES_PLAIN_F32 : TILES_PLAIN);
+#else
+    (void)amx_min_rows;
+#endif
     int8_t *xq = malloc((size_t)(M * K));
     float *xs = malloc((size_t)(M * groups) * sizeof(float));
     int32_t *xsum = malloc((size_t)(M * groups) * sizeof(int32_t));

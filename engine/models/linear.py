@@ -51,6 +51,7 @@ from pagoda.engine.models.quantized import pack as pack_quantized
 logger = logging.getLogger(__name__)
 
 PACKING_ENV = "PAGODA_CPU_LINEAR"
+QUANT_TILES_ENV = "PAGODA_QUANT_TILES_MIN_ROWS"  # replaces quant_amx_min_rows' measurement (0: never)
 PACKINGS = ("amx", "blocked", "onednn")
 BLOCKED_LAYOUT = ("amx", "blocked")  # the packings with csrc/packed_linear.c's layout and kernel
 
@@ -59,7 +60,9 @@ _library.define("blocked_linear(Tensor x, Tensor weight, Tensor? bias, int out_f
 _library.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _library.define("blocked_silu_mul_linear(Tensor x, Tensor weight, int intermediate_size, int amx_min_rows) -> Tensor")
 _library.define("quant_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, int bits, bool has_min, "
-                "bool out_f32) -> Tensor")
+                "bool out_f32, int amx_min_rows) -> Tensor")
+_library.define("quant_silu_mul_linear(Tensor x, Tensor weight, int intermediate_size, int bits, bool has_min, "
+                "int amx_min_rows) -> Tensor")
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -70,6 +73,7 @@ _library.impl("blocked_linear", cpu_kernels.packed_linear, "CompositeExplicitAut
 _library.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
 _library.impl("blocked_silu_mul_linear", cpu_kernels.packed_silu_mul_linear, "CompositeExplicitAutograd")
 _library.impl("quant_linear", cpu_kernels.quant_linear, "CompositeExplicitAutograd")
+_library.impl("quant_silu_mul_linear", cpu_kernels.quant_silu_mul_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pagoda::blocked_linear")
@@ -88,8 +92,13 @@ def _(x, weight, intermediate_size, amx_min_rows):
 
 
 @torch.library.register_fake("pagoda::quant_linear")
-def _(x, weight, bias, out_features, bits, has_min, out_f32):
+def _(x, weight, bias, out_features, bits, has_min, out_f32, amx_min_rows):
     return x.new_empty(x.shape[0], out_features, dtype=torch.float32 if out_f32 else x.dtype)
+
+
+@torch.library.register_fake("pagoda::quant_silu_mul_linear")
+def _(x, weight, intermediate_size, bits, has_min, amx_min_rows):
+    return x.new_empty(x.shape[0], intermediate_size)
 
 
 @functools.cache
@@ -161,12 +170,14 @@ def pack_weight(weight: torch.Tensor, packing: str) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packing: str,
                   out_features: int, amx_min_rows: int = 0) -> torch.Tensor:
-    """x @ W.T + bias for a weight from pack_weight(W, packing); ``amx_min_rows`` (the
-    "amx" packing's, from :func:`amx_min_rows`) is where the tiles take over."""
+    """x @ W.T + bias for a weight from pack_weight(W, packing) or a quantized one;
+    ``amx_min_rows`` (from :func:`amx_min_rows` or :func:`quant_amx_min_rows`) is where the
+    tiles take over."""
     if packing in BLOCKED_LAYOUT:
         return torch.ops.pagoda.blocked_linear(x, weight, bias, out_features, amx_min_rows)
     if packing in QUANT_PACKINGS:
-        return torch.ops.pagoda.quant_linear(x, weight, bias, out_features, *QUANT_PACKINGS[packing], False)
+        return torch.ops.pagoda.quant_linear(x, weight, bias, out_features, *QUANT_PACKINGS[packing], False,
+                                             amx_min_rows)
     return torch.ops.pagoda.onednn_linear(x, weight, bias)
 
 
@@ -181,7 +192,8 @@ def logits_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return cpu_kernels.packed_linear(x if x.is_contiguous() else x.contiguous(), weight, bias, out_features,
                                          amx_min_rows, out_dtype=torch.float32)
     if packing in QUANT_PACKINGS:
-        return cpu_kernels.quant_linear(x, weight, bias, out_features, *QUANT_PACKINGS[packing], out_f32=True)
+        return cpu_kernels.quant_linear(x, weight, bias, out_features, *QUANT_PACKINGS[packing], out_f32=True,
+                                        amx_min_rows=amx_min_rows)
     return packed_linear(x, weight, bias, packing, out_features, amx_min_rows)
 
 
@@ -226,7 +238,36 @@ def amx_min_rows(weight: torch.Tensor, out_features: int, fused_silu_mul: bool =
     reads the number); a few milliseconds a shape.
     """
     k = weight.shape[1] * 2
-    key = f"{out_features}x{k}" + ("+silu_mul" if fused_silu_mul else "")
+    op = torch.ops.pagoda.blocked_silu_mul_linear if fused_silu_mul else torch.ops.pagoda.blocked_linear
+    args = (out_features // 2,) if fused_silu_mul else (None, out_features)
+    return _calibrated(f"{out_features}x{k}" + ("+silu_mul" if fused_silu_mul else ""), k, CALIBRATION_ROWS,
+                       lambda x, rows: op(x, weight, *args, rows))
+
+
+def quant_amx_min_rows(weight: torch.Tensor, packing: str, out_features: int, in_features: int,
+                       fused_silu_mul: bool = False) -> int:
+    """As :func:`amx_min_rows` for a quantized weight (``packing`` one of QUANT_PACKINGS): the
+    fewest rows from which the quantized kernel's tile path (the weight dequantized to
+    bfloat16 a chunk at a time, csrc/quant_linear.c) beats its integer vectors, tried at
+    QUANT_CALIBRATION_ROWS (32-48 for SmolLM2's layers on an Intel Xeon with AMX)."""
+    bits, has_min = QUANT_PACKINGS[packing]
+    if fused_silu_mul:
+        def product(x, rows):
+            return cpu_kernels.quant_silu_mul_linear(x, weight, out_features // 2, bits, has_min, rows)
+    else:
+        def product(x, rows):
+            return cpu_kernels.quant_linear(x, weight, None, out_features, bits, has_min, amx_min_rows=rows)
+    key = f"{out_features}x{in_features}+{packing}" + ("+silu_mul" if fused_silu_mul else "")
+    return _calibrated(key, in_features, QUANT_CALIBRATION_ROWS, product)
+
+
+QUANT_CALIBRATION_ROWS = (16, 32, 48, 64, 96, 128)
+
+
+def _calibrated(key: str, k: int, candidates: tuple[int, ...], product) -> int:
+    """The smallest of ``candidates`` from which ``product(x, rows)`` (rows: where the tiles
+    take over, 0 never) is faster on the tiles at every larger candidate, from the file of
+    earlier measurements or measured now."""
     if key in _amx_rows:
         return _amx_rows[key]
     path = _calibration_file()
@@ -239,13 +280,10 @@ def amx_min_rows(weight: torch.Tensor, out_features: int, fused_silu_mul: bool =
         return _amx_rows[key]
     global calibration_seconds
     start = time.perf_counter()
-    op = torch.ops.pagoda.blocked_silu_mul_linear if fused_silu_mul else torch.ops.pagoda.blocked_linear
-    args = (out_features // 2,) if fused_silu_mul else (None, out_features)
-    x = torch.randn(CALIBRATION_ROWS[-1], k, dtype=torch.bfloat16)
-    wins = [_time(lambda: op(x[:rows], weight, *args, rows)) < _time(lambda: op(x[:rows], weight, *args, 0))
-            for rows in CALIBRATION_ROWS]
-    rows = CALIBRATION_ROWS[-1]
-    for candidate, win in zip(reversed(CALIBRATION_ROWS), reversed(wins)):
+    x = torch.randn(candidates[-1], k, dtype=torch.bfloat16)
+    wins = [_time(lambda: product(x[:rows], rows)) < _time(lambda: product(x[:rows], 0)) for rows in candidates]
+    rows = candidates[-1]
+    for candidate, win in zip(reversed(candidates), reversed(wins)):
         if not win:
             break
         rows = candidate
@@ -264,8 +302,10 @@ def amx_min_rows(weight: torch.Tensor, out_features: int, fused_silu_mul: bool =
 
 
 def describe_amx_rows(model: nn.Module) -> str:
-    """The range of amx_min_rows over a model's packed layers, e.g. "2-4"."""
-    rows = sorted({module.amx_min_rows for module in model.modules() if getattr(module, "packing", None) == "amx"})
+    """The range of amx_min_rows over a model's layers on AMX tiles (the "amx" packing's, the
+    quantized ones' from tile_quantized), e.g. "2-4"."""
+    rows = sorted({module.amx_min_rows for module in model.modules() if getattr(module, "packing", None) == "amx"
+                   or (getattr(module, "packing", None) in QUANT_PACKINGS and getattr(module, "amx_min_rows", 0))})
     if not rows:
         return "-"
     return str(rows[0]) if rows[0] == rows[-1] else f"{rows[0]}-{rows[-1]}"
@@ -294,6 +334,17 @@ class Linear(nn.Linear):
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
         self.packing = weight.packing
+
+    def tile_quantized(self) -> None:
+        """On a CPU whose AMX tiles run, a quantized weight's products of many rows on them
+        (from the measured quant_amx_min_rows; not with a bias, which that path lacks)."""
+        if self.packing not in QUANT_PACKINGS or self.bias is not None:
+            return
+        if os.environ.get(QUANT_TILES_ENV):
+            self.amx_min_rows = int(os.environ[QUANT_TILES_ENV])
+            return
+        self.amx_min_rows = quant_amx_min_rows(self.weight, self.packing, self.out_features, self.in_features,
+                                               fused_silu_mul=isinstance(self, GateUpLinear))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packing is not None:
@@ -335,5 +386,8 @@ class GateUpLinear(Linear):
         intermediate_size = self.out_features // 2
         if self.packing in BLOCKED_LAYOUT:
             return torch.ops.pagoda.blocked_silu_mul_linear(x, self.weight, intermediate_size, self.amx_min_rows)
+        if self.packing in QUANT_PACKINGS and self.amx_min_rows:  # on AMX tiles from there (tile_quantized)
+            return torch.ops.pagoda.quant_silu_mul_linear(x, self.weight, intermediate_size,
+                                                          *QUANT_PACKINGS[self.packing], self.amx_min_rows)
         gate, up = super().forward(x).split(intermediate_size, dim=-1)
         return F.silu(gate) * up

@@ -318,7 +318,9 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self, packing: str, batch_invariant: bool = False) -> None:
         """Repacks every linear weight (and a tied LM head) for ``packing``, but those
-        already quantized (quantize_weights); see engine/models/linear.py (Linear.pack)."""
+        already quantized (quantize_weights); see engine/models/linear.py (Linear.pack).
+        With "amx", the quantized ones without bias get the row count from which their
+        products run on the tiles (Linear.tile_quantized)."""
         self._one_token = None  # it holds the weights' addresses
         if (self.lm_head is not None and self.lm_head.packing is None and not self.tp.is_parallel
                 and packing not in BLOCKED_LAYOUT):
@@ -327,6 +329,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.packing is None:
                 module.pack(packing, batch_invariant)
+            elif isinstance(module, Linear) and packing == "amx" and not batch_invariant:
+                module.tile_quantized()
         if self.lm_head is None and self._packed_lm_head is None:
             weight = pack_weight(self.embed_tokens.weight, packing)
             rows = 0

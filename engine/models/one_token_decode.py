@@ -84,7 +84,7 @@ class OneTokenDecode:
             if linear.packing in BLOCKED_LAYOUT:
                 return [linear.weight.data_ptr(), 1, linear.amx_min_rows, 0]
             bits, has_min = QUANT_PACKINGS[linear.packing]
-            return [linear.weight.data_ptr(), 0, bits, int(has_min)]
+            return [linear.weight.data_ptr(), 0, bits, int(has_min) + 2 * linear.amx_min_rows]
 
         rows = []
         for layer, (key_cache, value_cache) in zip(model.layers, kv_caches, strict=True):
