@@ -517,9 +517,12 @@ static inline __attribute__((always_inline)) __m512 weight_column(const uint8_t 
         const __m512i v = _mm512_loadu_si512(p + 64 * (k / 4));
         q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * (k % 4)), _mm512_set1_epi32(0xff)),
                              _mm512_set1_epi32(128));
-    } else { /* vector k / 8; byte (k % 8) & 3, its low nibble for k % 8 < 4 */
+    } else { /* vector k / 8; byte (k % 8) & 3, its low nibble for k % 8 < 4: vpermps reads only an
+              * index's low 4 bits, so it takes the nibble and converts it in one step */
         const __m512i v = _mm512_loadu_si512(p + 64 * (k / 8));
-        q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (k % 8 & 3) + (k % 8 < 4 ? 0 : 4)), _mm512_set1_epi32(0x0f));
+        const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const int shift = 8 * (k % 8 & 3) + (k % 8 < 4 ? 0 : 4);
+        return _mm512_fmadd_ps(scale, _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(v, shift) : v, values), mins);
     }
     return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q), mins);
 }
@@ -530,15 +533,18 @@ static inline __attribute__((always_inline)) __m512 weight_column(const uint8_t 
 static void dequantize_block(const uint8_t *w, int64_t b, int64_t K, int bits, int has_min, uint16_t *dst) {
     const int64_t groups = K / QGROUP, gbytes = group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
     const uint8_t *wb = w + b * groups * gbytes;
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *p = wb + g * gbytes;
         const __m512 scale = load_halves(p + vbytes);
         const __m512 mins = has_min ? load_halves(p + vbytes + 2 * QBLOCK) : _mm512_setzero_ps();
 #pragma GCC unroll 16
         for (int k = 0; k < QGROUP; k += 2) {
-            const __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(weight_column(p, k, bits, scale, mins)));
-            const __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(weight_column(p, k + 1, bits, scale, mins)));
-            _mm512_storeu_si512(dst + (g * QGROUP + k) / 2 * 128, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+            /* 16 features' k then their k + 1, rounded together, then interleaved into pairs */
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(weight_column(p, k + 1, bits, scale, mins),
+                                                               weight_column(p, k, bits, scale, mins));
+            _mm512_storeu_si512(dst + (g * QGROUP + k) / 2 * 128, _mm512_permutexvar_epi16(pairs, both));
         }
     }
 }
