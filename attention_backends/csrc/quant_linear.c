@@ -24,6 +24,11 @@
  * take contiguous ranges of feature blocks. Every output is summed in the same order
  * whatever M is, so a row's result does not depend on its batch.
  *
+ * On CPUs whose AMX tiles run, calls of at least amx_min_rows rows of bfloat16 x without bias
+ * (0: never; the caller measures the count per shape) run on the tiles instead: the weight
+ * dequantized to bfloat16 a chunk at a time into packed_linear.c's layout, x as it is
+ * (quant_linear_tiles, below). Their sums round otherwise than the vectors'.
+ *
  * Without AVX512-VNNI, AVX2 computes the same integer sums with vpmaddubsw/vpmaddwd (half the
  * width, three instructions where VNNI takes one); without AVX2 a plain C loop does (the
  * compiler vectorizes what it can): correct everywhere, fast only with the instructions.
@@ -512,19 +517,18 @@ enum { TILES_PLAIN, TILES_PLAIN_F32, TILES_SILU_MUL };
 /* Input feature k (0..31) of a group, for each of a block's 16 features: scale * q + min. */
 static inline __attribute__((always_inline)) __m512 weight_column(const uint8_t *p, const int k, const int bits,
                                                                   const __m512 scale, const __m512 mins) {
-    __m512i q;
     if (bits == 8) { /* byte k % 4 of each feature's 4 in vector k / 4, stored + 128 */
         const __m512i v = _mm512_loadu_si512(p + 64 * (k / 4));
-        q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * (k % 4)), _mm512_set1_epi32(0xff)),
-                             _mm512_set1_epi32(128));
-    } else { /* vector k / 8; byte (k % 8) & 3, its low nibble for k % 8 < 4: vpermps reads only an
-              * index's low 4 bits, so it takes the nibble and converts it in one step */
-        const __m512i v = _mm512_loadu_si512(p + 64 * (k / 8));
-        const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        const int shift = 8 * (k % 8 & 3) + (k % 8 < 4 ? 0 : 4);
-        return _mm512_fmadd_ps(scale, _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(v, shift) : v, values), mins);
+        const __m512i q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * (k % 4)), _mm512_set1_epi32(0xff)),
+                                           _mm512_set1_epi32(128));
+        return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q), mins);
     }
-    return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q), mins);
+    /* 4-bit: vector k / 8; byte (k % 8) & 3, its low nibble for k % 8 < 4. vpermps reads only an
+     * index's low 4 bits, so it takes the nibble and converts it in one step. */
+    const __m512i v = _mm512_loadu_si512(p + 64 * (k / 8));
+    const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int shift = 8 * (k % 8 & 3) + (k % 8 < 4 ? 0 : 4);
+    return _mm512_fmadd_ps(scale, _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(v, shift) : v, values), mins);
 }
 
 /* Block b of the weight (16 features) dequantized to bfloat16 (rounded to nearest even) into
