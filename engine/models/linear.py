@@ -210,6 +210,7 @@ def greedy_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 # -- where the tiles take over ---------------------------------------------------------------
 
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+QUANT_CALIBRATION_ROWS = (16, 32, 48, 64, 96, 128)  # the quantized kernel's tiles win later than bfloat16's
 _amx_rows: dict[str, int] = {}
 calibration_seconds = 0.0  # spent measuring in this process (reported at start-up)
 
@@ -249,7 +250,7 @@ def quant_amx_min_rows(weight: torch.Tensor, packing: str, out_features: int, in
     """As :func:`amx_min_rows` for a quantized weight (``packing`` one of QUANT_PACKINGS): the
     fewest rows from which the quantized kernel's tile path (the weight dequantized to
     bfloat16 a chunk at a time, csrc/quant_linear.c) beats its integer vectors, tried at
-    QUANT_CALIBRATION_ROWS (32-48 for SmolLM2's layers on an Intel Xeon with AMX)."""
+    QUANT_CALIBRATION_ROWS (32 for SmolLM2's Q4_1 layers on an Intel Xeon with AMX)."""
     bits, has_min = QUANT_PACKINGS[packing]
     if fused_silu_mul:
         def product(x, rows):
@@ -260,8 +261,6 @@ def quant_amx_min_rows(weight: torch.Tensor, packing: str, out_features: int, in
     key = f"{out_features}x{in_features}+{packing}" + ("+silu_mul" if fused_silu_mul else "")
     return _calibrated(key, in_features, QUANT_CALIBRATION_ROWS, product)
 
-
-QUANT_CALIBRATION_ROWS = (16, 32, 48, 64, 96, 128)
 
 
 def _calibrated(key: str, k: int, candidates: tuple[int, ...], product) -> int:
@@ -304,8 +303,7 @@ def _calibrated(key: str, k: int, candidates: tuple[int, ...], product) -> int:
 def describe_amx_rows(model: nn.Module) -> str:
     """The range of amx_min_rows over a model's layers on AMX tiles (the "amx" packing's, the
     quantized ones' from tile_quantized), e.g. "2-4"."""
-    rows = sorted({module.amx_min_rows for module in model.modules() if getattr(module, "packing", None) == "amx"
-                   or (getattr(module, "packing", None) in QUANT_PACKINGS and getattr(module, "amx_min_rows", 0))})
+    rows = sorted({module.amx_min_rows for module in model.modules() if getattr(module, "amx_min_rows", 0)})
     if not rows:
         return "-"
     return str(rows[0]) if rows[0] == rows[-1] else f"{rows[0]}-{rows[-1]}"
