@@ -42,6 +42,11 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+# The prefill the model runner warms up with, which compiles the regions' variant of many
+# tokens: inductor makes a kernel parallel by the sizes of its first compile (at 2 tokens, the
+# rotary embedding ran on one thread of every prefill step).
+WARM_UP_PREFILL_TOKENS = 256
+
 # The code the regions trace: the model's modules, and the tensor-parallel helpers they call.
 SOURCES = (*sorted(Path(__file__).parent.glob("*.py")), Path(__file__).parent.parent / "worker" / "distributed.py")
 

@@ -28,7 +28,7 @@ from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
 from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
-from pagoda.engine.models.precompiled import cache_key
+from pagoda.engine.models.precompiled import WARM_UP_PREFILL_TOKENS, cache_key
 from pagoda.engine.models.quantized import GroupQuantized, quantize_int8, quantized_weights
 from pagoda.engine.platform import attention_shape, resolve_device, resolve_kv_cache_dtype
 from pagoda.engine.worker.prompt_scoring import score_prompts
@@ -196,17 +196,20 @@ class ModelRunner:
         return caches, cpu_caches
 
     def _warm_up(self) -> None:
-        """Runs a 2-token prefill and a decode on block 0, so compilation happens at start-up.
+        """Runs a prefill (WARM_UP_PREFILL_TOKENS, or less where the model is shorter) and a decode
+        on block 0, so compilation happens at start-up.
 
         Both shapes are compiled: torch.compile treats a batch of one token apart. (Where
         decode steps run in one call, the decode takes that path, and no step needs the
         one-token variant.)
         """
         with torch.inference_mode():
-            for query_len, seq_len in ((2, 2), (1, 3)):
+            prefill = max(2, min(WARM_UP_PREFILL_TOKENS, self.batch.token_ids.shape[1] - 2))
+            for query_len, seq_len in ((prefill, prefill), (1, prefill + 1)):
                 positions = torch.arange(seq_len - query_len, seq_len, device=self.device)
+                blocks = -(-seq_len // self.block_size)
                 metadata = self._metadata(np.array([query_len]), np.array([seq_len]),
-                                          np.zeros((1, 1), dtype=np.int32), positions.cpu().numpy())
+                                          np.zeros((1, blocks), dtype=np.int32), positions.cpu().numpy())
                 ids = torch.zeros(query_len, dtype=torch.long, device=self.device)
                 self.model(ids, positions, self.kv_caches, metadata)
 
