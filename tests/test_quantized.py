@@ -189,10 +189,11 @@ def bf16_weight(weight: Q.GroupQuantized) -> torch.Tensor:
 @needs_amx
 @pytest.mark.parametrize("packing", list(Q.QUANT_PACKINGS))
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (97, 160), (3072, 576)])
-@pytest.mark.parametrize("rows", [1, 16, 37, 300])
+@pytest.mark.parametrize("rows", [1, 16, 37, 70, 300])
 def test_tiles_match_the_bfloat16_weight_times_x(packing, out_features, in_features, rows):
     # (3072, 576): several chunks a thread; 40 and 97: a last block of 16 and a last half-group
-    # that are partly past the weight's end; 37 and 300 rows: a last block of rows padded
+    # that are partly past the weight's end; 37, 70 and 300 rows: a last block of rows padded
+    # (70: between 48 and 128 rows, where the bfloat16 weights take 16-row tiles)
     weight = example_weights(out_features, in_features, seed=rows + out_features)[packing]
     packed = Q.pack(weight)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)

@@ -339,7 +339,7 @@ static inline __attribute__((always_inline)) void amx_tile32(
 #endif
 static void amx_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *tail, const uint16_t *w, int64_t K,
                      const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t N, int64_t first, int64_t end,
-                     const enum epilogue epilogue) {
+                     const enum epilogue epilogue, const int chunk_in_l2) {
     const int64_t group_stride = K * GROUP, unit = epilogue == SILU_MUL ? 1 : 2; /* units per group */
     int64_t chunk = AMX_CHUNK_BYTES / (group_stride * (int64_t)sizeof(uint16_t)) * unit;
     if (chunk < 2) chunk = 2;
@@ -347,8 +347,10 @@ static void amx_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *
     /* NOTE: 32-row blocks (2 x 2 tiles) where they make one pass over the weight or many; from
      * 48 to 127 rows, 16-row tiles against whole groups (1 x 4), whose first pass reads each
      * 4 KB slice of the weight in one piece: 64 rows over 30 layers' weights, 24.9 -> 22.5 ms
-     * (oneDNN: 22.8-23.2). */
-    const int pairs = M < 48 || M >= 128;
+     * (oneDNN: 22.8-23.2). Not where the caller has just written the weight into L2
+     * (`chunk_in_l2`: quant_linear.c's dequantized chunks): there the pairs load half the
+     * weight tiles (Q4_1 at 64 rows, 30 layers: 22.4 -> 19.4 ms). */
+    const int pairs = M < 48 || M >= 128 || chunk_in_l2;
     struct pending waiting = {0};
     int which = 0;
     for (int64_t c0 = first; c0 < end; c0 += chunk) {
@@ -430,9 +432,9 @@ static int use_amx(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, int64_t
 void amx_tile_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *tail, const uint16_t *w, int64_t K,
                    void *y, int64_t ldy, int64_t N, int64_t units, int epilogue) {
     /* NOTE: the tiles count y in bfloat16 elements (see packed_linear_bf16) */
-    if (epilogue == PLAIN_F32) amx_rows(x, ldx, M, tail, w, K, NULL, y, 2 * ldy, N, 0, units, PLAIN_F32);
-    else if (epilogue == SILU_MUL) amx_rows(x, ldx, M, tail, w, K, NULL, y, ldy, N, 0, units, SILU_MUL);
-    else amx_rows(x, ldx, M, tail, w, K, NULL, y, ldy, N, 0, units, PLAIN);
+    if (epilogue == PLAIN_F32) amx_rows(x, ldx, M, tail, w, K, NULL, y, 2 * ldy, N, 0, units, PLAIN_F32, 1);
+    else if (epilogue == SILU_MUL) amx_rows(x, ldx, M, tail, w, K, NULL, y, ldy, N, 0, units, SILU_MUL, 1);
+    else amx_rows(x, ldx, M, tail, w, K, NULL, y, ldy, N, 0, units, PLAIN, 1);
 }
 
 uint16_t *amx_padded_tail(const uint16_t *x, int64_t M, int64_t ldx, int64_t K) { return padded_tail(x, M, ldx, K); }
@@ -463,7 +465,7 @@ void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_
 #ifdef HAVE_AMX
         if (amx) {
             configure_tiles();
-            amx_rows(x, ldx, M, tail, w, K, bias, y, ldy, N, first, end, plain);
+            amx_rows(x, ldx, M, tail, w, K, bias, y, ldy, N, first, end, plain, 0);
             _tile_release();
         }
         else
@@ -503,7 +505,7 @@ void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, cons
 #ifdef HAVE_AMX
         if (amx) {
             configure_tiles();
-            amx_rows(x, ldx, M, tail, w, K, NULL, y, ldy, I, first, end, SILU_MUL);
+            amx_rows(x, ldx, M, tail, w, K, NULL, y, ldy, I, first, end, SILU_MUL, 0);
             _tile_release();
         }
         else
