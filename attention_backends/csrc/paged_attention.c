@@ -274,7 +274,11 @@ static inline vec16 load16_e4m3(const uint8_t *p) {
  * in L2 (a partition's values of one head are 32 KB in bfloat16): 64 decodes of 656 tokens
  * over 30 layers from memory, 72.8 -> 64.2 ms. NOTE: into L2 (T1), not
  * L1: 32-64 lines asked of L1 at once wait for its few miss buffers; a 64-request decode's
- * attention over 30 layers at 320 tokens took 32-52 ms with T0 and 25-28 ms with T1. */
+ * attention over 30 layers at 320 tokens took 32-52 ms with T0 and 25-28 ms with T1. The
+ * bfloat16 kernel spreads them over its dot products instead where blocks hold 16 tokens: 64
+ * prefetches in a row stalled the core until the memory took them (57% of the kernel's samples
+ * on them), and the dot products meanwhile waited; spread, 30.2-30.7 -> 25.6-26.4 ms there
+ * (Intel Xeon with AMX). */
 static inline __attribute__((always_inline)) int64_t chunk_base(
         const int32_t *table, int64_t start, int64_t bs, int64_t block_stride, int64_t kh, int64_t head_dim) {
     return (int64_t)table[start / bs] * block_stride + kh * bs * head_dim;
@@ -512,17 +516,32 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
         for (int64_t r = 0; r < rows; r++) vmax[r] = _mm512_set1_ps(MIN_SCORE);
         for (int64_t start = pstart; start < pend; start += 16) {
             const uint16_t *k = key_cache + chunk_base(table, start, bs, block_stride, kh, head_dim) + start % bs;
-            if (start + 16 < len)
-                prefetch_keys16((const char *)key_cache, table, start + 16, bs, block_stride, kh, head_dim,
-                                sizeof(uint16_t));
-            prefetch_values16((const char *)value_cache, table, start, bs, block_stride, kh, head_dim,
-                              sizeof(uint16_t));
+            /* With 16-token blocks, a head's 16 keys (or values) are 32 x head_dim contiguous bytes,
+             * which the dot products below prefetch as they go, 32 bytes a dimension (see
+             * prefetch_keys16); else all at once here. */
+            const char *next_keys = NULL, *values = NULL;
+            if (bs == 16) {
+                next_keys = start + 16 < len
+                            ? (const char *)(key_cache + chunk_base(table, start + 16, bs, block_stride, kh, head_dim))
+                            : NULL;
+                values = (const char *)(value_cache + chunk_base(table, start, bs, block_stride, kh, head_dim));
+            } else {
+                if (start + 16 < len)
+                    prefetch_keys16((const char *)key_cache, table, start + 16, bs, block_stride, kh, head_dim,
+                                    sizeof(uint16_t));
+                prefetch_values16((const char *)value_cache, table, start, bs, block_stride, kh, head_dim,
+                                  sizeof(uint16_t));
+            }
             /* NOTE: two partial sums per row when the tile has few rows: one chain of dependent
              * dot products would be bound by their latency, not by the units. */
             __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS];
             for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = _mm512_setzero_ps();
             if (rows <= 4) {
                 for (int64_t d = 0; d < head_dim; d += 4) {
+                    if (values) { /* the 128 bytes of dimensions d..d+3 */
+                        if (next_keys) _mm_prefetch(next_keys + 32 * d, _MM_HINT_T1), _mm_prefetch(next_keys + 32 * d + 64, _MM_HINT_T1);
+                        _mm_prefetch(values + 32 * d, _MM_HINT_T1), _mm_prefetch(values + 32 * d + 64, _MM_HINT_T1);
+                    }
                     const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
                     const __m512bh k1 = (__m512bh)pair_rows(k + (d + 2) * bs, k + (d + 3) * bs, interleave);
                     for (int64_t r = 0; r < rows; r++) {
@@ -533,6 +552,10 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
                 for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);
             } else {
                 for (int64_t d = 0; d < head_dim; d += 2) {
+                    if (values) { /* the 64 bytes of dimensions d, d+1 */
+                        if (next_keys) _mm_prefetch(next_keys + 32 * d, _MM_HINT_T1);
+                        _mm_prefetch(values + 32 * d, _MM_HINT_T1);
+                    }
                     const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
                     for (int64_t r = 0; r < rows; r++)
                         s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2]));
@@ -545,7 +568,7 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
         for (int64_t start = pstart; start < pend; start += 16) {
             const int64_t n = len - start < 16 ? len - start : 16;
             const uint16_t *v = value_cache + chunk_base(table, start, bs, block_stride, kh, head_dim) + start % bs * head_dim;
-            if (start + 16 < len)
+            if (start + 16 < len && bs != 16) /* with 16-token blocks, the keys pass prefetched every value */
                 prefetch_values16((const char *)value_cache, table, start + 16, bs, block_stride, kh, head_dim,
                                   sizeof(uint16_t));
             float p[FAST_MAX_ROWS][16];
