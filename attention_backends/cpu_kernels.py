@@ -155,7 +155,7 @@ def load() -> ctypes.CDLL:
                                  pointer, pointer, i64, ctypes.c_int, i64]
     lib.quant_linear.restype = ctypes.c_int
     lib.quant_linear_argmax.argtypes = [pointer, i64, i64, ctypes.c_int, i64, pointer, ctypes.c_int, ctypes.c_int,
-                                        i64, pointer, pointer]
+                                        i64, pointer, pointer, i64]
     lib.quant_linear_argmax.restype = ctypes.c_int
     lib.one_token_decode.argtypes = [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, pointer,
                                      pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, i64, i64,
@@ -570,9 +570,9 @@ def quant_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, intermediate_si
 
 
 def quant_linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                        bits: int, has_min: bool) -> torch.Tensor:
-    """Each row's index of its largest output of ``quant_linear(..., out_f32=True)`` (the first
-    on ties), without writing the outputs: greedy sampling's LM head.
+                        bits: int, has_min: bool, amx_min_rows: int = 0) -> torch.Tensor:
+    """Each row's index of its largest output of ``quant_linear(..., out_f32=True)`` with the same
+    ``amx_min_rows`` (the first on ties), without writing the outputs: greedy sampling's LM head.
 
     Returns:
         int64 [x rows].
@@ -582,7 +582,8 @@ def quant_linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     ids = torch.empty(m, dtype=torch.int64)
     if m and _kernel("quant_linear_argmax")(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.float32), k,
                                             weight.data_ptr(), bits, int(has_min), out_features,
-                                            None if bias is None else bias.data_ptr(), ids.data_ptr()):
+                                            None if bias is None else bias.data_ptr(), ids.data_ptr(),
+                                            amx_min_rows):
         raise MemoryError("quant_linear_argmax: out of memory for the quantized activations")
     return ids
 

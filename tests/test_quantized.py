@@ -321,6 +321,51 @@ def test_greedy_argmax_is_the_first_largest_of_the_kernels_float32_sums(packing,
             assert torch.equal(got, first_largest(out)), (width, inputs.dtype)
 
 
+@needs_amx
+@pytest.mark.parametrize("packing", ["q8", "q4m"])
+@pytest.mark.parametrize("out_features,in_features", [(1000, 64), (3000, 576)])
+@pytest.mark.parametrize("rows", [16, 37])
+def test_greedy_argmax_on_the_tiles_picks_from_the_tiles_sums(packing, out_features, in_features, rows):
+    """From amx_min_rows rows, where quant_linear's sums come from the tiles, quant_linear_argmax
+    picks from those sums (the first of equal largest ones, the first NaN), one range of
+    features or the threads' merged, in one chunk a thread (1000 x 64) or several (3000 x 576,
+    3000 not whole chunks); below the row count, from the vectors' sums as before."""
+    n, k = out_features, in_features
+    weight = example_weights(n, k, seed=rows + n)[packing]
+    bits, has_min = Q.QUANT_PACKINGS[packing]
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, k, generator=gen).expand(rows, k).bfloat16()
+    top = int(cpu_kernels.quant_linear(x, Q.pack(weight), None, n, bits, has_min, out_f32=True,
+                                       amx_min_rows=1)[0].argmax())
+    for col in (n - 1, n // 3, n // 2):  # the largest output's feature again, 4 times larger
+        weight.values[col], weight.scales[col] = weight.values[top], weight.scales[top] * 4
+        if weight.mins is not None:
+            weight.mins[col] = weight.mins[top] * 4
+    packed = Q.pack(weight)
+    out = cpu_kernels.quant_linear(x, packed, None, n, bits, has_min, out_f32=True, amx_min_rows=1)
+    assert (out[:, n // 3] == out[:, n - 1]).all() and (out[:, n // 3] == out.max(dim=1).values).all()
+    threads = torch.get_num_threads()
+    try:
+        for count in {1, threads}:
+            torch.set_num_threads(count)
+            got = cpu_kernels.quant_linear_argmax(x, packed, None, n, bits, has_min, amx_min_rows=1)
+            assert got.tolist() == [n // 3] * rows, count
+    finally:
+        torch.set_num_threads(threads)
+    broken = Q.GroupQuantized(weight.values, weight.scales.clone(), weight.mins, weight.bits)
+    broken.scales[[n - 2, 5]] = float("nan")
+    got = cpu_kernels.quant_linear_argmax(x, Q.pack(broken), None, n, bits, has_min, amx_min_rows=1)
+    assert got.tolist() == [5] * rows
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    tiles = cpu_kernels.quant_linear(x, packed, None, n, bits, has_min, out_f32=True, amx_min_rows=rows)
+    vectors = cpu_kernels.quant_linear(x, packed, None, n, bits, has_min, out_f32=True)
+    assert not torch.equal(tiles, vectors)
+    assert torch.equal(cpu_kernels.quant_linear_argmax(x, packed, None, n, bits, has_min, amx_min_rows=rows),
+                       first_largest(tiles))
+    assert torch.equal(cpu_kernels.quant_linear_argmax(x, packed, None, n, bits, has_min, amx_min_rows=rows + 1),
+                       first_largest(vectors))
+
+
 @needs_kernels
 def quant_kernel_for(march: str, directory: Path):
     """csrc/quant_linear.c alone, built for ``march`` (a few seconds, where the whole library
@@ -333,8 +378,8 @@ def quant_kernel_for(march: str, directory: Path):
                     str(cpu_kernels._CSRC / "quant_linear.c"), "-lm"], check=True, capture_output=True, timeout=120)
     lib = ctypes.CDLL(str(target))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.quant_linear.argtypes = [p, i64, i64, i32, i64, p, i32, i32, i64, p, p, i64, i32]
-    lib.quant_linear_argmax.argtypes = [p, i64, i64, i32, i64, p, i32, i32, i64, p, p]
+    lib.quant_linear.argtypes = [p, i64, i64, i32, i64, p, i32, i32, i64, p, p, i64, i32, i64]
+    lib.quant_linear_argmax.argtypes = [p, i64, i64, i32, i64, p, i32, i32, i64, p, p, i64]
     for name in ("quant_linear_vnni", "quant_linear_vector"):
         getattr(lib, name).restype = i32
     return lib
@@ -359,7 +404,7 @@ def test_avx2_and_portable_paths_give_the_vnni_paths_results(tmp_path, march, ve
             for out_f32 in (True, False):
                 out = torch.empty(rows, 37, dtype=torch.float32 if out_f32 else torch.bfloat16)
                 assert lib.quant_linear(x.data_ptr(), rows, 128, 0, 128, packed.data_ptr(), bits, int(has_min), 37,
-                                        bias.data_ptr(), out.data_ptr(), 37, int(out_f32)) == 0
+                                        bias.data_ptr(), out.data_ptr(), 37, int(out_f32), 0) == 0
                 native = cpu_kernels.quant_linear(x, packed, bias, 37, bits, has_min, out_f32=out_f32)
                 scale = native.float().abs().max().item()
                 tolerance = 1e-4 * scale if out_f32 else 1e-2 * scale  # bfloat16 outputs: a rounding apart at most
@@ -367,7 +412,7 @@ def test_avx2_and_portable_paths_give_the_vnni_paths_results(tmp_path, march, ve
                 if out_f32:  # greedy's LM head on that path: the first largest of its own sums
                     ids = torch.empty(rows, dtype=torch.int64)
                     assert lib.quant_linear_argmax(x.data_ptr(), rows, 128, 0, 128, packed.data_ptr(), bits,
-                                                   int(has_min), 37, bias.data_ptr(), ids.data_ptr()) == 0
+                                                   int(has_min), 37, bias.data_ptr(), ids.data_ptr(), 0) == 0
                     assert torch.equal(ids, first_largest(out)), (name, rows)
 
 

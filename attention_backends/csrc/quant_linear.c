@@ -87,6 +87,43 @@ static inline int64_t group_bytes(int bits, int has_min) {
 
 int64_t quant_group_bytes(int bits, int has_min) { return group_bytes(bits, has_min); }
 
+/* Greedy sampling's LM head (quant_linear_argmax): a row's float32 sums of features n0..n0+n-1
+ * taken into its range's best so far (*top at *where, -1 before any): the first of a new
+ * largest, or the range's first NaN, which stays (as torch's max picks it). */
+static inline void take_best(const float *row, int64_t n, int64_t n0, float *top, int64_t *where) {
+    if (*top != *top) return;
+    float most = -INFINITY;
+    int nan = 0;
+    for (int64_t j = 0; j < n; j++) {
+        most = row[j] > most ? row[j] : most;
+        nan |= row[j] != row[j];
+    }
+    if (nan || most > *top) {
+        int64_t j = 0;
+        while (nan ? row[j] == row[j] : row[j] != most) j++;
+        *top = row[j], *where = n0 + j;
+    }
+}
+
+/* Each row's pick from the bests of `ranges` contiguous ranges in order (best, at: [ranges][M]):
+ * an equal later best never wins, the first NaN does; every output -inf gives index 0. */
+static void pick_best(const float *best, const int64_t *at, int ranges, int64_t M, int64_t *ids) {
+    for (int64_t m = 0; m < M; m++) {
+        int64_t pick = -1;
+        float most = -INFINITY;
+        for (int t = 0; t < ranges; t++) {
+            const float value = best[t * M + m];
+            if (at[t * M + m] < 0) continue;
+            if (value != value) {
+                pick = at[t * M + m];
+                break;
+            }
+            if (pick < 0 || value > most) most = value, pick = at[t * M + m];
+        }
+        ids[m] = pick < 0 ? 0 : pick;
+    }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
@@ -560,10 +597,11 @@ static void dequantize_block(const uint8_t *w, int64_t b, int64_t K, int bits, i
  * group c holds gate features 32c.. then up features 32c..) and passes every row over the
  * chunk with packed_linear.c's tile loop. The weight's bytes are read once either way; the
  * dequantizing costs a few operations a weight, which the rows share. x is not quantized
- * here: the sums differ from the vectors' (int8 x) by rounding. Returns 0, or -1 if memory
- * ran out. */
+ * here: the sums differ from the vectors' (int8 x) by rounding. With `ids` (TILES_PLAIN_F32,
+ * y NULL), each chunk's float32 sums go to a scratch of the thread's and each row's index of
+ * its largest into ids (quant_linear_argmax). Returns 0, or -1 if memory ran out. */
 static int quant_linear_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
-                              int has_min, int64_t N, void *y, int64_t ldy, int epilogue) {
+                              int has_min, int64_t N, void *y, int64_t ldy, int epilogue, int64_t *ids) {
     const int silu = epilogue == TILES_SILU_MUL;
     const int64_t blocks = (N + QBLOCK - 1) / QBLOCK, units = (N + 2 * QBLOCK - 1) / (2 * QBLOCK);
     const int64_t unit_elements = (silu ? 4 : 2) * QBLOCK * K; /* bfloat16 weights a unit */
@@ -574,15 +612,24 @@ static int quant_linear_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t
     const int threads = omp_get_max_threads();
     const size_t chunk_elements = (size_t)(chunk * unit_elements);
     uint16_t *buffers = aligned_alloc(64, threads * chunk_elements * sizeof(uint16_t));
-    if ((M % 16 && !tail) || !buffers) {
-        free(tail), free(buffers);
+    const int64_t width = 2 * QBLOCK * chunk; /* features a chunk */
+    float *scratch = ids ? malloc((size_t)(threads * M * width) * sizeof(float)) : NULL;
+    float *best = ids ? malloc((size_t)(threads * M) * sizeof(float)) : NULL;
+    int64_t *at = ids ? malloc((size_t)(threads * M) * sizeof(int64_t)) : NULL;
+    if ((M % 16 && !tail) || !buffers || (ids && (!scratch || !best || !at))) {
+        free(tail), free(buffers), free(scratch), free(best), free(at);
         return -1;
     }
+    int used = threads;
 #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t end = units * (t + 1) / nt;
         uint16_t *buffer = buffers + t * chunk_elements;
+        float *sums = ids ? scratch + t * M * width : NULL, *top = ids ? best + t * M : NULL;
+        int64_t *where = ids ? at + t * M : NULL;
+        if (t == 0) used = (int)nt;
+        for (int64_t m = 0; ids && m < M; m++) top[m] = -INFINITY, where[m] = -1;
         configure_tiles();
         for (int64_t u = units * t / nt; u < end; u += chunk) {
             const int64_t count = end - u < chunk ? end - u : chunk, f0 = 2 * QBLOCK * u;
@@ -592,12 +639,19 @@ static int quant_linear_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t
                 if (silu || b < blocks)
                     dequantize_block(w, b, K, bits, has_min, buffer + i / 4 * (K * 64) + i % 4 * 2 * QBLOCK);
             }
-            amx_tile_rows(x, ldx, M, tail, buffer, K, (char *)y + f0 * (epilogue == TILES_PLAIN_F32 ? 4 : 2), ldy,
-                          N - f0 < 2 * QBLOCK * count ? N - f0 : 2 * QBLOCK * count, count, epilogue);
+            const int64_t n = N - f0 < 2 * QBLOCK * count ? N - f0 : 2 * QBLOCK * count;
+            if (ids) {
+                amx_tile_rows(x, ldx, M, tail, buffer, K, sums, width, n, count, TILES_PLAIN_F32);
+                for (int64_t m = 0; m < M; m++) take_best(sums + m * width, n, f0, &top[m], &where[m]);
+            } else {
+                amx_tile_rows(x, ldx, M, tail, buffer, K, (char *)y + f0 * (epilogue == TILES_PLAIN_F32 ? 4 : 2), ldy,
+                              n, count, epilogue);
+            }
         }
         _tile_release();
     }
-    free(tail), free(buffers);
+    if (ids) pick_best(best, at, used, M, ids);
+    free(tail), free(buffers), free(scratch), free(best), free(at);
     return 0;
 }
 #endif
@@ -611,7 +665,7 @@ int quant_silu_mul_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, c
                          int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows) {
 #ifdef QUANT_TILES
     if (amx_min_rows > 0 && M >= amx_min_rows && I % 32 == 0 && pagoda_amx_permitted())
-        return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, I, act, I, TILES_SILU_MUL) ? -1 : 1;
+        return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, I, act, I, TILES_SILU_MUL, NULL) ? -1 : 1;
 #else
     (void)x, (void)M, (void)ldx, (void)K, (void)w, (void)bits, (void)has_min, (void)I, (void)act, (void)amx_min_rows;
 #endif
@@ -626,7 +680,8 @@ int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, co
     const int64_t groups = K / QGROUP;
 #ifdef QUANT_TILES
     if (amx_min_rows > 0 && M >= amx_min_rows && !x_f32 && !bias && pagoda_amx_permitted())
-        return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, N, y, ldy, out_f32 ? TILES_PLAIN_F32 : TILES_PLAIN);
+        return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, N, y, ldy, out_f32 ? TILES_PLAIN_F32 : TILES_PLAIN,
+                                  NULL);
 #else
     (void)amx_min_rows;
 #endif
@@ -657,11 +712,19 @@ int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, co
  * outputs never written out. Each thread takes its contiguous range of blocks four at a time
  * (64 features, the tiles' widest) into a scratch of M x 64 float32 sums, the same sums as
  * quant_linear's with out_f32, and keeps its range's best per row; the ranges, in order, then
- * give each row the first of the largest, or its first NaN (as torch's max). Returns 0, or -1
- * if memory ran out. */
+ * give each row the first of the largest, or its first NaN (as torch's max). From amx_min_rows
+ * rows (0: never), where quant_linear runs on the tiles, so does this (quant_linear_tiles with
+ * ids). Returns 0, or -1 if memory ran out. */
 #define ARGMAX_BLOCKS 4
 int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
-                        int has_min, int64_t N, const float *bias, int64_t *ids) {
+                        int has_min, int64_t N, const float *bias, int64_t *ids, int64_t amx_min_rows) {
+#ifdef QUANT_TILES
+    /* as quant_linear takes the tiles, so that the pick is the largest of its sums */
+    if (amx_min_rows > 0 && M >= amx_min_rows && !x_f32 && !bias && pagoda_amx_permitted())
+        return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, N, NULL, 0, TILES_PLAIN_F32, ids);
+#else
+    (void)amx_min_rows;
+#endif
     const int64_t groups = K / QGROUP, blocks = (N + QBLOCK - 1) / QBLOCK, width = ARGMAX_BLOCKS * QBLOCK;
     const int64_t block_bytes = groups * group_bytes(bits, has_min), esize = x_f32 ? 4 : 2;
     const int threads = omp_get_max_threads();
@@ -691,37 +754,10 @@ int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_
             const int64_t n = N - n0 < count * QBLOCK ? N - n0 : count * QBLOCK;
             quant_blocks(xq, xs, xsum, M, K, w + nb * block_bytes, bits, has_min, bias ? bias + n0 : NULL, sums,
                          width, N - n0, 1, 0, count);
-            for (int64_t m = 0; m < M; m++) {
-                if (top[m] != top[m]) continue; /* this range's first NaN is the row's pick here */
-                const float *row = sums + m * width;
-                float most = -INFINITY;
-                int nan = 0;
-                for (int64_t j = 0; j < n; j++) {
-                    most = row[j] > most ? row[j] : most;
-                    nan |= row[j] != row[j];
-                }
-                if (nan || most > top[m]) { /* a new best (a NaN beats all, as in torch's max): its first place */
-                    int64_t j = 0;
-                    while (nan ? row[j] == row[j] : row[j] != most) j++;
-                    top[m] = row[j], where[m] = n0 + j;
-                }
-            }
+            for (int64_t m = 0; m < M; m++) take_best(sums + m * width, n, n0, &top[m], &where[m]);
         }
     }
-    for (int64_t m = 0; m < M; m++) {
-        int64_t pick = -1;
-        float most = -INFINITY;
-        for (int t = 0; t < used; t++) { /* ranges in order: an equal later best never wins */
-            const float value = best[t * M + m];
-            if (at[t * M + m] < 0) continue;
-            if (value != value) { /* the first NaN wins */
-                pick = at[t * M + m];
-                break;
-            }
-            if (pick < 0 || value > most) most = value, pick = at[t * M + m];
-        }
-        ids[m] = pick < 0 ? 0 : pick; /* every output -inf: the first, as torch's max */
-    }
+    pick_best(best, at, used, M, ids);
     free(xq), free(xs), free(xsum), free(scratch), free(best), free(at);
     return 0;
 }

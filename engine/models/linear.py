@@ -198,12 +198,14 @@ def logits_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def greedy_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packing: str,
-                  out_features: int) -> torch.Tensor | None:
+                  out_features: int, amx_min_rows: int = 0) -> torch.Tensor | None:
     """Each row's greedy token from an LM head's product without writing its logits: the index
-    of the largest of logits_linear's float32 sums (the first on ties), where the quantized
-    kernel runs the head; None for other packings (the caller takes the logits then)."""
+    of the largest of logits_linear's float32 sums with the same ``amx_min_rows`` (the first on
+    ties), where the quantized kernel runs the head; None for other packings (the caller takes
+    the logits then)."""
     if packing in QUANT_PACKINGS:
-        return cpu_kernels.quant_linear_argmax(x, weight, bias, out_features, *QUANT_PACKINGS[packing])
+        return cpu_kernels.quant_linear_argmax(x, weight, bias, out_features, *QUANT_PACKINGS[packing],
+                                               amx_min_rows=amx_min_rows)
     return None
 
 
@@ -261,6 +263,13 @@ def quant_amx_min_rows(weight: torch.Tensor, packing: str, out_features: int, in
     key = f"{out_features}x{in_features}+{packing}" + ("+silu_mul" if fused_silu_mul else "")
     return _calibrated(key, in_features, QUANT_CALIBRATION_ROWS, product)
 
+
+def quant_tile_rows(weight: torch.Tensor, packing: str, out_features: int, in_features: int,
+                    fused_silu_mul: bool = False) -> int:
+    """quant_amx_min_rows, or the count $PAGODA_QUANT_TILES_MIN_ROWS gives instead (0: never)."""
+    if os.environ.get(QUANT_TILES_ENV):
+        return int(os.environ[QUANT_TILES_ENV])
+    return quant_amx_min_rows(weight, packing, out_features, in_features, fused_silu_mul)
 
 
 def _calibrated(key: str, k: int, candidates: tuple[int, ...], product) -> int:
@@ -338,11 +347,8 @@ class Linear(nn.Linear):
         (from the measured quant_amx_min_rows; not with a bias, which that path lacks)."""
         if self.packing not in QUANT_PACKINGS or self.bias is not None:
             return
-        if os.environ.get(QUANT_TILES_ENV):
-            self.amx_min_rows = int(os.environ[QUANT_TILES_ENV])
-            return
-        self.amx_min_rows = quant_amx_min_rows(self.weight, self.packing, self.out_features, self.in_features,
-                                               fused_silu_mul=isinstance(self, GateUpLinear))
+        self.amx_min_rows = quant_tile_rows(self.weight, self.packing, self.out_features, self.in_features,
+                                            fused_silu_mul=isinstance(self, GateUpLinear))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packing is not None:
@@ -358,7 +364,7 @@ class Linear(nn.Linear):
     def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """The LM head's greedy token per row without its logits (see greedy_linear), or None."""
         return None if self.packing is None else greedy_linear(x, self.weight, self.bias, self.packing,
-                                                               self.out_features)
+                                                               self.out_features, self.amx_min_rows)
 
 
 class GateUpLinear(Linear):

@@ -37,8 +37,8 @@ from pagoda.engine.tensor_parallel import even_split, head_share
 from pagoda.engine.worker.distributed import TensorParallelGroup
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.models import one_token_decode
-from pagoda.engine.models.linear import (BLOCKED_LAYOUT, GateUpLinear, Linear, amx_min_rows, greedy_linear,
-                                          logits_linear, pack_weight)
+from pagoda.engine.models.linear import (BLOCKED_LAYOUT, QUANT_PACKINGS, GateUpLinear, Linear, amx_min_rows,
+                                          greedy_linear, logits_linear, pack_weight, quant_tile_rows)
 from pagoda.engine.models.precompiled import PrecompiledRegion
 from pagoda.engine.models.quantized import GroupQuantized
 from pagoda.engine.models.quantized import pack as pack_quantized
@@ -319,8 +319,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, packing: str, batch_invariant: bool = False) -> None:
         """Repacks every linear weight (and a tied LM head) for ``packing``, but those
         already quantized (quantize_weights); see engine/models/linear.py (Linear.pack).
-        With "amx", the quantized ones without bias get the row count from which their
-        products run on the tiles (Linear.tile_quantized)."""
+        With "amx", the quantized ones without bias (a tied LM head too) get the row count from
+        which their products run on the tiles (Linear.tile_quantized)."""
         self._one_token = None  # it holds the weights' addresses
         if (self.lm_head is not None and self.lm_head.packing is None and not self.tp.is_parallel
                 and packing not in BLOCKED_LAYOUT):
@@ -331,6 +331,11 @@ class LlamaForCausalLM(nn.Module):
                 module.pack(packing, batch_invariant)
             elif isinstance(module, Linear) and packing == "amx" and not batch_invariant:
                 module.tile_quantized()
+        if (self._packed_lm_head is not None and self._packed_lm_head[1] in QUANT_PACKINGS and packing == "amx"
+                and not batch_invariant):
+            weight, quantized, _ = self._packed_lm_head  # a tied head quantize_weights packed
+            self._packed_lm_head = (weight, quantized, quant_tile_rows(
+                weight, quantized, self.embed_tokens.num_embeddings, self.embed_tokens.embedding_dim))
         if self.lm_head is None and self._packed_lm_head is None:
             weight = pack_weight(self.embed_tokens.weight, packing)
             rows = 0
@@ -400,8 +405,8 @@ class LlamaForCausalLM(nn.Module):
         if self.tp.is_parallel:
             return None
         if self._packed_lm_head is not None:
-            weight, packing, _ = self._packed_lm_head
-            return greedy_linear(hidden, weight, None, packing, self.embed_tokens.num_embeddings)
+            weight, packing, rows = self._packed_lm_head
+            return greedy_linear(hidden, weight, None, packing, self.embed_tokens.num_embeddings, rows)
         return None if self.lm_head is None else self.lm_head.greedy_tokens(hidden)
 
     def _unpacked_lm_head_weight(self) -> torch.Tensor:
