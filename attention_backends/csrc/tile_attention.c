@@ -310,10 +310,14 @@ static void pack_values(uint16_t *dst, const uint16_t *value_cache, const int32_
 /* Query rows t * G + g (tokens first..first+tokens-1) of KV head h as [padded_rows][D], zero padded. */
 static void pack_queries(uint16_t *dst, const uint16_t *query, int64_t first, int64_t tokens, int64_t padded_rows,
                          int64_t num_heads, int64_t G, int64_t h, int64_t D) {
-    for (int64_t r = 0; r < padded_rows; r++) {
-        if (r < tokens * G) memcpy(dst + r * D, query + ((first + r / G) * num_heads + h * G + r % G) * D, D * 2);
-        else memset(dst + r * D, 0, D * 2);
+    /* a token's G rows lie side by side in the query: G x D elements copied in 32s (D is 64 or
+     * 128), inline (a memcpy call a row was 2% of a prefill step) */
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *src = query + ((first + t) * num_heads + h * G) * D;
+        for (int64_t e = 0; e < G * D; e += 32)
+            _mm512_storeu_si512(dst + t * G * D + e, _mm512_loadu_si512(src + e));
     }
+    memset(dst + tokens * G * D, 0, (padded_rows - tokens * G) * D * 2);
 }
 
 /* A row's result into out (bfloat16): acc / l, or with own_out/own_lse, merged with the row's
