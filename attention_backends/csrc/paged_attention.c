@@ -539,8 +539,10 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
             if (rows <= 4) {
                 for (int64_t d = 0; d < head_dim; d += 4) {
                     if (values) { /* the 128 bytes of dimensions d..d+3 */
-                        if (next_keys) _mm_prefetch(next_keys + 32 * d, _MM_HINT_T1), _mm_prefetch(next_keys + 32 * d + 64, _MM_HINT_T1);
-                        _mm_prefetch(values + 32 * d, _MM_HINT_T1), _mm_prefetch(values + 32 * d + 64, _MM_HINT_T1);
+                        for (int64_t line = 32 * d; next_keys && line < 32 * d + 128; line += 64)
+                            _mm_prefetch(next_keys + line, _MM_HINT_T1);
+                        _mm_prefetch(values + 32 * d, _MM_HINT_T1);
+                        _mm_prefetch(values + 32 * d + 64, _MM_HINT_T1);
                     }
                     const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
                     const __m512bh k1 = (__m512bh)pair_rows(k + (d + 2) * bs, k + (d + 3) * bs, interleave);
@@ -568,7 +570,8 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
         for (int64_t start = pstart; start < pend; start += 16) {
             const int64_t n = len - start < 16 ? len - start : 16;
             const uint16_t *v = value_cache + chunk_base(table, start, bs, block_stride, kh, head_dim) + start % bs * head_dim;
-            if (start + 16 < len && bs != 16) /* with 16-token blocks, the keys pass prefetched every value */
+            /* (with 16-token blocks, the keys pass prefetched every value) */
+            if (start + 16 < len && bs != 16)
                 prefetch_values16((const char *)value_cache, table, start + 16, bs, block_stride, kh, head_dim,
                                   sizeof(uint16_t));
             float p[FAST_MAX_ROWS][16];
