@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (_CSRC / "paged_attention.c", _CSRC / "packed_linear.c", _CSRC / "tile_attention.c",
-           _CSRC / "quant_linear.c", _CSRC / "one_token_decode.c")
+           _CSRC / "quant_linear.c", _CSRC / "one_call_forward.c")
 HEADERS = (_CSRC / "vector_exp.h", _CSRC / "amx_tiles.h")
 DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
 # NOTE: never -ffast-math: linking with it turns on flush-to-zero for the whole process
@@ -157,11 +157,11 @@ def load() -> ctypes.CDLL:
     lib.quant_linear_argmax.argtypes = [pointer, i64, i64, ctypes.c_int, i64, pointer, ctypes.c_int, ctypes.c_int,
                                         i64, pointer, pointer, i64]
     lib.quant_linear_argmax.restype = ctypes.c_int
-    lib.one_token_decode.argtypes = [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, pointer,
+    lib.one_call_forward.argtypes = [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, pointer,
                                      pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, i64, i64,
                                      ctypes.c_float, ctypes.c_float, pointer, i64, pointer,
-                                     ctypes.c_int, pointer]
-    lib.one_token_decode.restype = ctypes.c_int
+                                     ctypes.c_int, i64, pointer, pointer, i64, pointer]
+    lib.one_call_forward.restype = ctypes.c_int
     lib.quant_group_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.quant_group_bytes.restype = i64
     for name in ("packed_linear_available", "amx_probe", "quant_linear_vnni", "quant_linear_vector",
@@ -173,15 +173,15 @@ def load() -> ctypes.CDLL:
     lib.quant_silu_mul_linear.restype = ctypes.c_int
     lib.silu_mul_bf16.argtypes = [pointer, i64, i64, pointer]
     lib.silu_mul_bf16.restype = None
-    lib.one_token_decode_set_exp16.argtypes = [pointer]
-    lib.one_token_decode_set_exp16.restype = ctypes.c_int
-    lib.one_token_decode_set_exp16(_torch_exp16())
+    lib.one_call_forward_set_exp16.argtypes = [pointer]
+    lib.one_call_forward_set_exp16.restype = ctypes.c_int
+    lib.one_call_forward_set_exp16(_torch_exp16())
     return lib
 
 
 def _torch_exp16() -> int | None:
     """The address of the sixteen-lane exp torch's own vector kernels call on this CPU (SLEEF's,
-    in libtorch_cpu), for csrc/one_token_decode.c's SiLU; None where torch's kernels are not the
+    in libtorch_cpu), for csrc/one_call_forward.c's SiLU; None where torch's kernels are not the
     AVX-512 ones or the symbol is not there."""
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return None
@@ -590,7 +590,7 @@ def quant_linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up, rounded to bfloat16 once, from a bfloat16 [rows, 2 * intermediate] gate/up
-    product, as csrc/one_token_decode.c computes it."""
+    product, as csrc/one_call_forward.c computes it."""
     assert gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0
     gate_up = gate_up.contiguous()
     rows, intermediate = gate_up.shape[0], gate_up.shape[1] // 2

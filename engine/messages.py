@@ -209,7 +209,7 @@ class WorkerReady:
     compile_seconds: float = 0.0
     compiled: str = ""  # the compiled regions loaded from disk and compiled, for the start-up line
     weights: str = ""  # their format and resident size, for the start-up line
-    one_token_decode: bool = False  # decode steps run in one call (engine/models/one_token_decode.py)
+    one_call_forward: bool = False  # decode steps run in one call (engine/models/one_call_forward.py)
 
 
 @dataclass(slots=True)

@@ -60,7 +60,7 @@ def attention_shape(model_config, dtype: torch.dtype) -> AttentionShape:
 def resolve_dtype(dtype: str, device: torch.device, quantized_weights: bool = False) -> torch.dtype:
     """"auto" is bfloat16 on CUDA, on CPUs with native bf16, and where the linear weights run
     through Pagoda's quantized kernel (``quantized_weights``: it takes bf16 activations on any
-    x86 CPU, and the one-call decode step runs in bf16 only); float32 elsewhere, where dense
+    x86 CPU, and the one-call forward step runs in bf16 only); float32 elsewhere, where dense
     bf16 products would take torch's slow fallback."""
     if dtype == "auto":
         if device.type == "cuda" or cpu_has_fast_bf16() or (device.type == "cpu" and quantized_weights):

@@ -116,8 +116,8 @@ def test_bfloat16_generation_with_the_kernel_matches_unpacked_weights(tiny_qwen2
     # greedy tokens are not decided by rounding differences between the two products. Decode
     # steps layer by layer for every packing: in one call (the kernel's packings) RoPE rounds
     # once, as compiled code does, where eager bfloat16 rounds each op, and on this model that
-    # alone moves tokens (tests/test_one_token_decode.py checks the one call bit for bit).
-    monkeypatch.setenv("PAGODA_ONE_TOKEN_DECODE", "0")
+    # alone moves tokens (tests/test_one_call_forward.py checks the one call bit for bit).
+    monkeypatch.setenv("PAGODA_ONE_CALL_FORWARD", "0")
     prompts = [[3, 17, 99, 5, 42, 8], [7, 7, 300, 12]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = {}

@@ -453,7 +453,7 @@ def test_auto_dtype_is_bfloat16_where_the_quantized_kernel_runs_the_weights(tiny
     dense = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32  # float32 on AVX2-only CPUs
     assert resolve_model_dtype("auto", "auto", tiny_llama_dir, cpu) == dense
     assert resolve_model_dtype("auto", "none", resolve_model(None), cpu) == dense
-    # NOTE: on AVX2-only CPUs too: the kernel takes bf16 activations, the one-call decode step is bf16 only
+    # NOTE: on AVX2-only CPUs too: the kernel takes bf16 activations, the one-call forward step is bf16 only
     quantized = plan_quantization("auto", resolve_model(None), cpu) is not None
     assert resolve_model_dtype("auto", "auto", resolve_model(None), cpu) == (torch.bfloat16 if quantized else dense)
     if cpu_kernels.quant_linear_vector():

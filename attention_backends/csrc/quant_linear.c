@@ -660,7 +660,7 @@ static int quant_linear_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t
  * features, then up's), rounded to bfloat16, on AMX tiles with the activation in the product's
  * epilogue (as packed_linear.c's), where they take it: from amx_min_rows rows (0: never), I a
  * multiple of 32. Returns 1 if done, 0 if not taken (the caller then runs quant_linear and
- * the activation: one_token_decode.c's quant_silu_mul_linear), -1 if memory ran out. */
+ * the activation: one_call_forward.c's quant_silu_mul_linear), -1 if memory ran out. */
 int quant_silu_mul_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
                          int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows) {
 #ifdef QUANT_TILES

@@ -159,7 +159,7 @@ class AsyncEngine:
         return (f"{model.architecture} ({model.num_hidden_layers} layers) on {ready.device} in {ready.dtype} "
                 f"({ready.weights}), "
                 f"attention backend {ready.attention_backend}"
-                f"{', one-token steps in one call' if ready.one_token_decode else ''}, "
+                f"{', steps in one call' if ready.one_call_forward else ''}, "
                 f"KV cache {self.kv_cache_size.num_tokens} tokens"
                 f"{'' if self.config.kv_cache_dtype == 'auto' else ' in ' + self.config.kv_cache_dtype}, "
                 f"max_model_len {self.max_model_len}, scheduling policy {self.config.scheduling_policy}, "

@@ -36,7 +36,7 @@ from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata
 from pagoda.engine.tensor_parallel import even_split, head_share
 from pagoda.engine.worker.distributed import TensorParallelGroup
 from pagoda.engine.model_config import ModelConfig
-from pagoda.engine.models import one_token_decode
+from pagoda.engine.models import one_call_forward
 from pagoda.engine.models.linear import (BLOCKED_LAYOUT, QUANT_PACKINGS, GateUpLinear, Linear, amx_min_rows,
                                           greedy_linear, logits_linear, pack_weight, quant_tile_rows)
 from pagoda.engine.models.precompiled import PrecompiledRegion
@@ -260,8 +260,8 @@ class LlamaForCausalLM(nn.Module):
         # An untied LM head's weight as loaded, once the head is packed (break_bfloat16_ties).
         self._unpacked_lm_head: torch.Tensor | None = None
         # The one-call path of one-token steps over the KV caches it was built for
-        # (prepare_one_token_decode; None: not for this model).
-        self._one_token: one_token_decode.OneTokenDecode | None = None
+        # (prepare_one_call_forward; None: not for this model).
+        self._one_call: one_call_forward.OneCallForward | None = None
 
     def compile_regions(self, directory: Path | None = None) -> None:
         """Compiles the three regions with torch.compile (inductor, dynamic shapes), ahead of
@@ -296,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.tp.is_parallel:
             raise ValueError("quantized weights do not run under tensor parallelism yet; pass --quantization none")
-        self._one_token = None  # it holds the weights' addresses
+        self._one_call = None  # it holds the weights' addresses
         fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
         packings = []
         for name, module in self.named_modules():
@@ -321,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         already quantized (quantize_weights); see engine/models/linear.py (Linear.pack).
         With "amx", the quantized ones without bias (a tied LM head too) get the row count from
         which their products run on the tiles (Linear.tile_quantized)."""
-        self._one_token = None  # it holds the weights' addresses
+        self._one_call = None  # it holds the weights' addresses
         if (self.lm_head is not None and self.lm_head.packing is None and not self.tp.is_parallel
                 and packing not in BLOCKED_LAYOUT):
             # NOTE: kept for break_bfloat16_ties (Pagoda's kernel gives float32 logits instead).
@@ -350,9 +350,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        one_token = self._one_token
-        if one_token is not None and kv_caches is one_token.kv_caches and one_token.applies(input_ids, metadata):
-            return one_token(input_ids, positions, metadata)
+        one_call = self._one_call
+        if one_call is not None and kv_caches is one_call.kv_caches and one_call.applies(metadata):
+            return one_call(input_ids, positions, metadata)
         first, between, last = self._regions
         cos, sin = self.rotary.cos_sin(positions, self.embed_tokens.weight.dtype)
         layers = self.layers
@@ -363,15 +363,15 @@ class LlamaForCausalLM(nn.Module):
                 q, k, v, residual = between(layer, layers[i + 1], attn, residual, cos, sin)
         return last(layers[-1], self.norm, attn, residual)
 
-    def prepare_one_token_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Has decode steps (one token a sequence) over ``kv_caches`` run in one call where the
-        model allows (engine/models/one_token_decode.py); returns whether they will. Call it
-        again after the weights change (loading, packing and quantizing undo it)."""
-        reason = one_token_decode.unsupported_reason(self, kv_caches)
+    def prepare_one_call_forward(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Has steps over ``kv_caches`` run in one call where the model allows
+        (engine/models/one_call_forward.py); returns whether they will. Call it again after the
+        weights change (loading, packing and quantizing undo it)."""
+        reason = one_call_forward.unsupported_reason(self, kv_caches)
         if reason is not None:
-            logger.debug("one-token steps run layer by layer: %s", reason)
-        self._one_token = None if reason is not None else one_token_decode.OneTokenDecode(self, kv_caches)
-        return self._one_token is not None
+            logger.debug("steps run layer by layer: %s", reason)
+        self._one_call = None if reason is not None else one_call_forward.OneCallForward(self, kv_caches)
+        return self._one_call is not None
 
     def compute_logits(self, hidden: torch.Tensor, greedy_rows: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, vocab] logits, gathered from every tensor-parallel rank's share of the
@@ -445,7 +445,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: A tensor is missing, unexpected or of the wrong shape.
         """
-        self._one_token = None  # it holds the weights' addresses
+        self._one_call = None  # it holds the weights' addresses
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()

@@ -83,10 +83,10 @@ class ModelRunner:
             self.draft_kv_caches, self.draft_cpu_caches = self._allocate_caches(self.draft_backend,
                                                                                 init.draft_model_config, init)
             self.kv_cache_bytes += sum(k.nbytes + v.nbytes for k, v in self.draft_kv_caches)
-        # Decode steps (one token a sequence) in one call where the model allows.
-        self.one_token_decode = self.model.prepare_one_token_decode(self.kv_caches)
+        # Whole steps in one C call where the model allows (engine/models/one_call_forward.py).
+        self.one_call_forward = self.model.prepare_one_call_forward(self.kv_caches)
         if self.draft is not None:
-            self.draft.prepare_one_token_decode(self.draft_kv_caches)
+            self.draft.prepare_one_call_forward(self.draft_kv_caches)
         # NOTE: the engine's seed drives unseeded sampling, so a run is reproducible as a whole.
         self.sampler = Sampler(config.seed)
         self.batch = InputBatch(config.max_num_seqs, init.max_model_len, self.block_size, model_config.vocab_size,
@@ -200,8 +200,8 @@ class ModelRunner:
         on block 0, so compilation happens at start-up.
 
         Both shapes are compiled: torch.compile treats a batch of one token apart. (Where
-        decode steps run in one call, the decode takes that path, and no step needs the
-        one-token variant.)
+        steps run in one call, both take that path and nothing is compiled: the compiled
+        regions then serve only a step the call leaves, compiled at its first.)
         """
         with torch.inference_mode():
             prefill = max(2, min(WARM_UP_PREFILL_TOKENS, self.batch.token_ids.shape[1] - 2))

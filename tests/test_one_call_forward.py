@@ -1,4 +1,4 @@
-"""Decode steps in one call (engine/models/one_token_decode.py): each step's hidden states and
+"""Decode steps in one call (engine/models/one_call_forward.py): each step's hidden states and
 KV writes those of the layer-by-layer path bit for bit, tokens within rounding of
 transformers, and the path not taken where it does not apply."""
 
@@ -18,7 +18,7 @@ from pagoda.engine.model_loader import load_weights
 from pagoda.engine.models import llama
 from pagoda.engine.models.linear import BLOCKED_LAYOUT, GateUpLinear, Linear, choose_packing, packing_available
 from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
-from pagoda.engine.models.one_token_decode import ENV
+from pagoda.engine.models.one_call_forward import ENV
 from pagoda.engine.models.quantized import quantize_int8
 from conftest import TINY_INIT
 from helpers import compress, hf_dequantized, make_tiny_model_dir
@@ -95,24 +95,26 @@ def silu_exp(request):
         pytest.skip("no C compiler for the CPU kernels")
     lib = cpu_kernels.load()
     if request.param == "expf":
-        lib.one_token_decode_set_exp16(None)
-    elif request.param == "torch's" and not (cpu_kernels._torch_exp16() and lib.one_token_decode_set_exp16(
+        lib.one_call_forward_set_exp16(None)
+    elif request.param == "torch's" and not (cpu_kernels._torch_exp16() and lib.one_call_forward_set_exp16(
             cpu_kernels._torch_exp16())):
         pytest.skip("torch's kernels or this build of the library are not AVX-512 ones")
     yield request.param
-    lib.one_token_decode_set_exp16(cpu_kernels._torch_exp16())
+    lib.one_call_forward_set_exp16(cpu_kernels._torch_exp16())
 
 
 @pytest.mark.parametrize("silu_exp", ["torch's", "expf"], indirect=True)
 def test_silu_mul_gives_torchs_result(silu_exp):
     """The one call's SiLU-mul over a million values of magnitudes from 0.001 to 400 and the
-    edges (zeros, infinities, NaN, where exp underflows and overflows), rows of a length that
+    edges (zeros, infinities, NaN, where exp underflows and overflows, subnormal products: the
+    AVX512-BF16 conversion takes those for zeros), rows of a length that
     is not a multiple of 16: with torch's exp, what torch's vectorized SiLU gives (F.silu in
     float32 over whole rows, times up, rounded to bfloat16 once) bit for bit; with expf, within
     one bfloat16 rounding of it."""
     generator = torch.Generator().manual_seed(0)
     gate = torch.randn(512, 2050, generator=generator) * torch.logspace(-3, 2, 2050)
     gate[0, :8] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, -88.0, 88.0, -104.0])
+    gate[1] = torch.rand(2050, generator=generator) * 4e-38  # products below float32's smallest normal
     gate, up = gate.bfloat16(), torch.randn(512, 2050, generator=generator).bfloat16()
     act = cpu_kernels.silu_mul(torch.cat([gate, up], dim=1))
     # NOTE: row by row, 2048 elements of each through torch's vector loop (its tail elements take
@@ -127,51 +129,122 @@ def test_silu_mul_gives_torchs_result(silu_exp):
                          indirect=["silu_exp"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: q/k/v with a bias
 @torch.inference_mode()
-def test_each_step_equals_the_layer_by_layer_path(request, architecture, weights, rounded_once, silu_exp):
+def test_each_step_equals_the_layer_by_layer_path(request, monkeypatch, architecture, weights, rounded_once,
+                                                  silu_exp):
     """Ten sequences (prompts of 1 to 20 tokens, blocks scattered over the cache) prefilled,
     then 24 decode steps across block boundaries, every sequence in the even ones, the first
-    alone in the odd ones; each decode computed both ways from the same cache: the final
+    alone in the odd ones, and one step that also prefills an eleventh sequence's 30 tokens;
+    each step computed both ways from the same cache (prefill chunks of 8 tokens or more on the
+    attention tiles where this CPU has them, shorter ones by the paged kernel): the final
     hidden states and the keys and values written equal bit for bit (SiLU's exp either way)."""
+    from pagoda.attention_backends import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", 8)
     model = tiny_model(request.getfixturevalue(f"tiny_{architecture}_dir"), weights)
     assert (model.layers[0].self_attn.qkv_proj.bias is not None) == (architecture == "qwen2")
     backend = model.layers[0].self_attn.backend
     key_shape, value_shape = backend.kv_cache_shapes(40, BLOCK_SIZE)
     caches = [(torch.zeros(key_shape, dtype=torch.bfloat16), torch.zeros(value_shape, dtype=torch.bfloat16))
               for _ in model.layers]
-    assert model.prepare_one_token_decode(caches)
+    assert model.prepare_one_call_forward(caches)
     calls = []
-    one_call_fn = model._one_token.fn
-    model._one_token.fn = lambda *args: calls.append(args[2]) or one_call_fn(*args)  # rows
+    one_call_fn = model._one_call.fn
+    model._one_call.fn = lambda *args: calls.append(args[2]) or one_call_fn(*args)  # rows
     generator = torch.Generator().manual_seed(0)
     order = torch.randperm(40, generator=generator).tolist()
     prompts = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (13, 1, 5, 20, 2, 9, 16, 17, 3, 8)]
     blocks = [order[3 * i:3 * i + 3] for i in range(len(prompts))]
-    metadata = step([(list(range(len(p))), b) for p, b in zip(prompts, blocks)])
-    backend.prepare(metadata)
-    hidden = model(torch.tensor([t for p in prompts for t in p]), torch.cat([torch.arange(len(p)) for p in prompts]),
-                   caches, metadata)
+    late_prompt, late_blocks = torch.randint(3, 4000, (30,), generator=generator).tolist(), order[30:32]
+
+    def both_ways(requests, ids, positions):
+        """The step's final hidden states by the one call, after checking them and the cache
+        it wrote against the layer-by-layer path's."""
+        metadata = step(requests)
+        backend.prepare(metadata)
+        ids, positions = torch.tensor(ids), torch.tensor(positions)
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        layered = model.forward(ids, positions, before, metadata)  # other caches: the layer-by-layer path
+        one_call = model(ids, positions, caches, metadata)
+        assert one_call.shape == layered.shape == (len(ids), model.config.hidden_size)
+        assert torch.equal(one_call, layered), requests
+        for (k, v), (k_ref, v_ref) in zip(caches, before):
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref), requests
+        return one_call, metadata
+
+    hidden, metadata = both_ways([(list(range(len(p))), b) for p, b in zip(prompts, blocks)],
+                                 [t for p in prompts for t in p], [i for p in prompts for i in range(len(p))])
+    if backend.tiles is not None:
+        assert metadata.backend_data.tile_requests.tolist() == [0, 3, 5, 6, 7, 9]
     tokens = model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1]).argmax(-1).tolist()
     lengths = [len(p) for p in prompts]
     for i in range(24):
         which = range(len(prompts)) if i % 2 == 0 else [0]
-        metadata = step([([lengths[r]], blocks[r]) for r in which])
-        backend.prepare(metadata)
-        ids, positions = torch.tensor([tokens[r] for r in which]), torch.tensor([lengths[r] for r in which])
-        before = [(k.clone(), v.clone()) for k, v in caches]
-        layered = model.forward(ids, positions, before, metadata)  # other caches: the layer-by-layer path
-        one_call = model(ids, positions, caches, metadata)
-        assert one_call.shape == layered.shape == (len(which), model.config.hidden_size)
-        assert torch.equal(one_call, layered), i
-        for (k, v), (k_ref, v_ref) in zip(caches, before):
-            assert torch.equal(k, k_ref) and torch.equal(v, v_ref), i
-        for r, token in zip(which, model.compute_logits(one_call).argmax(-1).tolist()):
+        requests = [([lengths[r]], blocks[r]) for r in which]
+        ids, positions = [tokens[r] for r in which], [lengths[r] for r in which]
+        if i == 6:  # a mixed step: the decodes and a prompt's first chunk
+            requests.append((list(range(30)), late_blocks))
+            ids, positions = ids + late_prompt, positions + list(range(30))
+        one_call, _ = both_ways(requests, ids, positions)
+        for r, token in zip(which, model.compute_logits(one_call[:len(which)]).argmax(-1).tolist()):
             tokens[r] = token
             lengths[r] += 1
-    assert calls == [10, 1] * 12  # every decode in one call, the prefill not
+    assert calls == [94, *[10, 1] * 3, 40, 1, *[10, 1] * 8]  # every step in one call
 
 
-@pytest.mark.parametrize("tiles", list(cpu_kernels.attention_tile_kinds() if cpu_kernels.available() else ())
-                         or [pytest.param(None, marks=pytest.mark.skip(reason="no attention tiles here"))])
+def head64_model(tmp_path, monkeypatch, tiles: str):
+    """A tiny bfloat16 model with head_dim 64 (the attention tiles' size) attending on ``tiles``,
+    its KV caches of 40 blocks, the one call prepared over them; its products in bfloat16 where
+    Pagoda's kernel takes them, else in int8."""
+    monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: tiles)
+    model_dir = make_tiny_model_dir(tmp_path, "llama", hidden_size=128, num_attention_heads=2,
+                                    num_key_value_heads=1, **TINY_INIT)
+    model = tiny_model(model_dir, "bf16" if choose_packing(torch.device("cpu"), torch.bfloat16) in BLOCKED_LAYOUT
+                       else "int8")
+    backend = model.layers[0].self_attn.backend
+    assert backend.tiles == tiles and backend.head_dim == 64
+    key_shape, value_shape = backend.kv_cache_shapes(40, BLOCK_SIZE)
+    caches = [(torch.zeros(key_shape, dtype=torch.bfloat16), torch.zeros(value_shape, dtype=torch.bfloat16))
+              for _ in model.layers]
+    assert model.prepare_one_call_forward(caches)
+    return model, backend, caches
+
+
+TILE_KINDS_HERE = list(cpu_kernels.attention_tile_kinds() if cpu_kernels.available() else ()) or [
+    pytest.param(None, marks=pytest.mark.skip(reason="no attention tiles here"))]
+
+
+@pytest.mark.parametrize("tiles", TILE_KINDS_HERE)
+@torch.inference_mode()
+def test_prefill_chunks_on_the_tiles_equal_the_layer_by_layer_path(tmp_path, monkeypatch, rounded_once, tiles):
+    """Prompts of 3 to 45 tokens (across block boundaries) prefilled in one step, those of 8
+    tokens or more on the attention tiles, the rest by the paged kernel; then a step of
+    second chunks (some on the tiles, over contexts already cached) beside one-token decodes:
+    in the one call as layer by layer, equal bit for bit, the cache's keys and values too."""
+    from pagoda.attention_backends import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", 8)
+    model, backend, caches = head64_model(tmp_path, monkeypatch, tiles)
+    generator = torch.Generator().manual_seed(5)
+    lengths = [45, 3, 17, 8, 7, 26]
+    blocks = [[5 * i + j for j in range(5)] for i in range(len(lengths))]
+    for chunks in ((45, 3, 17, 8, 7, 26), (1, 20, 1, 9, 2, 1)):
+        starts = [0] * len(lengths) if chunks[0] == 45 else lengths
+        requests = [(list(range(start, start + n)), b) for start, n, b in zip(starts, chunks, blocks)]
+        metadata = step(requests)
+        backend.prepare(metadata)
+        assert metadata.backend_data.tile_requests.tolist() == [i for i, n in enumerate(chunks) if n >= 8]
+        ids = torch.randint(3, 4000, (sum(chunks),), generator=generator)
+        positions = torch.tensor([p for positions, _ in requests for p in positions])
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        layered = model.forward(ids, positions, before, metadata)
+        one_call = model(ids, positions, caches, metadata)
+        assert torch.equal(one_call, layered), chunks
+        for (k, v), (k_ref, v_ref) in zip(caches, before):
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref), chunks
+        lengths = [start + n for start, n in zip(starts, chunks)]
+
+
+@pytest.mark.parametrize("tiles", TILE_KINDS_HERE)
 @torch.inference_mode()
 def test_a_cascade_step_equals_the_layer_by_layer_path(tmp_path, monkeypatch, rounded_once, tiles):
     """A tiny model with head_dim 64 (the tiles' size), six sequences whose tables start with
@@ -181,21 +254,12 @@ def test_a_cascade_step_equals_the_layer_by_layer_path(tmp_path, monkeypatch, ro
     of the same step without the cascade."""
     from pagoda.attention_backends import cpu_paged
 
-    monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: tiles)
     monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 1)
     monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 1)
-    model_dir = make_tiny_model_dir(tmp_path, "llama", hidden_size=128, num_attention_heads=2,
-                                    num_key_value_heads=1, **TINY_INIT)
-    model = tiny_model(model_dir, "bf16")
-    backend = model.layers[0].self_attn.backend
-    assert backend.tiles == tiles and backend.head_dim == 64
-    key_shape, value_shape = backend.kv_cache_shapes(40, BLOCK_SIZE)
-    caches = [(torch.zeros(key_shape, dtype=torch.bfloat16), torch.zeros(value_shape, dtype=torch.bfloat16))
-              for _ in model.layers]
-    assert model.prepare_one_token_decode(caches)
+    model, backend, caches = head64_model(tmp_path, monkeypatch, tiles)
     calls = []
-    one_call_fn = model._one_token.fn
-    model._one_token.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)  # how many shared blocks
+    one_call_fn = model._one_call.fn
+    model._one_call.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)  # how many shared blocks
     generator = torch.Generator().manual_seed(3)
     prefix = torch.randint(3, 4000, (37,), generator=generator).tolist()
     tails = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (1, 4, 2, 9, 3, 6)]
@@ -208,30 +272,40 @@ def test_a_cascade_step_equals_the_layer_by_layer_path(tmp_path, monkeypatch, ro
         tokens = (prefix + tail)[start:]
         metadata = step([(list(range(start, 37 + len(tail))), blocks[i])])
         backend.prepare(metadata)
-        model(torch.tensor(tokens), torch.arange(start, 37 + len(tail)), caches, metadata)
+        ids, positions = torch.tensor(tokens), torch.arange(start, 37 + len(tail))
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        assert torch.equal(model(ids, positions, caches, metadata), model.forward(ids, positions, before, metadata))
         lengths.append(37 + len(tail))
+    calls.clear()
     tokens = [7] * len(tails)
     for i in range(8):
         which = range(len(tails)) if i % 2 == 0 else [0]
-        metadata = step([([lengths[r]], blocks[r]) for r in which])
+        # in step 4 two tokens a sequence (as a speculative step's): the cascade's rows not one a sequence
+        width = 2 if i == 4 else 1
+        requests = [(list(range(lengths[r], lengths[r] + width)), blocks[r]) for r in which]
+        metadata = step(requests)
         backend.prepare(metadata)
         assert metadata.backend_data.shared is not None and metadata.backend_data.shared.tokens == 32
-        ids, positions = torch.tensor([tokens[r] for r in which]), torch.tensor([lengths[r] for r in which])
+        ids = torch.tensor([tokens[r] if j == 0 else 11 for r in which for j in range(width)])
+        positions = torch.tensor([p for positions, _ in requests for p in positions])
         before = [(k.clone(), v.clone()) for k, v in caches]
         layered = model.forward(ids, positions, before, metadata)
         one_call = model(ids, positions, caches, metadata)
         assert torch.equal(one_call, layered), i
-        plain = step([([lengths[r]], blocks[r]) for r in which])
+        plain = step(requests)
         monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 0)  # never
         backend.prepare(plain)
         monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 1)
         assert plain.backend_data.shared is None
         without = model.forward(ids, positions, [(k.clone(), v.clone()) for k, v in before], plain)
-        torch.testing.assert_close(one_call.float(), without.float(), rtol=0.05, atol=0.05)
-        for r, token in zip(which, model.compute_logits(one_call).argmax(-1).tolist()):
+        # NOTE: the two orders round differently (the cascade's parts in bfloat16 before the merge)
+        # and a random two-layer model amplifies it: up to 0.125 apart on values up to 3.4 seen.
+        torch.testing.assert_close(one_call.float(), without.float(), rtol=0.05, atol=0.15,
+                                   msg=lambda m: f"step {i}: {m}")
+        for r, token in zip(which, model.compute_logits(one_call[width - 1::width]).argmax(-1).tolist()):
             tokens[r] = token
-            lengths[r] += 1
-    assert calls == [2] * 8  # every decode in one call, each with its two shared blocks
+            lengths[r] += width
+    assert calls == [2] * 8  # every step in one call, each with its two shared blocks
 
 
 @pytest.fixture(scope="module")
@@ -248,12 +322,12 @@ def test_the_engine_takes_it_alone_and_tracks_transformers(compressed_dir, monke
     params = SamplingParams(max_tokens=8, temperature=0)
     engine = dict(dtype="bfloat16", enforce_eager=True, max_model_len=64, num_kv_blocks=64, quantization="int8")
     with LLM(str(compressed_dir), **engine) as llm:
-        assert llm.engine.worker.ready.one_token_decode
-        assert "one-token steps in one call" in llm.engine.describe()
+        assert llm.engine.worker.ready.one_call_forward
+        assert "steps in one call" in llm.engine.describe()
         one_call = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in prompts]
     monkeypatch.setenv(ENV, "0")
     with LLM(str(compressed_dir), **engine) as llm:
-        assert not llm.engine.worker.ready.one_token_decode
+        assert not llm.engine.worker.ready.one_call_forward
         layered = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in prompts[:3]]
     assert [tokens[0] for tokens in one_call[:3]] == [tokens[0] for tokens in layered]
     hf = hf_dequantized(compressed_dir)
@@ -282,8 +356,8 @@ def test_not_taken_in_float32_with_onednn_products_or_batch_invariance(tiny_llam
                 continue
             monkeypatch.setenv("PAGODA_CPU_LINEAR", packing)
         with LLM(str(model), **small, **options) as llm:
-            assert not llm.engine.worker.ready.one_token_decode, options
-            assert "one-token steps in one call" not in llm.engine.describe()
+            assert not llm.engine.worker.ready.one_call_forward, options
+            assert "steps in one call" not in llm.engine.describe()
             output = llm.generate([[3, 3, 8]], SamplingParams(max_tokens=3, temperature=0))[0].outputs[0]
             assert len(output.token_ids) == 3
 

@@ -1,14 +1,16 @@
-"""Decode steps in one C call, for models whose linear layers run Pagoda's kernels.
+"""Whole steps in one C call, for models whose linear layers run Pagoda's kernels.
 
-When every sequence of a step decodes one token, each product of the model is small (with a
-single sequence, a few microseconds of work) and the compiled regions' glue around it (guards,
-wrappers, op dispatch from Python, OpenMP's threads waiting between products) costs as much
-or more: a Q8_0 decode step of the default model took about 15.7 ms, of which the products
-about 4.6. :class:`OneTokenDecode` runs such a step as attention_backends/csrc/one_token_decode.c:
-the same operations in the same order, the products, the KV write and the attention by the
-same kernels, the element-wise steps rounded once from float32 as the compiled code rounds
-them (tests/test_one_token_decode.py: bit for bit the eager path's so rounded). The compiled
-regions are not called.
+Run as compiled regions between the attention calls, a step pays glue around every product
+(the regions' guards and wrappers, op dispatch from Python, OpenMP's second thread spinning
+while the first runs that Python). In a decode step the products are small and the glue costs
+as much or more: a Q8_0 decode step of the default model took about 15.7 ms, of which the
+products about 4.6. In a 2048-token prefill step it was about a tenth of the step (Intel Xeon
+with AMX, 2026-12-04). :class:`OneCallForward` runs any step, decodes, prefill chunks or both,
+as attention_backends/csrc/one_call_forward.c: the same operations in the same order, the
+products, the KV write and the attention by the same kernels as the backend's plan for the
+step (prefill chunks on the attention tiles, a cascade's shared part), the element-wise steps
+rounded once from float32 as the compiled code rounds them (tests/test_one_call_forward.py:
+bit for bit the eager path's so rounded). The compiled regions are not called.
 
 It runs where the model is a single rank in bfloat16 on the CPU, every linear layer of its
 decoder runs one of Pagoda's kernels (quantized weights: GGUF files' own types,
@@ -16,9 +18,8 @@ decoder runs one of Pagoda's kernels (quantized weights: GGUF files' own types,
 engine/models/linear.py; not oneDNN's), the attention backend is ``cpu_paged`` over a
 bfloat16 cache, and batch invariance is not asked for (a row then takes one path whatever its
 step holds). A step whose sequences share a prefix that the backend attends to as a cascade
-takes the cascade in the call too, its shared part on the backend's tiles (AMX, AVX512-BF16 or AVX2's
-float32 ones; without tiles, such a step runs layer by layer). A step with prefill tokens runs layer by
-layer. ``PAGODA_ONE_TOKEN_DECODE=0`` turns it off (for A/B measurements).
+runs layer by layer where the backend has no tiles for the shared part (head sizes other than
+64 and 128). ``PAGODA_ONE_CALL_FORWARD=0`` turns it off (for A/B measurements).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pagoda.attention_backends.base import AttentionMetadata
 from pagoda.engine.models.linear import BLOCKED_LAYOUT
 from pagoda.engine.models.quantized import QUANT_PACKINGS
 
-ENV = "PAGODA_ONE_TOKEN_DECODE"
+ENV = "PAGODA_ONE_CALL_FORWARD"
 
 
 def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
@@ -76,8 +77,8 @@ def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     return None
 
 
-class OneTokenDecode:
-    """The one-call decode of one model over one set of KV caches (see the module's doc)."""
+class OneCallForward:
+    """The one-call forward of one model over one set of KV caches (see the module's doc)."""
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         def product(linear) -> list[int]:
@@ -94,14 +95,14 @@ class OneTokenDecode:
                          *product(attention.qkv_proj), *product(attention.o_proj), *product(mlp.gate_up_proj),
                          *product(mlp.down_proj), 0 if bias is None else bias.data_ptr(), key_cache.data_ptr(),
                          value_cache.data_ptr()])
-        # NOTE: the C side's struct decode_layer, one int64 per field.
+        # NOTE: the C side's struct forward_layer, one int64 per field.
         self.layers = torch.tensor(rows, dtype=torch.int64)
         self.kv_caches = kv_caches
         self.block_size = kv_caches[0][0].shape[-1]
         first = model.layers[0]
         attention = first.self_attn
         config = model.config
-        self.fn = cpu_kernels.load().one_token_decode
+        self.fn = cpu_kernels.load().one_call_forward
         # Arguments after the step's own: everything fixed for the model.
         self.fixed = (ctypes.c_float(config.rms_norm_eps), ctypes.c_float(attention.backend.scale))
         self.model = model
@@ -111,27 +112,33 @@ class OneTokenDecode:
                       first.mlp.intermediate_size, self.block_size, model.embed_tokens.num_embeddings,
                       model.rotary.cos.shape[0])
 
-    def applies(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> bool:
-        """Whether the step is one token for each of its sequences, without a shared prefix
-        that the backend would attend to as a cascade other than on its tiles (which the call
-        takes too)."""
-        return (metadata.max_query_len == 1 and len(input_ids) == metadata.num_reqs
-                and (getattr(metadata.backend_data, "shared", None) is None or self.tiles is not None))
+    def applies(self, metadata: AttentionMetadata) -> bool:
+        """Whether the call takes the step: any step, but one whose sequences share a prefix that
+        the backend would attend to as a cascade other than on its tiles."""
+        return getattr(metadata.backend_data, "shared", None) is None or self.tiles is not None
 
-    def _cascade(self, metadata: AttentionMetadata) -> tuple[int, int, int, int]:
-        """The C call's shared blocks, their count, the rows' own context lengths and the kind of
-        tiles for the shared part: the backend's shared prefix for this step, or none."""
-        shared = getattr(metadata.backend_data, "shared", None)
-        if shared is None:
-            return 0, 0, 0, 0
-        if not (shared.blocks.dtype == shared.suffix_seq_lens.dtype == torch.int32
-                and shared.blocks.is_contiguous() and shared.suffix_seq_lens.is_contiguous()):
-            raise ValueError("one_token_decode: the shared prefix's blocks and lengths are not contiguous int32")
-        return (shared.blocks.data_ptr(), shared.blocks.shape[0], shared.suffix_seq_lens.data_ptr(),
-                cpu_kernels.tiles_kind(self.tiles))
+    def _attention(self, metadata: AttentionMetadata) -> tuple[int, int, int, int, int, int, int]:
+        """The C call's attention plan, as the backend made it for the step: the shared blocks,
+        their count, the rows' own context lengths and the kind of tiles (for the shared part
+        and the prefill chunks); the number of sequences; the mask of the sequences whose
+        chunks go to the prefill tiles, those sequences and their count (none: zeros)."""
+        plan = metadata.backend_data
+        shared = getattr(plan, "shared", None)
+        tiles = 0 if self.tiles is None else cpu_kernels.tiles_kind(self.tiles)
+        cascade = (0, 0, 0)
+        if shared is not None:
+            if not (shared.blocks.dtype == shared.suffix_seq_lens.dtype == torch.int32
+                    and shared.blocks.is_contiguous() and shared.suffix_seq_lens.is_contiguous()):
+                raise ValueError("one_call_forward: the shared prefix's blocks and lengths are not contiguous int32")
+            cascade = (shared.blocks.data_ptr(), shared.blocks.shape[0], shared.suffix_seq_lens.data_ptr())
+        on_tiles = (0, 0, 0)
+        requests = getattr(plan, "tile_requests", None)
+        if shared is None and requests is not None and self.tiles is not None:
+            on_tiles = (plan.skip.data_ptr(), requests.data_ptr(), requests.shape[0])
+        return (*cascade, tiles, metadata.num_reqs, *on_tiles)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """The final-normed hidden states [rows, hidden] of the step's tokens, one a sequence."""
+        """The final-normed hidden states [rows, hidden] of the step's tokens."""
         model, rows = self.model, len(input_ids)
         out = torch.empty(rows, self.sizes[0], dtype=torch.bfloat16)
         rotary, block_tables = model.rotary, metadata.block_tables
@@ -139,17 +146,17 @@ class OneTokenDecode:
                 and block_tables.dtype == metadata.seq_lens_tensor.dtype == metadata.query_start_loc.dtype
                 == torch.int32 and block_tables.stride(1) == 1 and input_ids.is_contiguous()
                 and positions.is_contiguous() and metadata.slot_mapping.is_contiguous()):
-            raise ValueError("one_token_decode: the step's tensors are not int64 ids, positions and slots and "
+            raise ValueError("one_call_forward: the step's tensors are not int64 ids, positions and slots and "
                              "int32 block tables (rows contiguous), sequence lengths and query starts")
         failed = self.fn(self.layers.data_ptr(), len(self.layers), rows, model.embed_tokens.weight.data_ptr(),
                          input_ids.data_ptr(), positions.data_ptr(), metadata.slot_mapping.data_ptr(),
                          block_tables.data_ptr(), block_tables.stride(0), metadata.seq_lens_tensor.data_ptr(),
                          metadata.query_start_loc.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-                         model.norm.weight.data_ptr(), *self.sizes, *self.fixed, *self._cascade(metadata),
+                         model.norm.weight.data_ptr(), *self.sizes, *self.fixed, *self._attention(metadata),
                          out.data_ptr())
         if failed == -2:
             raise IndexError(f"a token of {input_ids.tolist()} or a position of {positions.tolist()} out of range "
                              f"(vocabulary {self.sizes[6]}, positions {self.sizes[7]})")
         if failed:
-            raise MemoryError("one_token_decode: out of memory for its activations")
+            raise MemoryError("one_call_forward: out of memory for its activations")
         return out

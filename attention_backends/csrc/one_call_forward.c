@@ -1,0 +1,403 @@
+/*
+ * A whole step (decodes, prefill chunks or both) through a Llama-family model whose linear
+ * layers all run Pagoda's own kernels (quant_linear.c's quantized weights, packed_linear.c's
+ * bfloat16 ones), in one call from Python.
+ *
+ * The usual path runs the model as compiled regions between the attention calls: around each
+ * product there is glue (the regions' guards and wrappers, the ops' dispatch from Python, the
+ * second thread spinning while the first runs that Python), which in a decode step costs as
+ * much as the small products or more (a Q8_0 step of the default model: about 11 of 16 ms) and
+ * in a prefill step about a tenth of it. Here the same sequence of operations runs as C: the
+ * element-wise steps (the residual add with RMSNorm, RoPE, SiLU-mul) row by row, spread over
+ * the threads from PARALLEL_ROWS rows, the products, the KV write and the attention with the
+ * kernels' own OpenMP loops, back to back.
+ *
+ * Numerics follow the compiled path: the hidden state and each product's input and output in
+ * bfloat16, every element-wise step computed in float32 from its bfloat16 inputs and rounded
+ * once; the products, the KV write and the attention are the same kernels.
+ *
+ * Layers are described by an array of struct forward_layer (every field 8 bytes, so Python
+ * builds the array as an int64 tensor).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
+                 int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32, int64_t amx_min_rows);
+void paged_write_kv_bf16(const uint16_t *key, const uint16_t *value, const int64_t *slot_mapping,
+                         uint16_t *key_cache, uint16_t *value_cache, int64_t num_tokens, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, int64_t key_stride, int64_t value_stride);
+void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
+                        const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t amx_min_rows, int64_t out_f32);
+int quant_silu_mul_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
+                         int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows);
+void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
+                                 uint16_t *y, int64_t ldy, int64_t amx_min_rows);
+void paged_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                          const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
+                          const int32_t *query_start, uint16_t *out, float *lse, const uint8_t *skip,
+                          int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, float scale, float value_scale);
+int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                           const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
+                           const int32_t *query_start, const int32_t *requests, int64_t num_listed,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                           uint16_t *out, int kind);
+int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                                 const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int kind);
+
+/* A product's packed weight: QUANTIZED (a: bits, b: with minimums + 2 x the rows from which
+ * AMX tiles run) or BLOCKED bfloat16 (a: the rows from which AMX tiles run; gate/up packed
+ * for the SiLU-mul epilogue). */
+enum { QUANTIZED = 0, BLOCKED = 1 };
+struct layer_product {
+    const void *weight;
+    int64_t kind, a, b;
+};
+
+struct forward_layer {
+    const uint16_t *input_norm, *post_norm; /* bfloat16 [hidden] */
+    struct layer_product qkv, o, gate_up, down;
+    const void *qkv_bias; /* [q + 2 kv] or NULL: float32 for a quantized product, else bfloat16 */
+    uint16_t *key_cache, *value_cache;
+};
+
+/* Rows from which the element-wise steps are spread over the threads. */
+#define PARALLEL_ROWS 8
+
+/* Cache lines are 64 bytes: the kernels' operands start on one (an AMX tile's rows each one line). */
+#define LINE 64
+
+static inline float bf(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+static inline uint16_t to_bf(float f) { /* to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#ifdef __AVX512F__
+static inline __m512 bf16x16(const uint16_t *p, __mmask16 mask) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+/* to_bf for sixteen lanes */
+static inline __m256i to_bf16x16(__m512 v) {
+#ifdef __AVX512BF16__
+    /* the instruction rounds to nearest even and quiets NaNs as to_bf does, but takes subnormal
+     * inputs for zeros: those vectors (rare) take the integer path */
+    const __mmask16 subnormal = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(0x1p-126f), _CMP_LT_OQ)
+                                & _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    if (!subnormal) return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    rounded = _mm512_mask_or_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* sixteen floats rounded to bfloat16 and back */
+static inline __m512 rounded16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+}
+
+static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+#endif
+
+/* A row of add_rms_norm; `row` float scratch of n (rounded to a multiple of 16) values. */
+static void norm_row(uint16_t *h, const uint16_t *y, const uint16_t *weight, int64_t n, float eps, uint16_t *out,
+                     float *row) {
+#ifdef __AVX512F__
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mask = first(n - i);
+        __m512 v = bf16x16(h + i, mask);
+        if (y) {
+            v = rounded16(_mm512_add_ps(v, bf16x16(y + i, mask)));
+            _mm256_mask_storeu_epi16(h + i, mask, to_bf16x16(v));
+        }
+        _mm512_store_ps(row + i, v);
+        sums = _mm512_fmadd_ps(v, v, sums);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sums) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 normed = rounded16(_mm512_mul_ps(_mm512_load_ps(row + i), inv));
+        const __mmask16 mask = first(n - i);
+        _mm256_mask_storeu_epi16(out + i, mask, to_bf16x16(_mm512_mul_ps(bf16x16(weight + i, mask), normed)));
+    }
+#else
+    (void)row;
+    if (y)
+        for (int64_t i = 0; i < n; i++) h[i] = to_bf(bf(h[i]) + bf(y[i]));
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += bf(h[i]) * bf(h[i]);
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = to_bf(bf(weight[i]) * bf(to_bf(bf(h[i]) * inv)));
+#endif
+}
+
+/* Each row: h += y (unless y is NULL), rounded to bfloat16, then out = weight * bf16(h *
+ * rsqrt(mean(h^2) + eps)), as the residual add and RMSNorm in engine/models/llama.py. */
+static void add_rms_norm(uint16_t *h, const uint16_t *y, const uint16_t *weight, int64_t rows, int64_t n, float eps,
+                         uint16_t *out) {
+#pragma omp parallel if (rows >= PARALLEL_ROWS)
+    {
+        float row[(n + 15) / 16 * 16] __attribute__((aligned(LINE))); /* a hidden state's width: a few KB */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) norm_row(h + r * n, y ? y + r * n : NULL, weight, n, eps, out + r * n, row);
+    }
+}
+
+/* RoPE (rotate-half) on `heads` heads of head_dim from x into out (which may be x), cos/sin
+ * rounded to bfloat16 as the model does. */
+static void rope(const uint16_t *x, int64_t heads, int64_t head_dim, const float *cos, const float *sin,
+                 uint16_t *out) {
+    const int64_t half = head_dim / 2;
+#ifdef __AVX512F__
+    if (half % 16 == 0 && half <= 64) {
+        __m512 c[4], s[4];
+        for (int64_t j = 0; j < half / 16; j++) {
+            c[j] = rounded16(_mm512_loadu_ps(cos + 16 * j));
+            s[j] = rounded16(_mm512_loadu_ps(sin + 16 * j));
+        }
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *v = x + h * head_dim;
+            uint16_t *o = out + h * head_dim;
+            for (int64_t j = 0; j < half / 16; j++) {
+                const __m512 x1 = bf16x16(v + 16 * j, 0xffff), x2 = bf16x16(v + half + 16 * j, 0xffff);
+                const __m256i lo = to_bf16x16(_mm512_sub_ps(_mm512_mul_ps(x1, c[j]), _mm512_mul_ps(x2, s[j])));
+                const __m256i hi = to_bf16x16(_mm512_add_ps(_mm512_mul_ps(x2, c[j]), _mm512_mul_ps(x1, s[j])));
+                _mm256_storeu_si256((__m256i *)(o + 16 * j), lo);
+                _mm256_storeu_si256((__m256i *)(o + half + 16 * j), hi);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t h = 0; h < heads; h++) {
+        const uint16_t *v = x + h * head_dim;
+        uint16_t *o = out + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float c = bf(to_bf(cos[i])), s = bf(to_bf(sin[i])), x1 = bf(v[i]), x2 = bf(v[i + half]);
+            o[i] = to_bf(x1 * c - x2 * s);
+            o[i + half] = to_bf(x2 * c + x1 * s);
+        }
+    }
+}
+
+static int product(const uint16_t *x, int64_t rows, int64_t k, const struct layer_product *p, int64_t n,
+                   const void *bias, uint16_t *y) {
+    if (p->kind == BLOCKED) {
+        packed_linear_bf16(x, rows, k, p->weight, n, k, bias, y, n, p->a, 0);
+        return 0;
+    }
+    return quant_linear(x, rows, k, 0, k, p->weight, (int)p->a, (int)(p->b & 1), n, bias, y, n, 0, p->b >> 1);
+}
+
+#ifdef __AVX512F__
+/* torch's own sixteen-lane exp (SLEEF's Sleef_expf16_u10 in libtorch_cpu), handed over from
+ * Python where torch's vector kernels use it: SiLU then takes sixteen elements a call and
+ * gives what torch's vectorized SiLU gives (x / (1 + exp(-x)); inductor's compiled code
+ * computes it so) bit for bit. Without it, expf per element:
+ * six times the time (240 against 40 us a layer at 64 rows on a Zen 4, 6 ms of an ~85 ms step). */
+typedef __m512 (*exp16_fn)(__m512);
+static exp16_fn torch_exp16;
+
+int one_call_forward_set_exp16(void *fn) {
+    torch_exp16 = (exp16_fn)fn;
+    return 1;
+}
+
+/* the last chunk of a row masked, so any n takes the same exp */
+static void silu_mul_row16(exp16_fn exp16, const uint16_t *gate, const uint16_t *up, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mask = first(n - i);
+        const __m512 g = bf16x16(gate + i, mask);
+        const __m512 e = exp16(_mm512_castsi512_ps(
+            _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))));
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm256_mask_storeu_epi16(out + i, mask, to_bf16x16(_mm512_mul_ps(s, bf16x16(up + i, mask))));
+    }
+}
+#else
+int one_call_forward_set_exp16(void *fn) {
+    (void)fn;
+    return 0;
+}
+#endif
+
+/* act [rows, intermediate] = SiLU(gate) * up, rounded to bfloat16, from gate_up [rows, 2 *
+ * intermediate] (bfloat16, each row's gate then its up). */
+void silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t intermediate, uint16_t *act) {
+#ifdef __AVX512F__
+    const exp16_fn exp16 = torch_exp16; /* one exp for the whole call */
+#endif
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * intermediate, *up = gate + intermediate;
+#ifdef __AVX512F__
+        if (exp16) {
+            silu_mul_row16(exp16, gate, up, intermediate, act + r * intermediate);
+            continue;
+        }
+#endif
+        for (int64_t i = 0; i < intermediate; i++) {
+            const float g = bf(gate[i]);
+            act[r * intermediate + i] = to_bf(g / (1.0f + expf(-g)) * bf(up[i]));
+        }
+    }
+}
+
+/* act [M, I] = SiLU(gate) * up of x's product with a quantized gate/up weight [2I, K]: on AMX
+ * tiles where quant_silu_mul_tiles takes it, else quant_linear into gate_up (a [M, 2I] scratch,
+ * or NULL: allocated here) and silu_mul_bf16. Returns 0, or -1 if memory ran out. */
+int quant_silu_mul_linear(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
+                          int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows, uint16_t *gate_up) {
+    const int tiles = quant_silu_mul_tiles(x, M, ldx, K, w, bits, has_min, I, act, amx_min_rows);
+    if (tiles) return tiles < 0 ? -1 : 0;
+    uint16_t *scratch = gate_up ? gate_up : malloc((size_t)(M * 2 * I) * sizeof(uint16_t));
+    const int failed = !scratch || quant_linear(x, M, ldx, 0, K, w, bits, has_min, 2 * I, NULL, scratch, 2 * I, 0,
+                                                amx_min_rows);
+    if (!failed) silu_mul_bf16(scratch, M, I, act);
+    if (!gate_up) free(scratch);
+    return failed ? -1 : 0;
+}
+
+/* act = SiLU(gate) * up of x's gate/up product. */
+static int silu_mul(const uint16_t *x, int64_t rows, int64_t k, const struct layer_product *p,
+                    int64_t intermediate, uint16_t *gate_up, uint16_t *act) {
+    if (p->kind == BLOCKED) {
+        packed_silu_mul_linear_bf16(x, rows, k, p->weight, intermediate, k, act, intermediate, p->a);
+        return 0;
+    }
+    return quant_silu_mul_linear(x, rows, k, k, p->weight, (int)p->a, (int)(p->b & 1), intermediate, act, p->b >> 1,
+                                 gate_up);
+}
+
+/* The activations' memory, kept from call to call: a prefill step's (tens of MB) would be mapped
+ * and faulted in afresh by every call. Calls come from one thread at a time (the worker's). */
+static void *scratch;
+static size_t scratch_bytes;
+
+static void *scratch_of(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        if (posix_memalign(&scratch, LINE, bytes)) scratch = NULL;
+        scratch_bytes = scratch ? bytes : 0;
+    }
+    return scratch;
+}
+
+/* The next of the buffers laid out in the scratch from *at: `bytes` long, on a line of its
+ * own; each a line further from a 4 KB boundary than the last, so that rows of two buffers
+ * read side by side do not fall on the same L1 sets. */
+static void *carve(char **at, size_t bytes, int index) {
+    char *start = *at + (size_t)index * LINE;
+    *at = start + (bytes + LINE - 1) / LINE * LINE;
+    return start;
+}
+
+/* The forward of a step (rows query tokens of num_reqs sequences, query_start's ranges: decodes,
+ * prefill chunks or both): the final-normed hidden states into out (bfloat16 [rows, hidden]).
+ * Returns 0, -1 if memory ran out, -2 if a token is not below vocab or a position not below
+ * max_positions. tokens, positions, slots (int64 [rows]), block_tables (int32 [num_reqs,
+ * block_table_stride]), seq_lens and query_start (int32 [num_reqs], [num_reqs + 1]) are the
+ * step's tensors; embed is bfloat16 [vocab, hidden], cos/sin float32 [max_positions, head_dim].
+ *
+ * Attention as the cpu_paged backend computes it (its plan for the step):
+ * - with shared_blocks (num_shared blocks that every sequence's table starts with), a cascade:
+ *   each row's own keys (the tables from the first block after them, suffix_seq_lens) by the
+ *   paged kernel, the shared keys once for all rows by tile_attention.c (on tiles of the kind
+ *   `tiles`, cpu_kernels.TILE_KINDS), merged by their log-sum-exps;
+ * - else the num_tile_requests tile_requests' rows (prefill chunks; skip marks them, uint8
+ *   [num_reqs]) causally on the tiles, the others by the paged kernel;
+ * where the tiles cannot run (no memory), every row by the paged kernel over its whole table. */
+int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int64_t rows, const uint16_t *embed,
+                     const int64_t *tokens, const int64_t *positions, const int64_t *slots,
+                     const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
+                     const int32_t *query_start, const float *cos_table, const float *sin_table,
+                     const uint16_t *final_norm, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t intermediate, int64_t block_size, int64_t vocab,
+                     int64_t max_positions, float eps, float scale, const int32_t *shared_blocks,
+                     int64_t num_shared, const int32_t *suffix_seq_lens, int tiles, int64_t num_reqs,
+                     const uint8_t *skip, const int32_t *tile_requests, int64_t num_tile_requests, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++)
+        if (tokens[r] < 0 || tokens[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -2;
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    const size_t bf16 = sizeof(uint16_t), row_sizes[] = {hidden, hidden, hidden, hidden, qkv_size, q_size,
+                                                           2 * intermediate, intermediate, q_size, q_size};
+    enum { BUFFERS = sizeof(row_sizes) / sizeof(row_sizes[0]) };
+    size_t bytes = (size_t)(rows * num_heads) * sizeof(float) + (BUFFERS + 1) * (BUFFERS + 2) * LINE;
+    for (int i = 0; i < BUFFERS; i++) bytes += row_sizes[i] * (size_t)rows * bf16;
+    char *at = scratch_of(bytes);
+    if (!at) return -1;
+    uint16_t *buffers[BUFFERS];
+    for (int i = 0; i < BUFFERS; i++) buffers[i] = carve(&at, row_sizes[i] * (size_t)rows * bf16, i);
+    uint16_t *h = buffers[0], *x = buffers[1], *o = buffers[2], *d = buffers[3], *qkv = buffers[4];
+    uint16_t *attn = buffers[5], *gate_up = buffers[6], *act = buffers[7], *queries = buffers[8];
+    uint16_t *own = buffers[9];                                                  /* a cascade's own attention */
+    float *own_lse = carve(&at, (size_t)(rows * num_heads) * sizeof(float), BUFFERS); /* and its log-sum-exps */
+    const uint8_t *skip_tiled = num_tile_requests ? skip : NULL;
+    int failed = 0;
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(h + r * hidden, embed + tokens[r] * hidden, sizeof(uint16_t) * (size_t)hidden);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const struct forward_layer *layer = layers + l;
+        add_rms_norm(h, l ? d : NULL, layer->input_norm, rows, hidden, eps, x); /* d: the last layer's MLP */
+        if ((failed = product(x, rows, hidden, &layer->qkv, qkv_size, layer->qkv_bias, qkv))) break;
+        /* RoPE: the queries apart ([rows, heads, head_dim]), the keys in place; keys and values
+         * are written to the cache from the qkv rows */
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+        for (int64_t r = 0; r < rows; r++) {
+            uint16_t *row = qkv + r * qkv_size;
+            const float *cos = cos_table + positions[r] * head_dim, *sin = sin_table + positions[r] * head_dim;
+            rope(row, num_heads, head_dim, cos, sin, queries + r * q_size);
+            rope(row + q_size, num_kv_heads, head_dim, cos, sin, row + q_size);
+        }
+        paged_write_kv_bf16(qkv + q_size, qkv + q_size + kv_size, slots, layer->key_cache, layer->value_cache, rows,
+                            num_kv_heads, head_dim, block_size, qkv_size, qkv_size);
+        int whole = 1; /* every row's attention over its whole table by the paged kernel */
+        if (num_shared) {
+            paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables + num_shared,
+                                 block_table_stride, suffix_seq_lens, query_start, own, own_lse, NULL, num_reqs,
+                                 num_heads, num_kv_heads, head_dim, block_size, scale, 1.0f);
+            whole = shared_prefix_attention_bf16(queries, layer->key_cache, layer->value_cache, shared_blocks,
+                                                 num_shared, block_size, rows, num_heads, num_kv_heads, head_dim, scale,
+                                                 own, own_lse, attn, tiles);
+        } else {
+            paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,
+                                 seq_lens, query_start, attn, NULL, skip_tiled, num_reqs, num_heads, num_kv_heads,
+                                 head_dim, block_size, scale, 1.0f);
+            whole = skip_tiled && prefill_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables,
+                                                         block_table_stride, seq_lens, query_start, tile_requests,
+                                                         num_tile_requests, num_heads, num_kv_heads, head_dim,
+                                                         block_size, scale, attn, tiles);
+        }
+        if (whole)
+            paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,
+                                 seq_lens, query_start, attn, NULL, NULL, num_reqs, num_heads, num_kv_heads, head_dim,
+                                 block_size, scale, 1.0f);
+        if ((failed = product(attn, rows, q_size, &layer->o, hidden, NULL, o))) break;
+        add_rms_norm(h, o, layer->post_norm, rows, hidden, eps, x);
+        if ((failed = silu_mul(x, rows, hidden, &layer->gate_up, intermediate, gate_up, act))) break;
+        if ((failed = product(act, rows, intermediate, &layer->down, hidden, NULL, d))) break;
+    }
+    if (!failed) add_rms_norm(h, num_layers ? d : NULL, final_norm, rows, hidden, eps, out);
+    return failed ? -1 : 0;
+}
