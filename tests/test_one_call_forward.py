@@ -5,6 +5,7 @@ transformers, and the path not taken where it does not apply."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -306,6 +307,30 @@ def test_a_cascade_step_equals_the_layer_by_layer_path(tmp_path, monkeypatch, ro
             tokens[r] = token
             lengths[r] += width
     assert calls == [2] * 8  # every step in one call, each with its two shared blocks
+
+
+@torch.inference_mode()
+def test_a_token_or_position_out_of_range_is_an_index_error_and_writes_nothing(tiny_llama_dir):
+    """A prompt chunk with a token past the vocabulary, or a position past RoPE's table: an
+    IndexError naming the offending value, raised before the call writes the KV cache."""
+    weights = "bf16" if choose_packing(torch.device("cpu"), torch.bfloat16) in BLOCKED_LAYOUT else "int8"
+    model = tiny_model(tiny_llama_dir, weights, max_positions=128)
+    backend = model.layers[0].self_attn.backend
+    key_shape, value_shape = backend.kv_cache_shapes(4, BLOCK_SIZE)
+    caches = [(torch.zeros(key_shape, dtype=torch.bfloat16), torch.zeros(value_shape, dtype=torch.bfloat16))
+              for _ in model.layers]
+    assert model.prepare_one_call_forward(caches)
+    vocab = model.embed_tokens.num_embeddings
+    metadata = step([([0, 1, 2], [1])])
+    backend.prepare(metadata)
+    for ids, positions, named in (([5, vocab, 7], [0, 1, 2], f"tokens [{vocab}]"),
+                                  ([5, 6, -1], [0, 1, 2], "tokens [-1]"),
+                                  ([5, 6, 7], [0, 128, 2], "positions [128]")):
+        with pytest.raises(IndexError, match=rf"{re.escape(named)} or|or {re.escape(named)} out of range"):
+            model(torch.tensor(ids), torch.tensor(positions), caches, metadata)
+    assert all(not k.any() and not v.any() for k, v in caches)
+    out = model(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]), caches, metadata)
+    assert out.shape == (3, model.config.hidden_size) and caches[0][0][1].any()
 
 
 @pytest.fixture(scope="module")

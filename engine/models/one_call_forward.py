@@ -155,8 +155,11 @@ class OneCallForward:
                          model.norm.weight.data_ptr(), *self.sizes, *self.fixed, *self._attention(metadata),
                          out.data_ptr())
         if failed == -2:
-            raise IndexError(f"a token of {input_ids.tolist()} or a position of {positions.tolist()} out of range "
-                             f"(vocabulary {self.sizes[6]}, positions {self.sizes[7]})")
+            vocab, max_positions = self.sizes[6], self.sizes[7]
+            tokens = input_ids[(input_ids < 0) | (input_ids >= vocab)].tolist()
+            places = positions[(positions < 0) | (positions >= max_positions)].tolist()
+            raise IndexError(f"tokens {tokens} or positions {places} out of range "
+                             f"(vocabulary {vocab}, positions {max_positions})")
         if failed:
             raise MemoryError("one_call_forward: out of memory for its activations")
         return out
