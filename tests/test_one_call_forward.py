@@ -368,6 +368,21 @@ def test_the_engine_takes_it_alone_and_tracks_transformers(compressed_dir, monke
 
 
 @needs_vector
+def test_nothing_is_compiled_where_every_step_takes_the_call(tmp_path):
+    """head_dim 64 with attention tiles here: no step is left to the compiled regions, so the
+    worker compiles nothing (without enforce_eager) and still answers."""
+    if not cpu_kernels.attention_tile_kinds():
+        pytest.skip("no attention tiles here")
+    model_dir = make_tiny_model_dir(tmp_path, "llama", hidden_size=128, num_attention_heads=2,
+                                    num_key_value_heads=1, **TINY_INIT)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    with LLM(str(model_dir), dtype="bfloat16", quantization="int8", max_model_len=64, num_kv_blocks=64) as llm:
+        ready = llm.engine.worker.ready
+        assert ready.one_call_forward and ready.compile_seconds == 0, ready
+        assert len(llm.generate([[3, 3, 8]], params)[0].outputs[0].token_ids) == 4
+
+
+@needs_vector
 def test_not_taken_in_float32_with_onednn_products_or_batch_invariance(tiny_llama_dir, compressed_dir, monkeypatch):
     small = dict(enforce_eager=True, max_model_len=64, num_kv_blocks=64)
     for model, options, packing in ((compressed_dir, dict(dtype="float32", quantization="int8"), None),

@@ -373,6 +373,10 @@ class LlamaForCausalLM(nn.Module):
         self._one_call = None if reason is not None else one_call_forward.OneCallForward(self, kv_caches)
         return self._one_call is not None
 
+    def one_call_takes_every_step(self) -> bool:
+        """Whether every step runs in one call (prepare_one_call_forward), none layer by layer."""
+        return self._one_call is not None and self._one_call.takes_every_step()
+
     def compute_logits(self, hidden: torch.Tensor, greedy_rows: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, vocab] logits, gathered from every tensor-parallel rank's share of the
         vocabulary: float32 sums where Pagoda's CPU kernel runs the LM head (never rounded

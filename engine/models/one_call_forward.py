@@ -117,6 +117,10 @@ class OneCallForward:
         the backend would attend to as a cascade other than on its tiles."""
         return getattr(metadata.backend_data, "shared", None) is None or self.tiles is not None
 
+    def takes_every_step(self) -> bool:
+        """Whether no step is left to the compiled regions (see applies)."""
+        return self.tiles is not None
+
     def _attention(self, metadata: AttentionMetadata) -> tuple[int, int, int, int, int, int, int]:
         """The C call's attention plan, as the backend made it for the step: the shared blocks,
         their count, the rows' own context lengths and the kind of tiles (for the shared part

@@ -99,7 +99,11 @@ class ModelRunner:
         # all-reduces sit inside the compiled regions.
         # NOTE: not with batch_invariant: inductor compiles a one-row batch apart, and its
         # code rounds differently from the many-row code's.
-        if compiles_model(config, self.device.type, tp.world_size):
+        # NOTE: nor where every step runs in one call: the compiled regions would serve no step
+        # (the warm-up then allocates the call's activations before the first request).
+        if compiles_model(config, self.device.type, tp.world_size) and self.model.one_call_takes_every_step():
+            self._warm_up()
+        elif compiles_model(config, self.device.type, tp.world_size):
             directory = default_cache_dir() / "compiled" / cache_key(*self.model.describe_code())
             if directory.is_dir() and any(directory.glob("*.bin")):
                 progress(f"loading the compiled model from {directory}")
