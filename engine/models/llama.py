@@ -259,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
         self._packed_lm_head: tuple[torch.Tensor, str, int] | None = None
         # An untied LM head's weight as loaded, once the head is packed (break_bfloat16_ties).
         self._unpacked_lm_head: torch.Tensor | None = None
-        # The one-call path of one-token steps over the KV caches it was built for
+        # The one-call path of whole steps over the KV caches it was built for
         # (prepare_one_call_forward; None: not for this model).
         self._one_call: one_call_forward.OneCallForward | None = None
 
