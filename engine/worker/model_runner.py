@@ -102,6 +102,7 @@ class ModelRunner:
         # NOTE: nor where every step runs in one call: the compiled regions would serve no step
         # (the warm-up then allocates the call's activations before the first request).
         if compiles_model(config, self.device.type, tp.world_size) and self.model.one_call_takes_every_step():
+            progress("every step runs in one C call: nothing to compile")
             self._warm_up()
         elif compiles_model(config, self.device.type, tp.world_size):
             directory = default_cache_dir() / "compiled" / cache_key(*self.model.describe_code())
