@@ -189,11 +189,12 @@ def bf16_weight(weight: Q.GroupQuantized) -> torch.Tensor:
 @needs_amx
 @pytest.mark.parametrize("packing", list(Q.QUANT_PACKINGS))
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (97, 160), (3072, 576)])
-@pytest.mark.parametrize("rows", [1, 16, 37, 70, 300])
+@pytest.mark.parametrize("rows", [1, 16, 37, 70, 300, 1001])
 def test_tiles_match_the_bfloat16_weight_times_x(packing, out_features, in_features, rows):
     # (3072, 576): several chunks a thread; 40 and 97: a last block of 16 and a last half-group
-    # that are partly past the weight's end; 37, 70 and 300 rows: a last block of rows padded
-    # (70: between 48 and 128 rows, where the bfloat16 weights take 16-row tiles)
+    # that are partly past the weight's end; 37, 70, 300 and 1001 rows: a last block of rows padded
+    # (70: between 48 and 128 rows, where the bfloat16 weights take 16-row tiles; 1001 x 576: x
+    # past ROWS_SPLIT_X_BYTES, the threads split the rows, the last one's with the padded tail)
     weight = example_weights(out_features, in_features, seed=rows + out_features)[packing]
     packed = Q.pack(weight)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
@@ -229,7 +230,7 @@ def reference_silu_mul(x: torch.Tensor, weight: torch.Tensor, intermediate: int)
 @needs_amx
 @pytest.mark.parametrize("packing", ["q8", "q4m"])
 @pytest.mark.parametrize("intermediate", [96, 1536, 80])  # 80: not whole groups of 32, the plain tiles then
-@pytest.mark.parametrize("rows", [13, 64])
+@pytest.mark.parametrize("rows", [13, 64, 4105])  # 4105 x 128: the threads split the rows
 def test_gate_up_on_the_tiles_applies_silu_mul_in_the_epilogue(packing, intermediate, rows):
     weight = example_weights(2 * intermediate, 128, seed=intermediate)[packing]
     packed = Q.pack(weight)
