@@ -106,8 +106,9 @@ class OneCallForward:
         # Arguments after the step's own: everything fixed for the model.
         self.fixed = (ctypes.c_float(config.rms_norm_eps), ctypes.c_float(attention.backend.scale))
         self.model = model
-        # A cascade's shared part runs on the backend's tiles, as the backend runs it.
+        # Prefill chunks and a cascade's shared part run on the backend's tiles, as the backend runs them.
         self.tiles = attention.backend.tiles
+        self.tiles_kind = 0 if self.tiles is None else cpu_kernels.tiles_kind(self.tiles)  # the C call's `tiles`
         self.sizes = (config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
                       first.mlp.intermediate_size, self.block_size, model.embed_tokens.num_embeddings,
                       model.rotary.cos.shape[0])
@@ -128,7 +129,6 @@ class OneCallForward:
         chunks go to the prefill tiles, those sequences and their count (none: zeros)."""
         plan = metadata.backend_data
         shared = getattr(plan, "shared", None)
-        tiles = 0 if self.tiles is None else cpu_kernels.tiles_kind(self.tiles)
         cascade = (0, 0, 0)
         if shared is not None:
             if not (shared.blocks.dtype == shared.suffix_seq_lens.dtype == torch.int32
@@ -139,7 +139,7 @@ class OneCallForward:
         requests = getattr(plan, "tile_requests", None)
         if shared is None and requests is not None and self.tiles is not None:
             on_tiles = (plan.skip.data_ptr(), requests.data_ptr(), requests.shape[0])
-        return (*cascade, tiles, metadata.num_reqs, *on_tiles)
+        return (*cascade, self.tiles_kind, metadata.num_reqs, *on_tiles)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The final-normed hidden states [rows, hidden] of the step's tokens."""
