@@ -39,7 +39,7 @@
 #include <string.h>
 
 #include <omp.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -92,9 +92,9 @@ int64_t quant_group_bytes(int bits, int has_min) { return group_bytes(bits, has_
 
 /* Greedy sampling's LM head (quant_linear_argmax): a row's float32 sums of features n0..n0+n-1
  * taken into its range's best so far (*top at *where, -1 before any): the first of a new
- * largest, or the range's first NaN, which stays (as torch's max picks it). With AVX-512 16
- * sums at a time: the scalar loop's maximum is a chain of dependent vmaxss (4 cycles a sum),
- * which for a 64-row decode step's 49152-feature head took ~2 ms a step (perf, Intel AMX). */
+ * largest, or the range's first NaN, which stays (as torch's max picks it). The maximum 16 sums
+ * at a time with AVX-512 (8 with AVX2): as a scalar loop it was a chain of dependent vmaxss (4
+ * cycles a sum), ~2 ms of a 64-row decode step with a 49152-feature head (perf, Intel AMX). */
 static inline void take_best(const float *row, int64_t n, int64_t n0, float *top, int64_t *where) {
     if (*top != *top) return;
     float most = -INFINITY;
@@ -112,6 +112,21 @@ static inline void take_best(const float *row, int64_t n, int64_t n0, float *top
         }
     most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(most4[0], most4[1]), _mm512_max_ps(most4[2], most4[3])));
     nan = nans != 0;
+#elif defined(__AVX2__)
+    __m256 most4[4] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY),
+                       _mm256_set1_ps(-INFINITY)};
+    __m256 nans = _mm256_setzero_ps();
+    for (; j + 32 <= n; j += 32)
+        for (int i = 0; i < 4; i++) {
+            const __m256 v = _mm256_loadu_ps(row + j + 8 * i);
+            most4[i] = _mm256_max_ps(v, most4[i]); /* a NaN v leaves the maximum (the second operand) */
+            nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+    const __m256 m8 = _mm256_max_ps(_mm256_max_ps(most4[0], most4[1]), _mm256_max_ps(most4[2], most4[3]));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    most = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    nan = _mm256_movemask_ps(nans) != 0;
 #endif
     for (; j < n; j++) {
         most = row[j] > most ? row[j] : most;
