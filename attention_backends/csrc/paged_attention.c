@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #define MIN_SCORE (-1e30f)
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -652,7 +654,12 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
                     tile_row[num_tiles++] = (int32_t)row;                                                  \
                 }                                                                                          \
             }                                                                                              \
-            _Pragma("omp parallel for schedule(dynamic, 1) collapse(2)")                                    \
+            /* Where there are tiles enough for every thread, a tile's KV heads in a row on one   \
+             * thread: its keys (and values) of one block lie together, head after head (64       \
+             * decodes over 30 layers, 320 tokens: 25.8 -> 23.0 ms; 96 tokens: 7.0 -> 6.2 ms, with \
+             * the heads dealt one by one; Intel Xeon with AMX). A few tiles keep them dealt. */  \
+            const int64_t heads_in_a_row = num_tiles >= 4 * omp_get_max_threads() ? num_kv_heads : 1;     \
+            _Pragma("omp parallel for schedule(dynamic, heads_in_a_row) collapse(2)")                       \
             for (int64_t tile = 0; tile < num_tiles; tile++) {                                             \
                 for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                            \
                     float result[FAST_MAX_ROWS * 128], tile_lse[FAST_MAX_ROWS];                            \
