@@ -188,11 +188,13 @@ def bf16_weight(weight: Q.GroupQuantized) -> torch.Tensor:
 
 @needs_amx
 @pytest.mark.parametrize("packing", list(Q.QUANT_PACKINGS))
-@pytest.mark.parametrize("out_features,in_features", [(40, 64), (97, 160), (3072, 576)])
+@pytest.mark.parametrize("out_features,in_features", [(40, 64), (97, 160), (3072, 576), (576, 1536), (97, 800)])
 @pytest.mark.parametrize("rows", [1, 16, 37, 70, 300, 1001])
 def test_tiles_match_the_bfloat16_weight_times_x(packing, out_features, in_features, rows):
     # (3072, 576): several chunks a thread; 40 and 97: a last block of 16 and a last half-group
-    # that are partly past the weight's end; 37, 70, 300 and 1001 rows: a last block of rows padded
+    # that are partly past the weight's end; (576, 1536): the down product's shape, 32 rows of x
+    # past L1, fewer units a chunk; 800 inputs: not a multiple of 64; 37, 70, 300 and 1001 rows:
+    # a last block of rows padded
     # (70: between 48 and 128 rows, where the bfloat16 weights take 16-row tiles; 1001 x 576: x
     # past ROWS_SPLIT_X_BYTES, the threads split the rows, the last one's with the padded tail)
     weight = example_weights(out_features, in_features, seed=rows + out_features)[packing]
