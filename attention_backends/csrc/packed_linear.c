@@ -341,9 +341,9 @@ static void amx_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *
                      const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t N, int64_t first, int64_t end,
                      const enum epilogue epilogue, const int chunk_in_l2) {
     const int64_t group_stride = K * GROUP, unit = epilogue == SILU_MUL ? 1 : 2; /* units per group */
-    int64_t chunk = AMX_CHUNK_BYTES / (group_stride * (int64_t)sizeof(uint16_t)) * unit;
+    /* (with chunk_in_l2, the caller's chunk whole, as quant_linear.c sized it) */
+    int64_t chunk = chunk_in_l2 ? end - first : AMX_CHUNK_BYTES / (group_stride * (int64_t)sizeof(uint16_t)) * unit;
     if (chunk < 2) chunk = 2;
-    if (chunk_in_l2) chunk = end - first; /* the caller's chunk, as it sized it (quant_linear.c) */
     float sums[2][32][64] __attribute__((aligned(64)));  /* one tile's being computed, the other's waiting */
     /* NOTE: 32-row blocks (2 x 2 tiles) where they make one pass over the weight or many; from
      * 48 to 127 rows, 16-row tiles against whole groups (1 x 4), whose first pass reads each

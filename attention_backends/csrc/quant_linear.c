@@ -641,9 +641,10 @@ static void dequantize_block(const uint8_t *w, int64_t b, int64_t K, int bits, i
  * range of units a chunk at a time (L2-sized) into packed_linear.c's layout (for SiLU-mul:
  * group c holds gate features 32c.. then up features 32c..) and passes every row over the
  * chunk with packed_linear.c's tile loop; or, where x is large (split_rows), every unit, in
- * chunks of SPLIT_CHUNK_BYTES, and passes its own range of the rows. The weight's bytes are read once (with the rows split,
- * once by each thread); the dequantizing costs a few operations a weight, which the rows share. x is not quantized
- * here: the sums differ from the vectors' (int8 x) by rounding. With `ids` (TILES_PLAIN_F32,
+ * chunks of SPLIT_CHUNK_BYTES, and passes its own range of the rows. The weight's bytes are
+ * read once (with the rows split, once by each thread); the dequantizing costs a few operations
+ * a weight, which the rows share. x is not quantized here: the sums differ from the vectors'
+ * (int8 x) by rounding. With `ids` (TILES_PLAIN_F32,
  * y NULL), each chunk's float32 sums go to a scratch of the thread's and each row's index of
  * its largest into ids (quant_linear_argmax). Returns 0, or -1 if memory ran out. */
 static int quant_linear_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
