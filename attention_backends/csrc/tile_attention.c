@@ -102,36 +102,39 @@ static inline void start_rows(float (*acc)[128], float *m, float *l, int64_t D) 
 }
 
 #if HAVE_VECTOR_TILES
-/* The softmax over a partition's raw scores (keys p0..p0+width-1), row by row: scaled, masked
- * past the last key each row sees, probabilities rounded to bfloat16 into probs; each row's
- * maximum m and sum l take the partition in, its accumulators rescaled to the new maximum. */
+/* The first `visible` of 16 keys. */
+static inline __mmask16 first_keys(int64_t visible) {
+    return visible >= 16 ? (__mmask16)0xffff : visible <= 0 ? 0 : (__mmask16)((1u << visible) - 1u);
+}
+
+/* The softmax over a partition's raw scores (keys p0..p0+width-1), row by row, in base 2 (the
+ * scale times log2(e) folded into one FMA with the maximum's subtraction; scale > 0, so the
+ * raw maximum scaled is the scaled maximum): masked past the last key each row sees,
+ * probabilities rounded to bfloat16 into probs; each row's maximum m (base 2) and sum l take
+ * the partition in, its accumulators rescaled to the new maximum. */
 static inline __attribute__((always_inline)) void partition_softmax(
-        float (*scores)[PART], uint16_t (*probs)[PART], const int64_t *last, int64_t p0, int64_t width, const int64_t D,
-        float scale, float (*acc)[128], float *m, float *l) {
-    const __m512 scale16 = _mm512_set1_ps(scale);
+        const float (*scores)[PART], uint16_t (*probs)[PART], const int64_t *last, int64_t p0, int64_t width,
+        const int64_t D, float scale, float (*acc)[128], float *m, float *l) {
+    const float scale2 = scale * EXP_LOG2E;
+    const __m512 scale16 = _mm512_set1_ps(scale2);
     for (int r = 0; r < 16; r++) {
         const int64_t valid = last[r] + 1 - p0; /* keys of the partition the row sees */
         __m512 vmax = _mm512_set1_ps(MIN_SCORE);
-        for (int64_t j = 0; j < width; j += 16) {
-            const int64_t visible = valid - j;
-            const __mmask16 mask = visible >= 16 ? (__mmask16)0xffff : visible <= 0 ? 0
-                                   : (__mmask16)((1u << visible) - 1u);
-            const __m512 s = _mm512_mask_blend_ps(mask, _mm512_set1_ps(MIN_SCORE),
-                                                  _mm512_mul_ps(_mm512_load_ps(&scores[r][j]), scale16));
-            _mm512_store_ps(&scores[r][j], s);
-            vmax = _mm512_max_ps(vmax, s);
-        }
+        for (int64_t j = 0; j < width; j += 16)
+            vmax = _mm512_mask_max_ps(vmax, first_keys(valid - j), vmax, _mm512_load_ps(&scores[r][j]));
         /* NOTE: not fmaxf: gcc calls it through the PLT, spilling the 16 rows' registers */
-        const float part_max = _mm512_reduce_max_ps(vmax), new_max = part_max > m[r] ? part_max : m[r];
+        const float part_max = valid > 0 ? _mm512_reduce_max_ps(vmax) * scale2 : MIN_SCORE;
+        const float new_max = part_max > m[r] ? part_max : m[r];
         const __m512 mrow = _mm512_set1_ps(new_max);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < width; j += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(&scores[r][j]), mrow));
+            const __m512 e = exp2_softmax16(_mm512_fmsub_ps(_mm512_load_ps(&scores[r][j]), scale16, mrow),
+                                            first_keys(valid - j));
             sum = _mm512_add_ps(sum, e);
             _mm256_store_si256((__m256i *)&probs[r][j], (__m256i)_mm512_cvtneps_pbh(e));
         }
         if (new_max > m[r] && l[r] > 0) {
-            const float correction = expf(m[r] - new_max);
+            const float correction = exp2f(m[r] - new_max);
             l[r] *= correction;
             const __m512 c16 = _mm512_set1_ps(correction);
             for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(&acc[r][d], _mm512_mul_ps(_mm512_load_ps(&acc[r][d]), c16));
@@ -326,7 +329,7 @@ static inline void store_row(uint16_t *out, const float *acc, float m, float l, 
                              const float *own_lse, int64_t D) {
     __m512 a = _mm512_set1_ps(1.0f / l), b = _mm512_setzero_ps();
     if (own_out) {
-        const float shared_lse = m + logf(l), own = *own_lse, top = fmaxf(shared_lse, own);
+        const float shared_lse = m * (float)M_LN2 + logf(l), own = *own_lse, top = fmaxf(shared_lse, own);
         const float ws = expf(shared_lse - top), wo = expf(own - top), total = ws + wo;
         a = _mm512_set1_ps(ws / total / l);
         b = _mm512_set1_ps(wo / total);

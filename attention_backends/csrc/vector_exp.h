@@ -30,6 +30,32 @@
         FMA(p_, r, SET1(5.0000001201e-1f));                                                                \
     })
 
+#define EXP2_TINY (-126.0f)
+/* 2^r - 1 = r (Q0 + r (Q1 + r (Q2 + r (Q3 + r Q4)))) on [-1/2, 1/2], fitted for relative error
+ * (at most 2e-7 in float32; 2^0 is exactly 1) */
+#define EXP2_POLY(T, FMA, SET1, r)                                                                         \
+    ({                                                                                                     \
+        T q_ = SET1(1.326472731307149e-3f);                                                                \
+        q_ = FMA(q_, r, SET1(9.671512991189957e-3f));                                                      \
+        q_ = FMA(q_, r, SET1(5.550733581185341e-2f));                                                      \
+        q_ = FMA(q_, r, SET1(2.4022242426872253e-1f));                                                     \
+        q_ = FMA(q_, r, SET1(6.931470036506653e-1f));                                                      \
+        FMA(q_, r, SET1(1.0f));                                                                            \
+    })
+
+#if defined(__AVX512F__)
+/* 2^x for a softmax's exponents, x <= 0 (scores in base 2, less their maximum), in the lanes
+ * of `keep` (0 in the others): below -126 it gives 0 (no denormals), a NaN stays NaN; the range
+ * reduction is exact (x - round(x)), with nothing to clamp above. Five fewer operations than
+ * exp16 and no log2(e) to multiply by. */
+static inline __attribute__((always_inline)) __m512 exp2_softmax16(__m512 x, __mmask16 keep) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP2_TINY), _CMP_LT_OQ);
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    return _mm512_maskz_scalef_ps(keep & (__mmask16)~tiny, EXP2_POLY(__m512, _mm512_fmadd_ps, _mm512_set1_ps, r), n);
+}
+#endif
+
 #if defined(__AVX512F__)
 static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
     const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_TINY), _CMP_LT_OQ);
