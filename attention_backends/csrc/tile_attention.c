@@ -85,10 +85,10 @@ int tile_attention_float_available(void) { return HAVE_FLOAT_TILES; }
  * vb (padded_keys of them), row r seeing keys 0..last[r], in partitions of up to PART keys. */
 #define PART 256
 
-/* Keys any of the 16 rows sees, rounded up to whole steps of `step` keys. */
-static inline int64_t keys_seen(const int64_t *last, int64_t padded_keys, int64_t step) {
+/* Keys any of a task's `rows` rows sees, rounded up to whole steps of `step` keys. */
+static inline int64_t keys_seen(const int64_t *last, int rows, int64_t padded_keys, int64_t step) {
     int64_t seen = 0;
-    for (int r = 0; r < 16; r++) seen = last[r] + 1 > seen ? last[r] + 1 : seen;
+    for (int r = 0; r < rows; r++) seen = last[r] + 1 > seen ? last[r] + 1 : seen;
     seen = (seen + step - 1) / step * step;
     return seen > padded_keys ? padded_keys : seen;
 }
@@ -151,7 +151,7 @@ static inline __attribute__((always_inline)) void attend_rows_amx(
     float scores[16][PART] __attribute__((aligned(64)));
     uint16_t probs[16][PART] __attribute__((aligned(64)));
     start_rows(acc, m, l, D);
-    const int64_t vstride = D * 2 * 2, seen = keys_seen(last, padded_keys, KEYS);
+    const int64_t vstride = D * 2 * 2, seen = keys_seen(last, 16, padded_keys, KEYS);
     for (int64_t p0 = 0; p0 < seen; p0 += PART) {
         const int64_t width = seen - p0 < PART ? seen - p0 : PART; /* a multiple of KEYS */
         /* scores: 16 rows x 64 keys at a time, over D in steps of 32 dimensions */
@@ -204,6 +204,74 @@ static inline __attribute__((always_inline)) void attend_rows_amx(
         }
     }
 }
+
+/* The same for 32 rows at head_dim 64 (two row tiles, qp's rows 0-15 and 16-31), each tile of
+ * keys and of values loaded once for both: the scores 32 rows x 32 keys at a time (4
+ * accumulators), the weighted values 32 rows x 32 dimensions (4 accumulators held over the
+ * partition, twice). With 16 rows a task loaded a kilobyte of keys or values from L2 for every
+ * product (512 shared keys: 128 loads against 128 products of 16 cycles), so the loads set
+ * the pace; here one load serves two products. */
+static inline __attribute__((always_inline)) void attend_rows_amx32(
+        const uint16_t *qp, const uint16_t *kb, const uint16_t *vb, const int64_t *last, int64_t padded_keys,
+        float scale, float (*acc)[128], float *m, float *l) {
+    enum { D = 64, VSTRIDE = D * 2 * 2, QSTRIDE = D * 2, SSTRIDE = PART * 4, PSTRIDE = PART * 2, ASTRIDE = 128 * 4 };
+    float scores[32][PART] __attribute__((aligned(64)));
+    uint16_t probs[32][PART] __attribute__((aligned(64)));
+    start_rows(acc, m, l, D);
+    start_rows(acc + 16, m + 16, l + 16, D);
+    const int64_t seen = keys_seen(last, 32, padded_keys, KEYS);
+    for (int64_t p0 = 0; p0 < seen; p0 += PART) {
+        const int64_t width = seen - p0 < PART ? seen - p0 : PART; /* a multiple of KEYS */
+        /* scores: tiles 0-3 rows 0-15 / 16-31 x keys n..n+15 / n+16..n+31; 4, 5 the rows'
+         * queries and 6, 7 the keys, 32 dimensions at a time */
+        for (int64_t n = 0; n < width; n += 32) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t d = 0; d < D; d += 32) {
+                const uint16_t *k = kb + ((p0 + n) / 16 * (D / 2) + d / 2) * 32; /* keys n..n+15 */
+                _tile_loadd(4, qp + d, QSTRIDE);
+                _tile_loadd(5, qp + 16 * D + d, QSTRIDE);
+                _tile_loadd(6, k, 64);
+                _tile_loadd(7, k + D / 2 * 32, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, &scores[0][n], SSTRIDE);
+            _tile_stored(1, &scores[0][n + 16], SSTRIDE);
+            _tile_stored(2, &scores[16][n], SSTRIDE);
+            _tile_stored(3, &scores[16][n + 16], SSTRIDE);
+        }
+        partition_softmax(scores, probs, last, p0, width, D, scale, acc, m, l);
+        partition_softmax(scores + 16, probs + 16, last + 16, p0, width, D, scale, acc + 16, m + 16, l + 16);
+        /* acc += probabilities x values, dimensions c..c+31: tiles 0-3 rows 0-15 / 16-31 x
+         * dimensions c..c+15 / c+16..c+31; 4, 5 the rows' probabilities, 6, 7 the values */
+        for (int64_t c = 0; c < D; c += 32) {
+            _tile_loadd(0, &acc[0][c], ASTRIDE);
+            _tile_loadd(1, &acc[0][c + 16], ASTRIDE);
+            _tile_loadd(2, &acc[16][c], ASTRIDE);
+            _tile_loadd(3, &acc[16][c + 16], ASTRIDE);
+            for (int64_t t = 0; t < width; t += 32) {
+                const uint16_t *v = vb + ((p0 + t) / 2 * D + c) * 2;
+                _tile_loadd(4, &probs[0][t], PSTRIDE);
+                _tile_loadd(5, &probs[16][t], PSTRIDE);
+                _tile_loadd(6, v, VSTRIDE);
+                _tile_loadd(7, v + 32, VSTRIDE);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, &acc[0][c], ASTRIDE);
+            _tile_stored(1, &acc[0][c + 16], ASTRIDE);
+            _tile_stored(2, &acc[16][c], ASTRIDE);
+            _tile_stored(3, &acc[16][c + 16], ASTRIDE);
+        }
+    }
+}
 #endif
 
 /* The same task with AVX512-BF16 dot products: the 16 rows' sums in 16 vector registers, each
@@ -215,7 +283,7 @@ static inline __attribute__((always_inline)) void attend_rows_vector(
     float scores[16][PART] __attribute__((aligned(64)));
     uint16_t probs[16][PART] __attribute__((aligned(64)));
     start_rows(acc, m, l, D);
-    const int64_t seen = keys_seen(last, padded_keys, 16);
+    const int64_t seen = keys_seen(last, 16, padded_keys, 16);
     for (int64_t p0 = 0; p0 < seen; p0 += PART) {
         const int64_t width = seen - p0 < PART ? seen - p0 : PART;
         /* scores: 16 rows x 16 keys at a time; kb holds [keys/16][D/2][16 keys][2] */
@@ -491,7 +559,7 @@ static inline __attribute__((always_inline)) void attend_rows_float(
         const int64_t D, const int P, float (*acc)[128], float *m, float *l) {
     float scores[16][PART] __attribute__((aligned(64)));
     start_rows(acc, m, l, D);
-    const int64_t seen = keys_seen(last, padded_keys, 16);
+    const int64_t seen = keys_seen(last, 16, padded_keys, 16);
     for (int64_t p0 = 0; p0 < seen; p0 += PART) {
         const int64_t width = seen - p0 < PART ? seen - p0 : PART; /* a multiple of 16 */
         for (int64_t n = 0; n < width; n += 16) {
@@ -626,15 +694,24 @@ static void pack_operand(int kind, int f32, int part, void *dst, const void *key
     else pack_queries_float(dst, query, f32, first, tokens, padded_rows, num_heads, G, h, D, scale);
 }
 
-/* A task on tiles of `kind`; on the float32 ones (whose queries come scaled) each score as
+/* Query rows a task takes, of a KV head's `rows`: 32 on AMX tiles at head_dim 64
+ * (attend_rows_amx32), unless that pads a few rows with 16 more (48 rows: 2 tasks of 32 took
+ * 5% longer than 3 of 16, 64 chunks of 16 tokens over 300); else 16. */
+static inline int task_rows(int kind, int64_t D, int64_t rows) {
+    if (kind != AMX_TILES || D != 64) return 16;
+    return (rows + 31) / 32 * 32 - rows < 16 || rows >= 128 ? 32 : 16;
+}
+
+/* A task of R rows (task_rows) on tiles of `kind`; on the float32 ones (whose queries come scaled) each score as
  * `partials` partial sums (a prefill's as the paged kernel's, paged_partials; a shared prefix's
  * in one). */
-static inline void attend(int kind, const void *qp, const void *kb, const void *vb, const int64_t *last,
+static inline void attend(int kind, int R, const void *qp, const void *kb, const void *vb, const int64_t *last,
                           int64_t padded_keys, int64_t D, float scale, int partials, float (*acc)[128], float *m,
                           float *l) {
 #if HAVE_AMX_TILES
     if (kind == AMX_TILES) {
-        if (D == 64) attend_rows_amx(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
+        if (R == 32) attend_rows_amx32(qp, kb, vb, last, padded_keys, scale, acc, m, l);
+        else if (D == 64) attend_rows_amx(qp, kb, vb, last, padded_keys, 64, scale, acc, m, l);
         else attend_rows_amx(qp, kb, vb, last, padded_keys, 128, scale, acc, m, l);
         return;
     }
@@ -646,7 +723,7 @@ static inline void attend(int kind, const void *qp, const void *kb, const void *
         return;
     }
 #endif
-    (void)kind, (void)scale;
+    (void)kind, (void)R, (void)scale;
 #define FLOAT_TASK(P)                                                                                      \
     do {                                                                                                   \
         if (D == 64) attend_rows_float(qp, kb, vb, last, padded_keys, 64, P, acc, m, l);                  \
@@ -707,7 +784,9 @@ static int shared_prefix(const void *query, const void *key_cache, const void *v
     const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads, OE = f32 ? 4 : 2;
     if ((D != 64 && D != 128) || num_blocks <= 0 || !runs(kind, f32)) return 1;
     const int64_t keys = num_blocks * block_size, padded_keys = (keys + KEYS - 1) / KEYS * KEYS;
-    const int64_t rows = num_tokens * G, padded_rows = (rows + 15) / 16 * 16;
+    const int64_t rows = num_tokens * G;
+    const int R = task_rows(kind, D, rows);
+    const int64_t padded_rows = (rows + R - 1) / R * R;
     const int64_t block_stride = KV * D * block_size;
     const size_t E = element_bytes(kind);
     char *kb = aligned_alloc(64, (size_t)(2 * KV * D * padded_keys + KV * padded_rows * D) * E);
@@ -722,20 +801,20 @@ static int shared_prefix(const void *query, const void *key_cache, const void *v
         pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, blocks, keys, padded_keys, block_size,
                      block_stride, 0, num_tokens, padded_rows, num_heads, G, h, D, scale);
     }
-    const int64_t tasks_per_head = padded_rows / 16;
+    const int64_t tasks_per_head = padded_rows / R;
     #pragma omp parallel
     {
         begin_tiles(kind);
-        float acc[16][128] __attribute__((aligned(64)));
-        float m[16], l[16];
-        int64_t last[16];
-        for (int r = 0; r < 16; r++) last[r] = keys - 1; /* every row sees every shared key */
+        float acc[32][128] __attribute__((aligned(64)));
+        float m[32], l[32];
+        int64_t last[32];
+        for (int r = 0; r < R; r++) last[r] = keys - 1; /* every row sees every shared key */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < KV * tasks_per_head; task++) {
-            const int64_t h = task / tasks_per_head, r0 = task % tasks_per_head * 16;
-            attend(kind, qp + (h * padded_rows + r0) * D * E, kb + h * D * padded_keys * E,
+            const int64_t h = task / tasks_per_head, r0 = task % tasks_per_head * R;
+            attend(kind, R, qp + (h * padded_rows + r0) * D * E, kb + h * D * padded_keys * E,
                    vb + h * padded_keys * D * E, last, padded_keys, D, scale, 1, acc, m, l);
-            for (int64_t i = 0; i < 16 && r0 + i < rows; i++) {
+            for (int64_t i = 0; i < R && r0 + i < rows; i++) {
                 const int64_t r = r0 + i, at = (r / G) * num_heads + h * G + r % G;
                 store(kind, f32, (char *)out + at * D * OE, acc[i], m[i], l[i], (const char *)own_out + at * D * OE,
                       own_lse + at, D);
@@ -777,7 +856,8 @@ static int prefill(const void *query, const void *key_cache, const void *value_c
     for (int64_t j = 0; j < num_listed; j++) {
         const int64_t i = requests[j], tokens = query_start[i + 1] - query_start[i];
         padded_keys[j] = (seq_lens[i] + KEYS - 1) / KEYS * KEYS;
-        padded_rows[j] = (tokens * G + 15) / 16 * 16;
+        const int R = task_rows(kind, D, tokens * G);
+        padded_rows[j] = (tokens * G + R - 1) / R * R;
         const int64_t size = KV * (2 * D * padded_keys[j] + padded_rows[j] * D);
         largest = size > largest ? size : largest;
         all += size;
@@ -798,7 +878,8 @@ static int prefill(const void *query, const void *key_cache, const void *value_c
             offset[j1] = total;
             total += size;
             first_task[j1] = tasks;
-            tasks += KV * padded_rows[j1] / 16;
+            const int64_t i = requests[j1];
+            tasks += KV * padded_rows[j1] / task_rows(kind, D, (query_start[i + 1] - query_start[i]) * G);
         }
         first_task[j1] = tasks;
         /* per request: keys [kv][...], then values [kv][...], then queries [kv][...] */
@@ -815,26 +896,27 @@ static int prefill(const void *query, const void *key_cache, const void *value_c
         #pragma omp parallel
         {
             begin_tiles(kind);
-            float acc[16][128] __attribute__((aligned(64)));
-            float m[16], l[16];
-            int64_t last[16];
+            float acc[32][128] __attribute__((aligned(64)));
+            float m[32], l[32];
+            int64_t last[32];
             #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < tasks; task++) {
                 int64_t j = j0;
                 while (first_task[j + 1] <= task) j++;
                 const int64_t i = requests[j], pk = padded_keys[j], pr = padded_rows[j];
-                const int64_t per_head = pr / 16, h = (task - first_task[j]) / per_head;
-                const int64_t r0 = (task - first_task[j]) % per_head * 16;
                 const int64_t tokens = query_start[i + 1] - query_start[i], start = seq_lens[i] - tokens;
-                for (int r = 0; r < 16; r++) { /* row r0 + r is token (r0 + r) / G, at start + that */
+                const int R = task_rows(kind, D, tokens * G);
+                const int64_t per_head = pr / R, h = (task - first_task[j]) / per_head;
+                const int64_t r0 = (task - first_task[j]) % per_head * R;
+                for (int r = 0; r < R; r++) { /* row r0 + r is token (r0 + r) / G, at start + that */
                     const int64_t token = (r0 + r) / G < tokens ? (r0 + r) / G : tokens - 1;
                     last[r] = start + token;
                 }
                 const char *base = work + offset[j] * E;
-                attend(kind, base + (2 * KV * D * pk + (h * pr + r0) * D) * E, base + h * D * pk * E,
+                attend(kind, R, base + (2 * KV * D * pk + (h * pr + r0) * D) * E, base + h * D * pk * E,
                        base + (KV * D * pk + h * pk * D) * E, last, pk, D, scale, paged_partials(G, D), acc, m,
                        l);
-                for (int64_t k = 0; k < 16 && r0 + k < tokens * G; k++) {
+                for (int64_t k = 0; k < R && r0 + k < tokens * G; k++) {
                     const int64_t r = r0 + k, at = (query_start[i] + r / G) * num_heads + h * G + r % G;
                     store(kind, f32, (char *)out + at * D * OE, acc[k], m[k], l[k], NULL, NULL, D);
                 }
