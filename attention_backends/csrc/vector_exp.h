@@ -5,6 +5,7 @@
  * exp(x) = 2^n exp(r), n = round(x log2 e), r = x - n ln 2 (in two parts), exp(r) by Cephes'
  * expf polynomial (about 1 ulp); below -87 it gives 0 (expf is below 1.7e-38 there, and
  * denormal from -87.3 down), past expf's range (about 88.7) +inf, as expf does; a NaN stays NaN.
+ * exp2_softmax16: 2^x for a softmax whose scores are already in base 2 (tile_attention.c).
  *
  * NOTE: not glibc's libmvec (_ZGVeN16v_expf): a call there makes the compiler spill every
  * vector register a kernel keeps its accumulators in (measured in the attention kernel).
