@@ -145,6 +145,44 @@ static inline __attribute__((always_inline)) void partition_softmax(
 }
 
 #if HAVE_AMX_TILES
+/* Tiles 0-3 += the products of tiles 4, 5 (loaded from a0, a1, as bytes a row) and 6, 7 (b0,
+ * b1, bs): 0 = a0 b0, 1 = a0 b1, 2 = a1 b0, 3 = a1 b1. */
+static inline __attribute__((always_inline)) void tile_products_2x2(const void *a0, const void *a1, int64_t as,
+                                                                    const void *b0, const void *b1, int64_t bs) {
+    _tile_loadd(4, a0, as);
+    _tile_loadd(5, a1, as);
+    _tile_loadd(6, b0, bs);
+    _tile_loadd(7, b1, bs);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+}
+
+static inline __attribute__((always_inline)) void zero_tiles_0_3(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* Tiles 0-3 stored to (or loaded from) p0..p3, stride bytes a row. */
+static inline __attribute__((always_inline)) void store_tiles_0_3(float *p0, float *p1, float *p2, float *p3,
+                                                                  int64_t stride) {
+    _tile_stored(0, p0, stride);
+    _tile_stored(1, p1, stride);
+    _tile_stored(2, p2, stride);
+    _tile_stored(3, p3, stride);
+}
+
+static inline __attribute__((always_inline)) void load_tiles_0_3(const float *p0, const float *p1, const float *p2,
+                                                                 const float *p3, int64_t stride) {
+    _tile_loadd(0, p0, stride);
+    _tile_loadd(1, p1, stride);
+    _tile_loadd(2, p2, stride);
+    _tile_loadd(3, p3, stride);
+}
+
 static inline __attribute__((always_inline)) void attend_rows_amx(
         const uint16_t *qp, const uint16_t *kb, const uint16_t *vb, const int64_t *last, int64_t padded_keys,
         const int64_t D, float scale, float (*acc)[128], float *m, float *l) {
@@ -156,10 +194,7 @@ static inline __attribute__((always_inline)) void attend_rows_amx(
         const int64_t width = seen - p0 < PART ? seen - p0 : PART; /* a multiple of KEYS */
         /* scores: 16 rows x 64 keys at a time, over D in steps of 32 dimensions */
         for (int64_t n = 0; n < width; n += KEYS) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_tiles_0_3();
             for (int64_t d = 0; d < D; d += 32) {
                 const uint16_t *k = kb + ((p0 + n) / 16 * (D / 2) + d / 2) * 32; /* keys n..n+15 */
                 const int64_t group = D / 2 * 32;                                  /* to the next 16 keys */
@@ -173,18 +208,13 @@ static inline __attribute__((always_inline)) void attend_rows_amx(
                 _tile_dpbf16ps(2, 4, 5);
                 _tile_dpbf16ps(3, 4, 6);
             }
-            _tile_stored(0, &scores[0][n], sizeof(scores[0]));
-            _tile_stored(1, &scores[0][n + 16], sizeof(scores[0]));
-            _tile_stored(2, &scores[0][n + 32], sizeof(scores[0]));
-            _tile_stored(3, &scores[0][n + 48], sizeof(scores[0]));
+            store_tiles_0_3(&scores[0][n], &scores[0][n + 16], &scores[0][n + 32], &scores[0][n + 48],
+                            sizeof(scores[0]));
         }
         partition_softmax(scores, probs, last, p0, width, D, scale, acc, m, l);
         /* acc += probabilities x values: 64 dimensions (4 tiles) at a time, held over the partition */
         for (int64_t c = 0; c < D; c += 64) {
-            _tile_loadd(0, &acc[0][c], sizeof(acc[0]));
-            _tile_loadd(1, &acc[0][c + 16], sizeof(acc[0]));
-            _tile_loadd(2, &acc[0][c + 32], sizeof(acc[0]));
-            _tile_loadd(3, &acc[0][c + 48], sizeof(acc[0]));
+            load_tiles_0_3(&acc[0][c], &acc[0][c + 16], &acc[0][c + 32], &acc[0][c + 48], sizeof(acc[0]));
             for (int64_t t = 0; t < width; t += 32) {
                 const uint16_t *v = vb + ((p0 + t) / 2 * D + c) * 2;
                 _tile_loadd(4, &probs[0][t], sizeof(probs[0]));
@@ -197,10 +227,7 @@ static inline __attribute__((always_inline)) void attend_rows_amx(
                 _tile_dpbf16ps(2, 4, 5);
                 _tile_dpbf16ps(3, 4, 6);
             }
-            _tile_stored(0, &acc[0][c], sizeof(acc[0]));
-            _tile_stored(1, &acc[0][c + 16], sizeof(acc[0]));
-            _tile_stored(2, &acc[0][c + 32], sizeof(acc[0]));
-            _tile_stored(3, &acc[0][c + 48], sizeof(acc[0]));
+            store_tiles_0_3(&acc[0][c], &acc[0][c + 16], &acc[0][c + 32], &acc[0][c + 48], sizeof(acc[0]));
         }
     }
 }
@@ -225,50 +252,24 @@ static inline __attribute__((always_inline)) void attend_rows_amx32(
         /* scores: tiles 0-3 rows 0-15 / 16-31 x keys n..n+15 / n+16..n+31; 4, 5 the rows'
          * queries and 6, 7 the keys, 32 dimensions at a time */
         for (int64_t n = 0; n < width; n += 32) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_tiles_0_3();
             for (int64_t d = 0; d < D; d += 32) {
                 const uint16_t *k = kb + ((p0 + n) / 16 * (D / 2) + d / 2) * 32; /* keys n..n+15 */
-                _tile_loadd(4, qp + d, QSTRIDE);
-                _tile_loadd(5, qp + 16 * D + d, QSTRIDE);
-                _tile_loadd(6, k, 64);
-                _tile_loadd(7, k + D / 2 * 32, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+                tile_products_2x2(qp + d, qp + 16 * D + d, QSTRIDE, k, k + D / 2 * 32, 64);
             }
-            _tile_stored(0, &scores[0][n], SSTRIDE);
-            _tile_stored(1, &scores[0][n + 16], SSTRIDE);
-            _tile_stored(2, &scores[16][n], SSTRIDE);
-            _tile_stored(3, &scores[16][n + 16], SSTRIDE);
+            store_tiles_0_3(&scores[0][n], &scores[0][n + 16], &scores[16][n], &scores[16][n + 16], SSTRIDE);
         }
         partition_softmax(scores, probs, last, p0, width, D, scale, acc, m, l);
         partition_softmax(scores + 16, probs + 16, last + 16, p0, width, D, scale, acc + 16, m + 16, l + 16);
         /* acc += probabilities x values, dimensions c..c+31: tiles 0-3 rows 0-15 / 16-31 x
          * dimensions c..c+15 / c+16..c+31; 4, 5 the rows' probabilities, 6, 7 the values */
         for (int64_t c = 0; c < D; c += 32) {
-            _tile_loadd(0, &acc[0][c], ASTRIDE);
-            _tile_loadd(1, &acc[0][c + 16], ASTRIDE);
-            _tile_loadd(2, &acc[16][c], ASTRIDE);
-            _tile_loadd(3, &acc[16][c + 16], ASTRIDE);
+            load_tiles_0_3(&acc[0][c], &acc[0][c + 16], &acc[16][c], &acc[16][c + 16], ASTRIDE);
             for (int64_t t = 0; t < width; t += 32) {
                 const uint16_t *v = vb + ((p0 + t) / 2 * D + c) * 2;
-                _tile_loadd(4, &probs[0][t], PSTRIDE);
-                _tile_loadd(5, &probs[16][t], PSTRIDE);
-                _tile_loadd(6, v, VSTRIDE);
-                _tile_loadd(7, v + 32, VSTRIDE);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+                tile_products_2x2(&probs[0][t], &probs[16][t], PSTRIDE, v, v + 32, VSTRIDE);
             }
-            _tile_stored(0, &acc[0][c], ASTRIDE);
-            _tile_stored(1, &acc[0][c + 16], ASTRIDE);
-            _tile_stored(2, &acc[16][c], ASTRIDE);
-            _tile_stored(3, &acc[16][c + 16], ASTRIDE);
+            store_tiles_0_3(&acc[0][c], &acc[0][c + 16], &acc[16][c], &acc[16][c + 16], ASTRIDE);
         }
     }
 }

@@ -20,29 +20,27 @@
 #define EXP_LN2_HI 0.693359375f
 #define EXP_LN2_LO (-2.12194440e-4f)
 #define EXP_TINY (-87.0f)
+/* c0 + r (c1 + r (c2 + r (c3 + r (c4 + r c5)))) by Horner's rule, in vectors of type T */
+#define HORNER5(T, FMA, SET1, r, c0, c1, c2, c3, c4, c5)                                                   \
+    ({                                                                                                     \
+        T h_ = SET1(c5);                                                                                   \
+        h_ = FMA(h_, r, SET1(c4));                                                                         \
+        h_ = FMA(h_, r, SET1(c3));                                                                         \
+        h_ = FMA(h_, r, SET1(c2));                                                                         \
+        h_ = FMA(h_, r, SET1(c1));                                                                         \
+        FMA(h_, r, SET1(c0));                                                                              \
+    })
 /* exp(r) - 1 - r = r^2 (P0 + r (P1 + r (P2 + r (P3 + r (P4 + r P5))))) */
 #define EXP_POLY(T, FMA, SET1, r)                                                                          \
-    ({                                                                                                     \
-        T p_ = SET1(1.9875691500e-4f);                                                                     \
-        p_ = FMA(p_, r, SET1(1.3981999507e-3f));                                                           \
-        p_ = FMA(p_, r, SET1(8.3334519073e-3f));                                                           \
-        p_ = FMA(p_, r, SET1(4.1665795894e-2f));                                                           \
-        p_ = FMA(p_, r, SET1(1.6666665459e-1f));                                                           \
-        FMA(p_, r, SET1(5.0000001201e-1f));                                                                \
-    })
+    HORNER5(T, FMA, SET1, r, 5.0000001201e-1f, 1.6666665459e-1f, 4.1665795894e-2f, 8.3334519073e-3f,       \
+            1.3981999507e-3f, 1.9875691500e-4f)
 
 #define EXP2_TINY (-126.0f)
-/* 2^r - 1 = r (Q0 + r (Q1 + r (Q2 + r (Q3 + r Q4)))) on [-1/2, 1/2], fitted for relative error
+/* 2^r = 1 + r (Q0 + r (Q1 + r (Q2 + r (Q3 + r Q4)))) on [-1/2, 1/2], fitted for relative error
  * (at most 2e-7 in float32; 2^0 is exactly 1) */
 #define EXP2_POLY(T, FMA, SET1, r)                                                                         \
-    ({                                                                                                     \
-        T q_ = SET1(1.326472731307149e-3f);                                                                \
-        q_ = FMA(q_, r, SET1(9.671512991189957e-3f));                                                      \
-        q_ = FMA(q_, r, SET1(5.550733581185341e-2f));                                                      \
-        q_ = FMA(q_, r, SET1(2.4022242426872253e-1f));                                                     \
-        q_ = FMA(q_, r, SET1(6.931470036506653e-1f));                                                      \
-        FMA(q_, r, SET1(1.0f));                                                                            \
-    })
+    HORNER5(T, FMA, SET1, r, 1.0f, 6.931470036506653e-1f, 2.4022242426872253e-1f, 5.550733581185341e-2f,   \
+            9.671512991189957e-3f, 1.326472731307149e-3f)
 
 #if defined(__AVX512F__)
 /* 2^x for a softmax's exponents, x <= 0 (scores in base 2, less their maximum), in the lanes
