@@ -236,8 +236,8 @@ static inline __attribute__((always_inline)) void attend_rows_amx(
  * keys and of values loaded once for both: the scores 32 rows x 32 keys at a time (4
  * accumulators), the weighted values 32 rows x 32 dimensions (4 accumulators held over the
  * partition, twice). With 16 rows a task loaded a kilobyte of keys or values from L2 for every
- * product (512 shared keys: 128 loads against 128 products of 16 cycles), so the loads set
- * the pace; here one load serves two products. */
+ * product (512 shared keys: 128 loads against 128 products of 16 cycles); here one load serves
+ * two products (a decode step's shared part about 7% faster: docs/attention-backends.md). */
 static inline __attribute__((always_inline)) void attend_rows_amx32(
         const uint16_t *qp, const uint16_t *kb, const uint16_t *vb, const int64_t *last, int64_t padded_keys,
         float scale, float (*acc)[128], float *m, float *l) {
@@ -393,7 +393,8 @@ static void pack_queries(uint16_t *dst, const uint16_t *query, int64_t first, in
 }
 
 /* A row's result into out (bfloat16): acc / l, or with own_out/own_lse, merged with the row's
- * attention over its own keys by each part's share of the softmax's sum. */
+ * attention over its own keys by each part's share of the softmax's sum (m in base 2, as
+ * partition_softmax keeps it; own_lse natural). */
 static inline void store_row(uint16_t *out, const float *acc, float m, float l, const uint16_t *own_out,
                              const float *own_lse, int64_t D) {
     __m512 a = _mm512_set1_ps(1.0f / l), b = _mm512_setzero_ps();
