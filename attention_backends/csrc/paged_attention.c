@@ -520,12 +520,15 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
             const uint16_t *k = key_cache + chunk_base(table, start, bs, block_stride, kh, head_dim) + start % bs;
             /* With 16-token blocks, a head's 16 keys (or values) are 32 x head_dim contiguous bytes,
              * which the dot products below prefetch as they go, 32 bytes a dimension (see
-             * prefetch_keys16); else all at once here. */
-            const char *next_keys = NULL, *values = NULL;
+             * prefetch_keys16): the keys two blocks ahead (in the first block, of the second too),
+             * this block's values; else all at once here. */
+            const char *next_keys = NULL, *second_keys = NULL, *values = NULL;
             if (bs == 16) {
-                next_keys = start + 16 < len
-                            ? (const char *)(key_cache + chunk_base(table, start + 16, bs, block_stride, kh, head_dim))
+                next_keys = start + 32 < len
+                            ? (const char *)(key_cache + chunk_base(table, start + 32, bs, block_stride, kh, head_dim))
                             : NULL;
+                if (start == 0 && len > 16)
+                    second_keys = (const char *)(key_cache + chunk_base(table, 16, bs, block_stride, kh, head_dim));
                 values = (const char *)(value_cache + chunk_base(table, start, bs, block_stride, kh, head_dim));
             } else {
                 if (start + 16 < len)
@@ -543,6 +546,8 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
                     if (values) { /* the 128 bytes of dimensions d..d+3 */
                         for (int64_t line = 32 * d; next_keys && line < 32 * d + 128; line += 64)
                             _mm_prefetch(next_keys + line, _MM_HINT_T1);
+                        for (int64_t line = 32 * d; second_keys && line < 32 * d + 128; line += 64)
+                            _mm_prefetch(second_keys + line, _MM_HINT_T1);
                         _mm_prefetch(values + 32 * d, _MM_HINT_T1);
                         _mm_prefetch(values + 32 * d + 64, _MM_HINT_T1);
                     }
@@ -558,6 +563,7 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
                 for (int64_t d = 0; d < head_dim; d += 2) {
                     if (values) { /* the 64 bytes of dimensions d, d+1 */
                         if (next_keys) _mm_prefetch(next_keys + 32 * d, _MM_HINT_T1);
+                        if (second_keys) _mm_prefetch(second_keys + 32 * d, _MM_HINT_T1);
                         _mm_prefetch(values + 32 * d, _MM_HINT_T1);
                     }
                     const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
