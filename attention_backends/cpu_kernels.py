@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (_CSRC / "paged_attention.c", _CSRC / "packed_linear.c", _CSRC / "tile_attention.c",
            _CSRC / "quant_linear.c", _CSRC / "one_call_forward.c")
-HEADERS = (_CSRC / "vector_exp.h", _CSRC / "amx_tiles.h")
+HEADERS = (_CSRC / "vector_exp.h", _CSRC / "vector_lanes.h", _CSRC / "amx_tiles.h")
 DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
 # NOTE: never -ffast-math: linking with it turns on flush-to-zero for the whole process
 # (crtfastmath), which changes every float result in it. These are the parts of it that

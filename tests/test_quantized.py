@@ -194,9 +194,9 @@ def test_tiles_match_the_bfloat16_weight_times_x(packing, out_features, in_featu
     # (3072, 576): several chunks a thread; 40 and 97: a last block of 16 and a last half-group
     # that are partly past the weight's end; (576, 1536): the down product's shape, 32 rows of x
     # past L1, fewer units a chunk; 800 inputs: not a multiple of 64; 37, 70, 300 and 1001 rows:
-    # a last block of rows padded
-    # (70: between 48 and 128 rows, where the bfloat16 weights take 16-row tiles; 1001 x 576: x
-    # past ROWS_SPLIT_X_BYTES, the threads split the rows, the last one's with the padded tail)
+    # a last block of rows padded (70: between 48 and 128 rows, where the bfloat16 weights take
+    # 16-row tiles; 1001 x 576: x past ROWS_SPLIT_X_BYTES, the threads split the rows, the last
+    # one's with the padded tail)
     weight = example_weights(out_features, in_features, seed=rows + out_features)[packing]
     packed = Q.pack(weight)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)

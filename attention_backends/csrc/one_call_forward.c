@@ -27,6 +27,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vector_lanes.h"
+
 int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
                  int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32, int64_t amx_min_rows);
 void paged_write_kv_bf16(const uint16_t *key, const uint16_t *value, const int64_t *slot_mapping,
@@ -116,7 +118,6 @@ static inline __m512 rounded16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
 }
 
-static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 #endif
 
 /* A row of add_rms_norm; `row` float scratch of n (rounded to a multiple of 16) values. */
@@ -125,7 +126,7 @@ static void norm_row(uint16_t *h, const uint16_t *y, const uint16_t *weight, int
 #ifdef __AVX512F__
     __m512 sums = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 mask = first(n - i);
+        const __mmask16 mask = first_lanes16(n - i);
         __m512 v = bf16x16(h + i, mask);
         if (y) {
             v = rounded16(_mm512_add_ps(v, bf16x16(y + i, mask)));
@@ -137,7 +138,7 @@ static void norm_row(uint16_t *h, const uint16_t *y, const uint16_t *weight, int
     const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sums) / (float)n + eps));
     for (int64_t i = 0; i < n; i += 16) {
         const __m512 normed = rounded16(_mm512_mul_ps(_mm512_load_ps(row + i), inv));
-        const __mmask16 mask = first(n - i);
+        const __mmask16 mask = first_lanes16(n - i);
         _mm256_mask_storeu_epi16(out + i, mask, to_bf16x16(_mm512_mul_ps(bf16x16(weight + i, mask), normed)));
     }
 #else
@@ -226,7 +227,7 @@ int one_call_forward_set_exp16(void *fn) {
 /* the last chunk of a row masked, so any n takes the same exp */
 static void silu_mul_row16(exp16_fn exp16, const uint16_t *gate, const uint16_t *up, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 mask = first(n - i);
+        const __mmask16 mask = first_lanes16(n - i);
         const __m512 g = bf16x16(gate + i, mask);
         const __m512 e = exp16(_mm512_castsi512_ps(
             _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))));

@@ -60,6 +60,7 @@
 #endif
 
 #include "vector_exp.h"
+#include "vector_lanes.h"
 
 #define ROWS 6       /* rows of x per tile: 6 x 4 accumulators (4 rows: 16-20% slower at 2048) */
 #define GROUP 64     /* output features per weight group */
@@ -73,10 +74,6 @@ static inline __m512 bf16_to_f32(__m256i v) {
 /* x rounded to bfloat16 (to nearest even), back in float32 */
 static inline __m512 round_bf16(__m512 x) { return bf16_to_f32((__m256i)_mm512_cvtneps_pbh(x)); }
 
-static inline __mmask16 tail_mask(int64_t n, int64_t N) {
-    return N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
-}
-
 /* One row's sums (vecs vectors of 16 features from feature n0) through the epilogue into y. */
 static inline __attribute__((always_inline)) void store_row(const __m512 *acc, const int vecs, const uint16_t *bias,
                                                             uint16_t *y, int64_t n0, int64_t N,
@@ -88,14 +85,14 @@ static inline __attribute__((always_inline)) void store_row(const __m512 *acc, c
             const __m512 gate = round_bf16(acc[j]), up = round_bf16(acc[j + 2]);
             const __m512 one = _mm512_set1_ps(1.0f);
             const __m512 silu = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
-            _mm256_mask_storeu_epi16(y + n, tail_mask(n, N), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+            _mm256_mask_storeu_epi16(y + n, first_lanes16(N - n), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
         }
         return;
     }
     for (int j = 0; j < vecs; j++) {
         const int64_t n = n0 + 16 * j;
         if (n >= N) break;
-        const __mmask16 mask = tail_mask(n, N);
+        const __mmask16 mask = first_lanes16(N - n);
         const __m512 b = bias ? bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + n)) : _mm512_setzero_ps();
         if (epilogue == PLAIN_F32) /* y is float32 here (the caller's pointers count in halves of one) */
             _mm512_mask_storeu_ps((float *)y + n, mask, _mm512_add_ps(acc[j], b));

@@ -180,6 +180,7 @@ static inline int64_t request_of_row(const int32_t *query_start, int64_t num_req
 /* The vector paths take 16 float32 lanes at a time (vec16, the v_ operations): one AVX-512
  * register, or on AVX2-only CPUs two 8-lane halves, so one tile code serves both. */
 #include "vector_exp.h"
+#include "vector_lanes.h"
 
 #define VOP static inline __attribute__((always_inline))
 #if defined(__AVX512F__)
@@ -199,8 +200,7 @@ VOP float v_first(vec16 v) { return _mm512_cvtss_f32(v); }
 VOP vec16 v_exp(vec16 v) { return exp16(v); }
 /* the first `count` lanes of v, the rest `fill` */
 VOP vec16 v_keep_first(vec16 v, int64_t count, float fill) {
-    const __mmask16 kept = count >= 16 ? (__mmask16)0xffff : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1u);
-    return _mm512_mask_blend_ps(kept, _mm512_set1_ps(fill), v);
+    return _mm512_mask_blend_ps(first_lanes16(count), _mm512_set1_ps(fill), v);
 }
 
 static inline vec16 load16_bf16(const uint16_t *p) {

@@ -43,6 +43,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vector_lanes.h"
+
 #define QGROUP 32
 #define QBLOCK 16
 #define QROWS 4
@@ -192,10 +194,6 @@ static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *xq, float 
 
 static inline __m512 load_halves(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
-static inline __mmask16 qtail_mask(int64_t n, int64_t N) {
-    return N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
-}
-
 static inline __m256i to_bf16(__m512 v) { /* to nearest even (no AVX512-BF16 needed) */
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -267,7 +265,7 @@ static inline __attribute__((always_inline)) void quant_tile(
     }
     for (int v = 0; v < vecs; v++) {
         const int64_t n = n0 + 16 * v;
-        const __mmask16 mask = qtail_mask(n, N);
+        const __mmask16 mask = first_lanes16(N - n);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
         for (int m = 0; m < rows; m++) {
             const __m512 out = _mm512_add_ps(acc[m][v], b);

@@ -54,6 +54,7 @@
 #include <immintrin.h>
 
 #include "vector_exp.h"
+#include "vector_lanes.h"
 #else
 #define HAVE_FLOAT_TILES 0
 #endif
@@ -102,11 +103,6 @@ static inline void start_rows(float (*acc)[128], float *m, float *l, int64_t D) 
 }
 
 #if HAVE_VECTOR_TILES
-/* The first `visible` of 16 keys. */
-static inline __mmask16 first_keys(int64_t visible) {
-    return visible >= 16 ? (__mmask16)0xffff : visible <= 0 ? 0 : (__mmask16)((1u << visible) - 1u);
-}
-
 /* The softmax over a partition's raw scores (keys p0..p0+width-1), row by row, in base 2 (the
  * scale times log2(e) folded into one FMA with the maximum's subtraction; scale > 0, so the
  * raw maximum scaled is the scaled maximum): masked past the last key each row sees,
@@ -121,7 +117,7 @@ static inline __attribute__((always_inline)) void partition_softmax(
         const int64_t valid = last[r] + 1 - p0; /* keys of the partition the row sees */
         __m512 vmax = _mm512_set1_ps(MIN_SCORE);
         for (int64_t j = 0; j < width; j += 16)
-            vmax = _mm512_mask_max_ps(vmax, first_keys(valid - j), vmax, _mm512_load_ps(&scores[r][j]));
+            vmax = _mm512_mask_max_ps(vmax, first_lanes16(valid - j), vmax, _mm512_load_ps(&scores[r][j]));
         /* NOTE: not fmaxf: gcc calls it through the PLT, spilling the 16 rows' registers */
         const float part_max = valid > 0 ? _mm512_reduce_max_ps(vmax) * scale2 : MIN_SCORE;
         const float new_max = part_max > m[r] ? part_max : m[r];
@@ -129,7 +125,7 @@ static inline __attribute__((always_inline)) void partition_softmax(
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < width; j += 16) {
             const __m512 e = exp2_softmax16(_mm512_fmsub_ps(_mm512_load_ps(&scores[r][j]), scale16, mrow),
-                                            first_keys(valid - j));
+                                            first_lanes16(valid - j));
             sum = _mm512_add_ps(sum, e);
             _mm256_store_si256((__m256i *)&probs[r][j], (__m256i)_mm512_cvtneps_pbh(e));
         }
