@@ -146,8 +146,8 @@ def load() -> ctypes.CDLL:
     lib.packed_silu_mul_linear_bf16.restype = None
     for dtype in ("bf16", "f32"):
         shared, prefill = getattr(lib, f"shared_prefix_attention_{dtype}"), getattr(lib, f"prefill_attention_{dtype}")
-        shared.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, pointer,
-                           pointer, pointer, ctypes.c_int]
+        shared.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, pointer, i64, pointer, i64, i64, i64,
+                           ctypes.c_float, pointer, pointer, pointer, ctypes.c_int]
         prefill.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer, pointer, i64, i64, i64, i64, i64,
                             ctypes.c_float, pointer, ctypes.c_int]
         shared.restype = prefill.restype = ctypes.c_int
@@ -159,7 +159,7 @@ def load() -> ctypes.CDLL:
     lib.quant_linear_argmax.restype = ctypes.c_int
     lib.one_call_forward.argtypes = [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, pointer,
                                      pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, i64, i64,
-                                     ctypes.c_float, ctypes.c_float, pointer, i64, pointer,
+                                     ctypes.c_float, ctypes.c_float, pointer, i64, pointer, pointer, i64, pointer,
                                      ctypes.c_int, i64, pointer, pointer, i64, pointer]
     lib.one_call_forward.restype = ctypes.c_int
     lib.quant_group_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -296,10 +296,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             blocks: torch.Tensor, own_out: torch.Tensor, own_lse: torch.Tensor,
-                            scale: float, tiles: str) -> torch.Tensor | None:
-    """Every query row against the keys of ``blocks`` (a prefix all the step's requests share
-    and all its rows come after), merged with each row's attention over its own keys, on
-    ``tiles`` (attention_tiles(); csrc/tile_attention.c).
+                            scale: float, tiles: str, members: torch.Tensor | None = None,
+                            query_start_loc: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Every query row (or every row of the ``members``) against the keys of ``blocks`` (a
+    prefix those requests share and all their rows come after), merged with each row's
+    attention over its own keys, on ``tiles`` (attention_tiles(); csrc/tile_attention.c).
 
     Args:
         query: [num_tokens, num_heads, head_dim] bfloat16 (or float32, on "avx2" only),
@@ -309,6 +311,9 @@ def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         own_out, own_lse: paged_attention's output and log-sum-exp over each row's own keys.
         scale: Softmax scale.
         tiles: "amx", "avx512_bf16" or "avx2".
+        members: None (every request), or int32 [n] the requests whose rows share the prefix
+            (the others' rows are left unwritten); with query_start_loc (int32 [num_reqs + 1]).
+        out: Where to write (a new tensor if None).
 
     Returns:
         [num_tokens, num_heads, head_dim] in the query's dtype, or None where the kernel does
@@ -320,11 +325,18 @@ def shared_prefix_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     assert query.dtype == key_cache.dtype == value_cache.dtype == own_out.dtype
     assert query.is_contiguous() and own_out.is_contiguous() and own_lse.is_contiguous()
     assert blocks.dtype == torch.int32 and blocks.is_contiguous() and own_lse.dtype == torch.float32
-    out = torch.empty_like(query)
+    if members is not None:
+        assert members.dtype == query_start_loc.dtype == torch.int32
+        assert members.is_contiguous() and query_start_loc.is_contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous()
     failed = _kernel(f"shared_prefix_attention_{_TILE_DTYPES[query.dtype]}")(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), blocks.data_ptr(), blocks.shape[0],
-        block_size, num_tokens, num_heads, num_kv_heads, head_dim, scale, own_out.data_ptr(), own_lse.data_ptr(),
-        out.data_ptr(), tiles_kind(tiles))
+        block_size, num_tokens, None if members is None else members.data_ptr(),
+        0 if members is None else members.shape[0], None if members is None else query_start_loc.data_ptr(),
+        num_heads, num_kv_heads, head_dim, scale, own_out.data_ptr(), own_lse.data_ptr(), out.data_ptr(),
+        tiles_kind(tiles))
     return None if failed else out
 
 

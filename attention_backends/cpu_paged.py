@@ -32,6 +32,7 @@ torch_sdpa's torch code on the same layout.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -98,42 +99,77 @@ def cascade_thresholds(shared_on: str | None, torch_pays: bool) -> tuple[int, in
 
 @dataclass(slots=True)
 class SharedPrefix:
-    """The blocks every request of a step starts with, and the rest of each request.
+    """The blocks every request of a step (or every member) starts with, and the rest of each
+    request.
 
     Attributes:
         blocks: int32 [n] the shared blocks' ids.
-        tokens: Their tokens (n * block_size): every query row of the step comes after them.
-        suffix_tables: The block tables from the first block after them (a view).
-        suffix_seq_lens: int32 [num_reqs] each request's context after them.
+        tokens: Their tokens (n * block_size): every query row of the members comes after them.
+        suffix_tables: The block tables from the first block after them (a view; a member's
+            rows only mean something).
+        suffix_seq_lens: int32 [num_reqs] each request's context after them (members' only).
+        members: None (every request shares the blocks), or int32 [m] the requests that do.
+        others: None, or bool [num_reqs] the requests that are not members.
     """
 
     blocks: torch.Tensor
     tokens: int
     suffix_tables: torch.Tensor
     suffix_seq_lens: torch.Tensor
+    members: torch.Tensor | None = None
+    others: torch.Tensor | None = None
 
 
-def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_tokens: int) -> SharedPrefix | None:
+def _common_blocks(tables: torch.Tensor) -> int:
+    """How many first columns the rows of ``tables`` all agree on."""
+    same = (tables == tables[:1]).all(0)
+    return tables.shape[1] if bool(same.all()) else int(same.int().argmin())
+
+
+def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_tokens: int,
+                       subsets: bool = False) -> SharedPrefix | None:
     """The blocks that every request of the step starts with, where at least ``min_requests``
     requests share at least ``min_tokens`` tokens that come before all of their query rows;
+    with ``subsets``, where not every request does, the blocks the largest group of requests
+    starting with the same block shares (the members; say a request computing a prompt that
+    the others of its step found in the prefix cache, or traffic under two system prompts);
     else None."""
-    if metadata.num_reqs < min_requests:
+    num_reqs, block_size = metadata.num_reqs, metadata.block_size
+    if num_reqs < min_requests:
         return None
-    block_size = metadata.block_size
-    # NOTE: only whole blocks before every request's first query row: all of a request's
-    # rows see all of them.
-    limit = min(seq - query for seq, query in zip(metadata.seq_lens, metadata.query_lens)) // block_size
-    if limit == 0 or limit * block_size < min_tokens:
+    need = max(1, -(-min_tokens // block_size))  # NOTE: a threshold of 0 tokens still needs a block
+    # NOTE: only whole blocks before a request's first query row: all of its rows see all of them.
+    limits = [(seq - query) // block_size for seq, query in zip(metadata.seq_lens, metadata.query_lens)]
+    limit = min(limits)
+    if limit >= need:
+        blocks = _common_blocks(metadata.block_tables[:num_reqs, :limit])
+        if blocks >= need:
+            return _shared(metadata, blocks, None)
+    if not subsets:
         return None
-    tables = metadata.block_tables[: metadata.num_reqs, :limit]
-    same = (tables == tables[:1]).all(0)
-    blocks = limit if bool(same.all()) else int(same.int().argmin())
-    if blocks == 0 or blocks * block_size < min_tokens:  # NOTE: a threshold of 0 tokens still needs a block
+    candidates = [i for i, blocks in enumerate(limits) if blocks >= need]
+    if len(candidates) < min_requests:
         return None
-    tokens = blocks * block_size
-    return SharedPrefix(blocks=tables[0, :blocks].contiguous(), tokens=tokens,
-                        suffix_tables=metadata.block_tables[: metadata.num_reqs, blocks:],
-                        suffix_seq_lens=metadata.seq_lens_tensor - tokens)
+    firsts = metadata.block_tables[candidates, 0].tolist()
+    counts = Counter(firsts)
+    first = max(firsts, key=counts.__getitem__)  # at a tie, the one met first
+    members = [i for i, block in zip(candidates, firsts) if block == first]
+    if len(members) < min_requests:
+        return None
+    blocks = _common_blocks(metadata.block_tables[members, : min(limits[i] for i in members)])
+    return _shared(metadata, blocks, members) if blocks >= need else None
+
+
+def _shared(metadata: AttentionMetadata, blocks: int, members: list[int] | None) -> SharedPrefix:
+    tables = metadata.block_tables[: metadata.num_reqs]
+    tokens = blocks * metadata.block_size
+    shared = SharedPrefix(blocks=tables[members[0] if members else 0, :blocks].contiguous(), tokens=tokens,
+                          suffix_tables=tables[:, blocks:], suffix_seq_lens=metadata.seq_lens_tensor - tokens)
+    if members is not None:
+        shared.members = torch.tensor(members, dtype=torch.int32)
+        shared.others = torch.ones(metadata.num_reqs, dtype=torch.bool)
+        shared.others[shared.members.long()] = False
+    return shared
 
 
 # Prefill chunks of at least this many tokens go to the tiles (csrc/tile_attention.c) in
@@ -163,15 +199,19 @@ class StepPlan:
     skip: torch.Tensor | None = None
 
 
-def plan_prefill_on_tiles(metadata: AttentionMetadata, min_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def plan_prefill_on_tiles(metadata: AttentionMetadata, min_tokens: int,
+                          shared: SharedPrefix | None = None) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """The requests whose chunks have at least ``min_tokens`` query tokens (and a mask of them),
-    or None."""
-    chosen = [i for i, tokens in enumerate(metadata.query_lens) if tokens >= min_tokens]
-    if not chosen:
+    or None; beside a cascade of some requests (``shared`` with members), the others' chunks
+    (None if none) and a mask of them and the members (the rows the paged kernel leaves)."""
+    others = None if shared is None else shared.others
+    chosen = [i for i, tokens in enumerate(metadata.query_lens)
+              if tokens >= min_tokens and (others is None or others[i])]
+    if not chosen and others is None:
         return None
-    skip = torch.zeros(metadata.num_reqs, dtype=torch.bool)
+    skip = torch.zeros(metadata.num_reqs, dtype=torch.bool) if others is None else ~others
     skip[chosen] = True
-    return torch.tensor(chosen, dtype=torch.int32), skip
+    return (torch.tensor(chosen, dtype=torch.int32) if chosen else None), skip
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -231,10 +271,13 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         if self.batch_invariant:
             metadata.backend_data = StepPlan(None)
             return
-        plan = StepPlan(find_shared_prefix(metadata, *cascade_thresholds(self.tiles, self.torch_cascade_pays)))
-        if self.tiles is not None and plan.shared is None:
+        # NOTE: a cascade of some of the step's requests with tiles only (their rows on the
+        # tiles, the others' as without a cascade).
+        plan = StepPlan(find_shared_prefix(metadata, *cascade_thresholds(self.tiles, self.torch_cascade_pays),
+                                           subsets=self.tiles is not None))
+        if self.tiles is not None and (plan.shared is None or plan.shared.members is not None):
             min_tokens = PREFILL_ON_TILES_MIN_TOKENS or PREFILL_ON_TILES_MIN_TOKENS_BY_KIND[self.tiles]
-            chosen = plan_prefill_on_tiles(metadata, min_tokens)
+            chosen = plan_prefill_on_tiles(metadata, min_tokens, plan.shared)
             if chosen is not None:
                 plan.tile_requests, plan.skip = chosen
         metadata.backend_data = plan
@@ -260,12 +303,16 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         quantized = key_cache.dtype in FP8_DTYPES
         shared = None if quantized else plan.shared
         on_tiles = not quantized and self.tiles_for(query.dtype) is not None
+        if shared is not None and shared.members is not None:
+            if on_tiles:
+                return self._cascade_of_members(query, key_cache, value_cache, metadata, plan)
+            shared = None
         if shared is not None and not on_tiles:
             requests, tokens = cascade_thresholds(None, self.torch_cascade_pays)
             if metadata.num_reqs < requests or shared.tokens < tokens:
                 shared = None
         if shared is None:
-            tiles = on_tiles and plan.tile_requests is not None
+            tiles = on_tiles and plan.tile_requests is not None and plan.shared is None
             out = cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                               metadata.seq_lens_tensor, metadata.query_start_loc, self.scale,
                                               skip=plan.skip if tiles else None)
@@ -286,6 +333,28 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
                 return out
         common, common_lse = self._attend_shared(query, key_cache, value_cache, shared)
         return merge_attention(common, common_lse, own, own_lse)
+
+    def _cascade_of_members(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            metadata: AttentionMetadata, plan: StepPlan) -> torch.Tensor:
+        """A cascade of the shared prefix's members on the tiles, the other requests' rows as
+        without one (their chunks on the tiles where the plan says, else the kernel)."""
+        shared, starts = plan.shared, metadata.query_start_loc
+        own, own_lse = cpu_kernels.paged_attention(query, key_cache, value_cache, shared.suffix_tables,
+                                                   shared.suffix_seq_lens, starts, self.scale, return_lse=True,
+                                                   skip=shared.others)
+        out = cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
+                                          metadata.seq_lens_tensor, starts, self.scale, skip=plan.skip)
+        ran = (plan.tile_requests is None
+               or cpu_kernels.prefill_attention(query, key_cache, value_cache, metadata.block_tables,
+                                                metadata.seq_lens_tensor, starts, plan.tile_requests, self.scale,
+                                                out, self.tiles))
+        ran = ran and cpu_kernels.shared_prefix_attention(query, key_cache, value_cache, shared.blocks, own, own_lse,
+                                                          self.scale, self.tiles, shared.members, starts,
+                                                          out) is not None
+        if not ran:  # NOTE: the tiles could not run (no memory for their operands): every row by the kernel.
+            out = cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
+                                              metadata.seq_lens_tensor, starts, self.scale)
+        return out
 
     def _attend_shared(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        shared: SharedPrefix) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,8 @@
 without cascade attention (attention_backends/cpu_paged.py), in-process.
 
 For each (requests, shared tokens) pair, a step of one decode row per request over the
-shared blocks plus ``--own`` tokens of its own, through the cpu_paged backend as the model
+shared blocks plus ``--own`` tokens of its own (``--apart`` of the requests over blocks of their
+own instead: a step under two prompts, where the cascade takes the others), through the cpu_paged backend as the model
 calls it (write of the new keys, attention), over ``--layers`` layers' calls; the kernel
 alone against the cascade (its shared part on the attention tiles where they run, AMX's,
 AVX512-BF16's or AVX2's float32 ones, else by torch's flash attention). Shapes default to
@@ -26,14 +27,18 @@ def _step(requests: int, shared: int, own: int, args: argparse.Namespace, gen: t
     bs, kv_heads, head_dim = args.block_size, args.num_kv_heads, args.head_dim
     context = shared + own
     per_request, shared_blocks = -(-context // bs), shared // bs
-    num_blocks = shared_blocks + requests * (per_request - shared_blocks) + 1
+    apart = min(args.apart, requests)
+    num_blocks = shared_blocks + requests * (per_request - shared_blocks) + apart * shared_blocks + 1
     backend = cpu_paged.CpuPagedAttentionBackend(args.num_heads, kv_heads, head_dim, head_dim**-0.5)
     dtype = getattr(torch, args.dtype)
     key_cache = torch.randn(num_blocks, kv_heads, head_dim, bs, generator=gen).to(dtype)
     value_cache = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=gen).to(dtype)
     tables = torch.zeros(requests, per_request, dtype=torch.int32)
     tables[:, :shared_blocks] = torch.arange(shared_blocks, dtype=torch.int32)
-    tables[:, shared_blocks:] = torch.arange(shared_blocks, num_blocks - 1, dtype=torch.int32).view(requests, -1)
+    own_end = num_blocks - 1 - apart * shared_blocks
+    tables[:, shared_blocks:] = torch.arange(shared_blocks, own_end, dtype=torch.int32).view(requests, -1)
+    if apart and shared_blocks:
+        tables[:apart, :shared_blocks] = torch.arange(own_end, num_blocks - 1, dtype=torch.int32).view(apart, -1)
     last = context - 1
     metadata = AttentionMetadata(
         num_tokens=requests, query_lens=[1] * requests, seq_lens=[context] * requests,
@@ -63,7 +68,8 @@ def run_cascade_bench(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(0)
     saved = cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS
     print(f"decode attention, {args.layers} layers, {args.dtype}, {args.num_heads} heads / {args.num_kv_heads} KV "
-          f"heads x {args.head_dim}, {args.own} tokens of each request's own; ms (best of {args.repeats})")
+          f"heads x {args.head_dim}, {args.own} tokens of each request's own, {args.apart} apart; "
+          f"ms (best of {args.repeats})")
     try:
         for requests, shared in args.cases:
             backend, kv_cache, metadata, inputs = _step(requests, shared, args.own, args, gen)
@@ -74,8 +80,9 @@ def run_cascade_bench(args: argparse.Namespace) -> int:
             cascade = _time(backend, kv_cache, metadata, inputs, args.layers, args.repeats)
             cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS = saved
             taken = cpu_paged.find_shared_prefix(metadata, *cpu_paged.cascade_thresholds(
-                None if path == "torch" else path, backend.torch_cascade_pays))
-            print(json.dumps({"requests": requests, "shared_tokens": shared, "shared_part": path,
+                None if path == "torch" else path, backend.torch_cascade_pays), subsets=path != "torch")
+            print(json.dumps({"requests": requests, "shared_tokens": shared, "apart": min(args.apart, requests),
+                              "shared_part": path,
                               "kernel_ms": round(kernel * 1e3, 2), "cascade_ms": round(cascade * 1e3, 2),
                               "speedup": round(kernel / cascade, 2), "taken_by_default": taken is not None}))
     finally:
@@ -105,5 +112,7 @@ def add_cascade_bench_parser(bench_sub) -> None:
     p.add_argument("--cases", type=_cases, default=_cases("64x512,64x256,64x128,32x512,16x512,8x512,8x256,2x1024"),
                    help="requests x shared tokens, comma-separated (shared tokens: a multiple of --block-size)")
     p.add_argument("--own", type=int, default=88, help="tokens of each request's own after the prefix")
+    p.add_argument("--apart", type=int, default=0,
+                   help="requests over blocks of their own in place of the prefix (the cascade takes the others)")
     add_decode_step_args(p, repeats=3)
     p.set_defaults(func=run_cascade_bench)

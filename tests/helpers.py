@@ -179,11 +179,12 @@ def dense_attention(q, k, v):
 
 
 def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32, device="cpu",
-             num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, shared_blocks=0, cache_dtype=None):
+             num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, shared_blocks=0, cache_dtype=None,
+             apart=()):
     """Fills caches for the context, runs one mixed step, returns (output, reference) on the CPU.
 
-    With ``shared_blocks``, every request starts with the same blocks, holding the same keys
-    and values (a prefix the prefix cache shares). ``cache_dtype`` (an fp8 dtype) stores the
+    With ``shared_blocks``, every request but those listed in ``apart`` starts with the same
+    blocks, holding the same keys and values (a prefix the prefix cache shares). ``cache_dtype`` (an fp8 dtype) stores the
     cache in it, and the reference attends over the keys and values rounded to it.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -200,14 +201,15 @@ def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch
     shared_k = torch.randn(shared_tokens, num_kv_heads, head_dim, generator=gen, dtype=dtype)
     shared_v = torch.randn(shared_tokens, num_kv_heads, head_dim, generator=gen, dtype=dtype)
     tables, full_k, full_v = [], [], []
-    for s in seq_lens:
-        assert s > shared_tokens
-        n = -(-s // block_size) - shared_blocks
-        tables.append(shared + perm[:n])
+    for i, s in enumerate(seq_lens):
+        assert s > shared_tokens or i in apart
+        n = -(-s // block_size) - (0 if i in apart else shared_blocks)
+        tables.append(([] if i in apart else shared) + perm[:n])
         perm = perm[n:]
         k = torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype)
         v = torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=dtype)
-        k[:shared_tokens], v[:shared_tokens] = shared_k, shared_v
+        if i not in apart:
+            k[:shared_tokens], v[:shared_tokens] = shared_k, shared_v
         full_k.append(k)
         full_v.append(v)
     # Context tokens (all but the step's queries) are already in the cache.

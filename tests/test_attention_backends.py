@@ -366,8 +366,8 @@ def test_avx2_and_portable_builds_of_the_tiles(tmp_path, march, budget, dtype):
     blocks = torch.tensor([4, 9, 2], dtype=torch.int32)
     own, own_lse = query[:5].clone(), torch.randn(5, heads, generator=gen)
     shared_out = torch.zeros_like(own)
-    shared_args = (query, keys, values, blocks, 3, block_size, 5, heads, kv_heads, head_dim, scale, own, own_lse,
-                   shared_out)
+    shared_args = (query, keys, values, blocks, 3, block_size, 5, None, 0, None, heads, kv_heads, head_dim, scale, own,
+                   own_lse, shared_out)
     float_tiles = cpu_kernels.tiles_kind("avx2")
     if march == "x86-64-v2":
         assert call(prefill, *prefill_args, kind=float_tiles) and call(shared, *shared_args, kind=float_tiles)

@@ -139,6 +139,11 @@ def test_cascade_bench_times_the_kernel_against_the_cascade(capsys):
     assert [r["taken_by_default"] for r in rows] == [False, tiles in ("amx", "avx2")]
     assert {r["shared_part"] for r in rows} == {tiles or "torch"}
     assert (cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS) == thresholds  # put back
+    # One of 9 requests over blocks of its own: the other 8, a cascade of members, on the same tiles.
+    assert main(["bench", "cascade", "--cases", "9x256", "--apart", "1", "--own", "8", "--layers", "2",
+                 "--repeats", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["apart"], r["taken_by_default"]) for r in rows] == [(1, tiles in ("amx", "avx2"))]
 
 
 def test_scoring_bench_reports_each_mode_against_prefill(capsys, tmp_path, tiny_llama_dir):

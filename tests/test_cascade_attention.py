@@ -51,6 +51,48 @@ def test_the_shared_prefix_is_the_whole_blocks_every_request_starts_with_before_
     assert cpu_paged.find_shared_prefix(metadata_of(tables, [60, 60, 60], [50, 1, 1]), 1, 0) is None
 
 
+def test_with_subsets_the_largest_group_starting_with_one_block_shares_where_not_every_request_does():
+    tables = [[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 3, 4], [5, 6, 10, 11], [5, 6, 12, 13]]
+    # A step's first request computes the prompt whose blocks the others found cached: its rows
+    # see no whole block before them, so it is no member; without subsets, no cascade at all.
+    seq_lens, query_lens = [60, 60, 60, 40, 40], [60, 1, 1, 1, 1]
+    assert cpu_paged.find_shared_prefix(metadata_of(tables, seq_lens, query_lens), 2, 1) is None
+    shared = cpu_paged.find_shared_prefix(metadata_of(tables, seq_lens, query_lens), 2, 1, subsets=True)
+    assert shared.members.tolist() == [1, 2] and shared.blocks.tolist() == [7, 8] and shared.tokens == 32
+    assert shared.others.tolist() == [True, False, False, True, True]
+    assert shared.suffix_seq_lens[1:3].tolist() == [28, 28] and shared.suffix_tables[1, :2].tolist() == [9, 2]
+    # Two system prompts: the larger group; at a tie, the first block met first.
+    seq_lens, query_lens = [60, 60, 60, 40, 40], [1] * 5
+    shared = cpu_paged.find_shared_prefix(metadata_of(tables, seq_lens, query_lens), 2, 1, subsets=True)
+    assert shared.members.tolist() == [0, 1, 2] and shared.tokens == 32
+    shared = cpu_paged.find_shared_prefix(metadata_of(tables[1:], seq_lens[1:], query_lens[1:]), 2, 1, subsets=True)
+    assert shared.members.tolist() == [0, 1] and shared.blocks.tolist() == [7, 8]
+    # The thresholds hold for the group: too few members, or too few tokens they share.
+    assert cpu_paged.find_shared_prefix(metadata_of(tables, seq_lens, query_lens), 4, 1, subsets=True) is None
+    assert cpu_paged.find_shared_prefix(metadata_of(tables, seq_lens, query_lens), 2, 33, subsets=True) is None
+    # Every request sharing: the cascade of all, as without subsets (no members listed).
+    shared = cpu_paged.find_shared_prefix(metadata_of(tables[:3], [60] * 3, [1] * 3), 2, 1, subsets=True)
+    assert shared.members is None and shared.others is None and shared.tokens == 32
+
+
+def test_beside_a_cascade_of_members_the_others_chunks_go_to_the_tiles(always_cascade, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: "amx")
+    backend = cpu_paged.CpuPagedAttentionBackend(6, 2, 64, 0.125)
+    tables = [[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 3, 4], [5, 6, 10, 11]]
+    metadata = metadata_of(tables, [60, 60, 60, 40], [60, 1, 20, 1])
+    backend.prepare(metadata)
+    plan = metadata.backend_data
+    assert plan.shared.members.tolist() == [1, 2]
+    assert plan.tile_requests.tolist() == [0]  # a member's chunk goes to the cascade, not the tiles
+    assert plan.skip.tolist() == [True, True, True, False]  # the paged kernel: the other decode alone
+    metadata = metadata_of(tables, [60, 60, 60, 40], [1, 1, 1, 1])
+    metadata.block_tables[0, 0] = 9  # an odd one out among decodes
+    backend.prepare(metadata)
+    plan = metadata.backend_data
+    assert plan.shared.members.tolist() == [1, 2] and plan.tile_requests is None
+    assert plan.skip.tolist() == [False, True, True, False]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernels_log_sum_exp_is_each_rows(dtype):
     block_size, heads, kv_heads, head_dim = 16, 6, 2, 64
@@ -117,6 +159,36 @@ def test_cascade_matches_naive(always_cascade, monkeypatch, shared_blocks, seq_l
     out, _ = run_step("cpu_paged", block_size, seq_lens, query_lens, **shape)
     if shared_path != "torch":
         assert ran and all(r is not None for r in ran)  # the tiles ran, not torch in their place
+    tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), naive.float(), **tolerance)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
+
+
+# A cascade of the members only: the first request computes the whole prompt (its rows, with
+# no whole block before them, on the prefill tiles), three share its 17 blocks (across the
+# kernel's 256-key partitions), two more stand apart (a decode, a chunk on the tiles).
+@pytest.mark.parametrize("dtype,tiles", [(torch.bfloat16, kind) for kind in cpu_kernels.attention_tile_kinds()]
+                         + [(torch.float32, "avx2")] * ("avx2" in cpu_kernels.attention_tile_kinds()))
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (2, 128)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_a_cascade_of_some_requests_matches_naive(always_cascade, monkeypatch, dtype, tiles, group, head_dim,
+                                                  block_size):
+    monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: tiles)
+    monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", 16)
+    members, shared_prefix_attention = [], cpu_kernels.shared_prefix_attention
+    def spy(*args):
+        out = shared_prefix_attention(*args)
+        members.append(None if args[8] is None or out is None else args[8].tolist())
+        return out
+    monkeypatch.setattr(cpu_kernels, "shared_prefix_attention", spy)
+    shared_blocks = {16: 17, 32: 8}[block_size]
+    seq_lens, query_lens = [280, 300, 290, 400, 35, 60], [280, 1, 5, 1, 1, 20]
+    shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, shared_blocks=shared_blocks, seed=6,
+                 dtype=dtype, apart=(4, 5))
+    naive, reference = run_step("naive", block_size, seq_lens, query_lens, **shape)
+    out, _ = run_step("cpu_paged", block_size, seq_lens, query_lens, **shape)
+    assert members == [[1, 2, 3]]  # the tiles ran for the members, once
     tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.float(), naive.float(), **tolerance)
     if dtype == torch.float32:

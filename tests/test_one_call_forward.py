@@ -309,6 +309,57 @@ def test_a_cascade_step_equals_the_layer_by_layer_path(tmp_path, monkeypatch, ro
     assert calls == [2] * 8  # every step in one call, each with its two shared blocks
 
 
+@pytest.mark.parametrize("tiles", TILE_KINDS_HERE)
+@torch.inference_mode()
+def test_a_cascade_of_some_requests_equals_the_layer_by_layer_path(tmp_path, monkeypatch, rounded_once, tiles):
+    """A step as a burst under one system prompt starts: one request computes the 37-token
+    prompt whose two whole blocks three others found in the prefix cache (their tails in the
+    same step, over keys that step writes), beside a decode of an unrelated sequence. The three
+    are the cascade's members; the first request's rows go to the prefill tiles, the decode to
+    the paged kernel. In the one call as layer by layer, bit for bit; within bfloat16 rounding
+    of the same step without the cascade."""
+    from pagoda.attention_backends import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 2)
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 1)
+    monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", 8)
+    model, backend, caches = head64_model(tmp_path, monkeypatch, tiles)
+    calls = []
+    one_call_fn = model._one_call.fn
+    model._one_call.fn = lambda *args: calls.append(args[25:28]) or one_call_fn(*args)
+    generator = torch.Generator().manual_seed(4)
+    alone = torch.randint(3, 4000, (20,), generator=generator).tolist()
+    alone_blocks = [30, 31]
+    metadata = step([(list(range(20)), alone_blocks)])
+    backend.prepare(metadata)
+    model(torch.tensor(alone), torch.arange(20), caches, metadata)
+    prefix = torch.randint(3, 4000, (37,), generator=generator).tolist()
+    tails = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (3, 1, 5, 2)]
+    blocks = [[0, 1, 2 + 3 * i, 3 + 3 * i] for i in range(len(tails))]
+    requests = [(list(range(37 + len(tails[0]))), blocks[0])]
+    requests += [(list(range(32, 37 + len(tail))), b) for tail, b in zip(tails[1:], blocks[1:])]
+    requests.append(([20], alone_blocks))
+    ids = torch.tensor((prefix + tails[0]) + [t for tail in tails[1:] for t in (prefix + tail)[32:]] + [9])
+    positions = torch.tensor([p for positions, _ in requests for p in positions])
+    metadata = step(requests)
+    backend.prepare(metadata)
+    plan = metadata.backend_data
+    assert plan.shared.tokens == 32 and plan.shared.members.tolist() == [1, 2, 3]
+    assert plan.tile_requests.tolist() == [0] and plan.skip.tolist() == [True, True, True, True, False]
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    layered = model.forward(ids, positions, [(k.clone(), v.clone()) for k, v in before], metadata)
+    calls.clear()
+    one_call = model(ids, positions, caches, metadata)
+    assert calls[0][0] == 2 and calls[0][2] != 0  # two shared blocks, a list of members
+    assert torch.equal(one_call, layered)
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 0)  # never
+    plain = step(requests)
+    backend.prepare(plain)
+    assert plain.backend_data.shared is None
+    without = model.forward(ids, positions, [(k.clone(), v.clone()) for k, v in before], plain)
+    torch.testing.assert_close(one_call.float(), without.float(), rtol=0.05, atol=0.15)
+
+
 @torch.inference_mode()
 def test_a_token_or_position_out_of_range_is_an_index_error_and_writes_nothing(tiny_llama_dir):
     """A prompt chunk with a token past the vocabulary, or a position past RoPE's table: an

@@ -52,6 +52,7 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, con
                            uint16_t *out, int kind);
 int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                                  const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
+                                 const int32_t *members, int64_t num_members, const int32_t *query_start,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                                  const uint16_t *own_out, const float *own_lse, uint16_t *out, int kind);
 
@@ -325,12 +326,15 @@ static void *carve(char **at, size_t bytes, int index) {
  * step's tensors; embed is bfloat16 [vocab, hidden], cos/sin float32 [max_positions, head_dim].
  *
  * Attention as the cpu_paged backend computes it (its plan for the step):
- * - with shared_blocks (num_shared blocks that every sequence's table starts with), a cascade:
- *   each row's own keys (the tables from the first block after them, suffix_seq_lens) by the
- *   paged kernel, the shared keys once for all rows by tile_attention.c (on tiles of the kind
- *   `tiles`, cpu_kernels.TILE_KINDS), merged by their log-sum-exps;
- * - else the num_tile_requests tile_requests' rows (prefill chunks; skip marks them, uint8
- *   [num_reqs]) causally on the tiles, the others by the paged kernel;
+ * - with shared_blocks (num_shared blocks that every sequence's table starts with, or with
+ *   num_members, the listed members'), a cascade: each member row's own keys (the tables from
+ *   the first block after them, suffix_seq_lens) by the paged kernel, the shared keys once for
+ *   all of them by tile_attention.c (on tiles of the kind `tiles`, cpu_kernels.TILE_KINDS),
+ *   merged by their log-sum-exps; with members, the other requests' rows (own_skip marks
+ *   them, uint8 [num_reqs]) as without a cascade, skip marking the members too;
+ * - else (and for a cascade's other requests) the num_tile_requests tile_requests' rows
+ *   (prefill chunks; skip marks them, uint8 [num_reqs]) causally on the tiles, the others by
+ *   the paged kernel;
  * where the tiles cannot run (no memory), every row by the paged kernel over its whole table. */
 int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int64_t rows, const uint16_t *embed,
                      const int64_t *tokens, const int64_t *positions, const int64_t *slots,
@@ -339,8 +343,9 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
                      const uint16_t *final_norm, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t intermediate, int64_t block_size, int64_t vocab,
                      int64_t max_positions, float eps, float scale, const int32_t *shared_blocks,
-                     int64_t num_shared, const int32_t *suffix_seq_lens, int tiles, int64_t num_reqs,
-                     const uint8_t *skip, const int32_t *tile_requests, int64_t num_tile_requests, uint16_t *out) {
+                     int64_t num_shared, const int32_t *suffix_seq_lens, const int32_t *members,
+                     int64_t num_members, const uint8_t *own_skip, int tiles, int64_t num_reqs, const uint8_t *skip,
+                     const int32_t *tile_requests, int64_t num_tile_requests, uint16_t *out) {
     for (int64_t r = 0; r < rows; r++)
         if (tokens[r] < 0 || tokens[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -2;
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -380,11 +385,21 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
         int whole = 1; /* every row's attention over its whole table by the paged kernel */
         if (num_shared) {
             paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables + num_shared,
-                                 block_table_stride, suffix_seq_lens, query_start, own, own_lse, NULL, num_reqs,
+                                 block_table_stride, suffix_seq_lens, query_start, own, own_lse, own_skip, num_reqs,
                                  num_heads, num_kv_heads, head_dim, block_size, scale, 1.0f);
             whole = shared_prefix_attention_bf16(queries, layer->key_cache, layer->value_cache, shared_blocks,
-                                                 num_shared, block_size, rows, num_heads, num_kv_heads, head_dim, scale,
-                                                 own, own_lse, attn, tiles);
+                                                 num_shared, block_size, rows, members, num_members, query_start,
+                                                 num_heads, num_kv_heads, head_dim, scale, own, own_lse, attn, tiles);
+            if (!whole && num_members) { /* the other requests' rows */
+                paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,
+                                     seq_lens, query_start, attn, NULL, skip, num_reqs, num_heads, num_kv_heads,
+                                     head_dim, block_size, scale, 1.0f);
+                whole = num_tile_requests &&
+                        prefill_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables,
+                                               block_table_stride, seq_lens, query_start, tile_requests,
+                                               num_tile_requests, num_heads, num_kv_heads, head_dim, block_size,
+                                               scale, attn, tiles);
+            }
         } else {
             paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,
                                  seq_lens, query_start, attn, NULL, skip_tiled, num_reqs, num_heads, num_kv_heads,

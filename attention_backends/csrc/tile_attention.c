@@ -1,8 +1,8 @@
 /*
  * Attention on AMX tiles for query rows that come many to a set of keys: prefill chunks (a
- * request's rows against its own context, causal) and cascade attention's shared part (every
- * query row of a step against a prefix all its requests share, merged with each row's
- * attention over its own keys).
+ * request's rows against its own context, causal) and cascade attention's shared part (the
+ * query rows of a step's requests, or of the listed `members` among them, against a prefix
+ * they all share, merged with each row's attention over its own keys).
  *
  * The paged kernel (paged_attention.c) works with vectors, a few query rows at a time: a
  * 256-token prefill chunk reads its context once per tile of 2 tokens, and 64 requests over
@@ -375,13 +375,14 @@ static void pack_values(uint16_t *dst, const uint16_t *value_cache, const int32_
     }
 }
 
-/* Query rows t * G + g (tokens first..first+tokens-1) of KV head h as [padded_rows][D], zero padded. */
-static void pack_queries(uint16_t *dst, const uint16_t *query, int64_t first, int64_t tokens, int64_t padded_rows,
-                         int64_t num_heads, int64_t G, int64_t h, int64_t D) {
+/* Query rows t * G + g (tokens first..first+tokens-1, or with `tok` tokens tok[0..tokens-1]) of
+ * KV head h as [padded_rows][D], zero padded. */
+static void pack_queries(uint16_t *dst, const uint16_t *query, const int32_t *tok, int64_t first, int64_t tokens,
+                         int64_t padded_rows, int64_t num_heads, int64_t G, int64_t h, int64_t D) {
     /* a token's G rows lie side by side in the query: G x D elements copied in 32s (D is 64 or
      * 128), inline (a memcpy call a row was 2% of a prefill step) */
     for (int64_t t = 0; t < tokens; t++) {
-        const uint16_t *src = query + ((first + t) * num_heads + h * G) * D;
+        const uint16_t *src = query + ((tok ? tok[t] : first + t) * num_heads + h * G) * D;
         for (int64_t e = 0; e < G * D; e += 32)
             _mm512_storeu_si512(dst + t * G * D + e, _mm512_loadu_si512(src + e));
     }
@@ -635,12 +636,13 @@ static void pack_values_float(float *dst, const void *value_cache, int f32, cons
 }
 
 /* pack_queries in float32, times the softmax's scale (as the paged kernel scales them). */
-static void pack_queries_float(float *dst, const void *query, int f32, int64_t first, int64_t tokens,
-                               int64_t padded_rows, int64_t num_heads, int64_t G, int64_t h, int64_t D, float scale) {
+static void pack_queries_float(float *dst, const void *query, int f32, const int32_t *tok, int64_t first,
+                               int64_t tokens, int64_t padded_rows, int64_t num_heads, int64_t G, int64_t h, int64_t D,
+                               float scale) {
     const __m256 scale8 = _mm256_set1_ps(scale);
     for (int64_t r = 0; r < padded_rows; r++) {
         if (r < tokens * G) {
-            const int64_t q = ((first + r / G) * num_heads + h * G + r % G) * D;
+            const int64_t q = ((tok ? tok[r / G] : first + r / G) * num_heads + h * G + r % G) * D;
             for (int64_t d = 0; d < D; d += 8)
                 _mm256_storeu_ps(dst + r * D + d, _mm256_mul_ps(load8(query, q + d, f32), scale8));
         } else {
@@ -674,14 +676,15 @@ static size_t element_bytes(int kind) { return kind == FLOAT_TILES ? sizeof(floa
 /* Operand `part` (0 keys, 1 values, 2 queries) of KV head h into dst, in `kind`'s layout, from
  * bfloat16 or (f32, the float32 tiles only) float32 operands. */
 static void pack_operand(int kind, int f32, int part, void *dst, const void *key_cache, const void *value_cache,
-                         const void *query, const int32_t *blocks, int64_t keys, int64_t padded_keys,
-                         int64_t block_size, int64_t block_stride, int64_t first, int64_t tokens, int64_t padded_rows,
+                         const void *query, const int32_t *tok, const int32_t *blocks, int64_t keys,
+                         int64_t padded_keys, int64_t block_size, int64_t block_stride, int64_t first, int64_t tokens,
+                         int64_t padded_rows,
                          int64_t num_heads, int64_t G, int64_t h, int64_t D, float scale) {
 #if HAVE_VECTOR_TILES
     if (kind != FLOAT_TILES) {
         if (part == 0) pack_keys(dst, key_cache, blocks, keys, padded_keys, block_size, block_stride, h, D);
         else if (part == 1) pack_values(dst, value_cache, blocks, keys, padded_keys, block_size, block_stride, h, D);
-        else pack_queries(dst, query, first, tokens, padded_rows, num_heads, G, h, D);
+        else pack_queries(dst, query, tok, first, tokens, padded_rows, num_heads, G, h, D);
         return;
     }
 #endif
@@ -689,7 +692,7 @@ static void pack_operand(int kind, int f32, int part, void *dst, const void *key
     if (part == 0) pack_keys_float(dst, key_cache, f32, blocks, keys, padded_keys, block_size, block_stride, h, D);
     else if (part == 1)
         pack_values_float(dst, value_cache, f32, blocks, keys, padded_keys, block_size, block_stride, h, D);
-    else pack_queries_float(dst, query, f32, first, tokens, padded_rows, num_heads, G, h, D, scale);
+    else pack_queries_float(dst, query, f32, tok, first, tokens, padded_rows, num_heads, G, h, D, scale);
 }
 
 /* Query rows a task takes, of a KV head's `rows`: 32 on AMX tiles at head_dim 64
@@ -776,11 +779,22 @@ static inline void end_tiles(int kind) {
 
 /* The entry points below on bfloat16 or (f32) float32 operands; out and own_out in that dtype. */
 static int shared_prefix(const void *query, const void *key_cache, const void *value_cache, const int32_t *blocks,
-                         int64_t num_blocks, int64_t block_size, int64_t num_tokens, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, float scale, const void *own_out,
-                         const float *own_lse, void *out, int kind, int f32) {
+                         int64_t num_blocks, int64_t block_size, int64_t num_tokens, const int32_t *members,
+                         int64_t num_members, const int32_t *query_start, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, float scale, const void *own_out, const float *own_lse, void *out, int kind,
+                         int f32) {
     const int64_t D = head_dim, G = num_heads / num_kv_heads, KV = num_kv_heads, OE = f32 ? 4 : 2;
     if ((D != 64 && D != 128) || num_blocks <= 0 || !runs(kind, f32)) return 1;
+    /* with members, their rows alone: tok lists their tokens (the rows' order in the tiles) */
+    int32_t *tok = NULL;
+    if (members) {
+        int64_t n = 0;
+        for (int64_t j = 0; j < num_members; j++) n += query_start[members[j] + 1] - query_start[members[j]];
+        if (!(tok = malloc(sizeof(int32_t) * (size_t)(n ? n : 1)))) return 1;
+        num_tokens = 0;
+        for (int64_t j = 0; j < num_members; j++)
+            for (int32_t t = query_start[members[j]]; t < query_start[members[j] + 1]; t++) tok[num_tokens++] = t;
+    }
     const int64_t keys = num_blocks * block_size, padded_keys = (keys + KEYS - 1) / KEYS * KEYS;
     const int64_t rows = num_tokens * G;
     const int R = task_rows(kind, D, rows);
@@ -788,7 +802,10 @@ static int shared_prefix(const void *query, const void *key_cache, const void *v
     const int64_t block_stride = KV * D * block_size;
     const size_t E = element_bytes(kind);
     char *kb = aligned_alloc(64, (size_t)(2 * KV * D * padded_keys + KV * padded_rows * D) * E);
-    if (!kb) return 1;
+    if (!kb) {
+        free(tok);
+        return 1;
+    }
     char *vb = kb + KV * D * padded_keys * E, *qp = vb + KV * padded_keys * D * E;
     /* dynamic: the keys' jobs (first) take longest; statically the first thread got them all */
     #pragma omp parallel for schedule(dynamic, 1)
@@ -796,7 +813,7 @@ static int shared_prefix(const void *query, const void *key_cache, const void *v
         const int64_t part = job / KV, h = job % KV;
         char *dst = part == 0 ? kb + h * D * padded_keys * E : part == 1 ? vb + h * padded_keys * D * E
                                                                           : qp + h * padded_rows * D * E;
-        pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, blocks, keys, padded_keys, block_size,
+        pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, tok, blocks, keys, padded_keys, block_size,
                      block_stride, 0, num_tokens, padded_rows, num_heads, G, h, D, scale);
     }
     const int64_t tasks_per_head = padded_rows / R;
@@ -813,7 +830,7 @@ static int shared_prefix(const void *query, const void *key_cache, const void *v
             attend(kind, R, qp + (h * padded_rows + r0) * D * E, kb + h * D * padded_keys * E,
                    vb + h * padded_keys * D * E, last, padded_keys, D, scale, 1, acc, m, l);
             for (int64_t i = 0; i < R && r0 + i < rows; i++) {
-                const int64_t r = r0 + i, at = (r / G) * num_heads + h * G + r % G;
+                const int64_t r = r0 + i, at = (tok ? tok[r / G] : r / G) * num_heads + h * G + r % G;
                 store(kind, f32, (char *)out + at * D * OE, acc[i], m[i], l[i], (const char *)own_out + at * D * OE,
                       own_lse + at, D);
             }
@@ -821,6 +838,7 @@ static int shared_prefix(const void *query, const void *key_cache, const void *v
         end_tiles(kind);
     }
     free(kb);
+    free(tok);
     return 0;
 }
 
@@ -887,7 +905,7 @@ static int prefill(const void *query, const void *key_cache, const void *value_c
             const int64_t pk = padded_keys[j], pr = padded_rows[j];
             char *base = work + offset[j] * E;
             char *dst = base + (part == 0 ? h * D * pk : part == 1 ? KV * D * pk + h * pk * D : 2 * KV * D * pk + h * pr * D) * E;
-            pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, block_tables + i * block_table_stride,
+            pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, NULL, block_tables + i * block_table_stride,
                          seq_lens[i], pk, block_size, block_stride, query_start[i], query_start[i + 1] - query_start[i],
                          pr, num_heads, G, h, D, scale);
         }
@@ -930,11 +948,12 @@ static int prefill(const void *query, const void *key_cache, const void *value_c
 #else
 /* No tiles in this build: every entry point declines, and the caller takes the paged kernel. */
 static int shared_prefix(const void *query, const void *key_cache, const void *value_cache, const int32_t *blocks,
-                         int64_t num_blocks, int64_t block_size, int64_t num_tokens, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, float scale, const void *own_out,
-                         const float *own_lse, void *out, int kind, int f32) {
+                         int64_t num_blocks, int64_t block_size, int64_t num_tokens, const int32_t *members,
+                         int64_t num_members, const int32_t *query_start, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, float scale, const void *own_out, const float *own_lse, void *out, int kind,
+                         int f32) {
     (void)query, (void)key_cache, (void)value_cache, (void)blocks, (void)num_blocks, (void)block_size;
-    (void)num_tokens, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)scale, (void)own_out;
+    (void)members, (void)num_members, (void)query_start, (void)num_tokens, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)scale, (void)own_out;
     (void)own_lse, (void)out, (void)kind, (void)f32;
     return 1;
 }
@@ -954,18 +973,22 @@ static int prefill(const void *query, const void *key_cache, const void *value_c
 
 int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                                  const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
+                                 const int32_t *members, int64_t num_members, const int32_t *query_start,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                                  const uint16_t *own_out, const float *own_lse, uint16_t *out, int kind) {
-    return shared_prefix(query, key_cache, value_cache, blocks, num_blocks, block_size, num_tokens, num_heads,
-                         num_kv_heads, head_dim, scale, own_out, own_lse, out, kind, 0);
+    return shared_prefix(query, key_cache, value_cache, blocks, num_blocks, block_size, num_tokens, members,
+                         num_members, query_start, num_heads, num_kv_heads, head_dim, scale, own_out, own_lse, out,
+                         kind, 0);
 }
 
 int shared_prefix_attention_f32(const float *query, const float *key_cache, const float *value_cache,
                                 const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
+                                const int32_t *members, int64_t num_members, const int32_t *query_start,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                                 const float *own_out, const float *own_lse, float *out, int kind) {
-    return shared_prefix(query, key_cache, value_cache, blocks, num_blocks, block_size, num_tokens, num_heads,
-                         num_kv_heads, head_dim, scale, own_out, own_lse, out, kind, 1);
+    return shared_prefix(query, key_cache, value_cache, blocks, num_blocks, block_size, num_tokens, members,
+                         num_members, query_start, num_heads, num_kv_heads, head_dim, scale, own_out, own_lse, out,
+                         kind, 1);
 }
 
 int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,

@@ -122,23 +122,28 @@ class OneCallForward:
         """Whether no step is left to the compiled regions (see applies)."""
         return self.tiles is not None
 
-    def _attention(self, metadata: AttentionMetadata) -> tuple[int, int, int, int, int, int, int]:
+    def _attention(self, metadata: AttentionMetadata) -> tuple[int, ...]:
         """The C call's attention plan, as the backend made it for the step: the shared blocks,
-        their count, the rows' own context lengths and the kind of tiles (for the shared part
-        and the prefill chunks); the number of sequences; the mask of the sequences whose
-        chunks go to the prefill tiles, those sequences and their count (none: zeros)."""
+        their count, the rows' own context lengths, the members sharing them (all: none), their
+        count and the mask of the others, and the kind of tiles (for the shared part and the
+        prefill chunks); the number of sequences; the mask of the sequences whose chunks go to
+        the prefill tiles (beside a cascade of members: and the members), those sequences and
+        their count (none: zeros)."""
         plan = metadata.backend_data
         shared = getattr(plan, "shared", None)
-        cascade = (0, 0, 0)
+        cascade = (0, 0, 0, 0, 0, 0)
         if shared is not None:
             if not (shared.blocks.dtype == shared.suffix_seq_lens.dtype == torch.int32
                     and shared.blocks.is_contiguous() and shared.suffix_seq_lens.is_contiguous()):
                 raise ValueError("one_call_forward: the shared prefix's blocks and lengths are not contiguous int32")
-            cascade = (shared.blocks.data_ptr(), shared.blocks.shape[0], shared.suffix_seq_lens.data_ptr())
+            members = (0, 0, 0) if shared.members is None else (
+                shared.members.data_ptr(), shared.members.shape[0], shared.others.data_ptr())
+            cascade = (shared.blocks.data_ptr(), shared.blocks.shape[0], shared.suffix_seq_lens.data_ptr(), *members)
         on_tiles = (0, 0, 0)
-        requests = getattr(plan, "tile_requests", None)
-        if shared is None and requests is not None and self.tiles is not None:
-            on_tiles = (plan.skip.data_ptr(), requests.data_ptr(), requests.shape[0])
+        requests, skip = getattr(plan, "tile_requests", None), getattr(plan, "skip", None)
+        if (shared is None or shared.members is not None) and skip is not None and self.tiles is not None:
+            on_tiles = (skip.data_ptr(), 0 if requests is None else requests.data_ptr(),
+                        0 if requests is None else requests.shape[0])
         return (*cascade, self.tiles_kind, metadata.num_reqs, *on_tiles)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
