@@ -27,7 +27,7 @@ def _step(requests: int, shared: int, own: int, args: argparse.Namespace, gen: t
     bs, kv_heads, head_dim = args.block_size, args.num_kv_heads, args.head_dim
     context = shared + own
     per_request, shared_blocks = -(-context // bs), shared // bs
-    apart = min(args.apart, requests)
+    apart = min(getattr(args, "apart", 0), requests)  # (the kv-cache-dtype bench has no --apart)
     num_blocks = shared_blocks + requests * (per_request - shared_blocks) + apart * shared_blocks + 1
     backend = cpu_paged.CpuPagedAttentionBackend(args.num_heads, kv_heads, head_dim, head_dim**-0.5)
     dtype = getattr(torch, args.dtype)

@@ -3,7 +3,8 @@ generator (`vllm bench serve`, the client neither project's server was written a
 
 For each engine in turn, on the same port, model and dtype: start the server, run every
 scenario (a fixed concurrency, or a steady Poisson arrival rate) with the same random
-prompts, stop the server. Reported side by side: output throughput, and TTFT, TPOT, ITL
+prompts (with ``--prefix-len``, each after one random prefix they all share: a system prompt
+that prefix caching, and Pagoda's cascade attention, can share), stop the server. Reported side by side: output throughput, and TTFT, TPOT, ITL
 and E2E latency percentiles, with Pagoda's ratio (above 1: Pagoda better).
 
 The client runs in vLLM's virtual environment (``--vllm-python``), through
@@ -101,6 +102,7 @@ def run_client(args: argparse.Namespace, model_dir: Path, name: str, flags: list
     command = [args.vllm_python, str(VLLM_CLI), "bench", "serve", "--backend", "openai",
                "--base-url", f"http://127.0.0.1:{args.port}", "--endpoint", "/v1/completions", "--model", name,
                "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--random-prefix-len", str(args.prefix_len),
                "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts), "--ignore-eos",
                "--temperature", "0", "--seed", str(args.bench_seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
                "--metric-percentiles", "50,90,99", "--disable-tqdm", "--save-result", "--result-dir", result_dir,
@@ -147,14 +149,15 @@ def run_serve(args: argparse.Namespace) -> int:
                 stop_server(server)
     print_table(results, scenarios, args)
     if args.output:
-        Path(args.output).write_text(json.dumps({"cpu": cpu, "input_len": args.input_len,
+        Path(args.output).write_text(json.dumps({"cpu": cpu, "input_len": args.input_len, "prefix_len": args.prefix_len,
                                                  "output_len": args.output_len, "num_prompts": args.num_prompts,
                                                  "results": results}, indent=1))
     return 0
 
 
 def print_table(results: dict, scenarios: list[tuple[str, list[str]]], args: argparse.Namespace) -> None:
-    print(f"\n{args.num_prompts} random prompts of {args.input_len} tokens, {args.output_len} output tokens each "
+    prefix = f" after a shared prefix of {args.prefix_len}" if args.prefix_len else ""
+    print(f"\n{args.num_prompts} random prompts of {args.input_len} tokens{prefix}, {args.output_len} output tokens each "
           "(EOS ignored), greedy; vLLM's `vllm bench serve` as the client")
     for scenario, _ in scenarios:
         print(f"\n{scenario}")
@@ -183,7 +186,9 @@ def add_serve_bench_parser(bench_sub) -> None:
                    help="comma-separated concurrency:N and rate:R (Poisson arrivals, requests/s)")
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--warmup-prompts", type=int, default=8)
-    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=256, help="random tokens of each prompt (after the prefix)")
+    p.add_argument("--prefix-len", type=int, default=0,
+                   help="tokens of a random prefix every prompt starts with (a shared system prompt)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--dtype", default="auto")
