@@ -159,7 +159,7 @@ def load() -> ctypes.CDLL:
     lib.quant_linear_argmax.restype = ctypes.c_int
     lib.one_call_forward.argtypes = [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, pointer,
                                      pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, i64, i64,
-                                     ctypes.c_float, ctypes.c_float, pointer, i64, pointer, pointer, i64, pointer,
+                                     ctypes.c_float, ctypes.c_float, pointer, i64, pointer, pointer, pointer, pointer,
                                      ctypes.c_int, i64, pointer, pointer, i64, pointer]
     lib.one_call_forward.restype = ctypes.c_int
     lib.quant_group_bytes.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -32,8 +32,7 @@ torch_sdpa's torch code on the same layout.
 from __future__ import annotations
 
 import os
-from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -126,17 +125,18 @@ def _common_blocks(tables: torch.Tensor) -> int:
     return tables.shape[1] if bool(same.all()) else int(same.int().argmin())
 
 
-def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_tokens: int,
-                       subsets: bool = False) -> SharedPrefix | None:
+def find_shared_prefixes(metadata: AttentionMetadata, min_requests: int, min_tokens: int,
+                         subsets: bool = False) -> list[SharedPrefix]:
     """The blocks that every request of the step starts with, where at least ``min_requests``
-    requests share at least ``min_tokens`` tokens that come before all of their query rows;
-    with ``subsets``, where not every request does, the blocks the largest group of requests
-    starting with the same block shares (the members; say a request computing a prompt that
-    the others of its step found in the prefix cache, or traffic under two system prompts);
-    else None."""
+    requests share at least ``min_tokens`` tokens that come before all of their query rows
+    (one SharedPrefix); with ``subsets``, where not every request does, those of each group of
+    requests whose tables start with the same block, for the groups that pass the same
+    thresholds, largest first (at a tie, the one met first): the members of each (say a
+    request computing a prompt that the others of its step found in the prefix cache, or
+    traffic under several system prompts). Else none."""
     num_reqs, block_size = metadata.num_reqs, metadata.block_size
     if num_reqs < min_requests:
-        return None
+        return []
     need = max(1, -(-min_tokens // block_size))  # NOTE: a threshold of 0 tokens still needs a block
     # NOTE: only whole blocks before a request's first query row: all of its rows see all of them.
     limits = [(seq - query) // block_size for seq, query in zip(metadata.seq_lens, metadata.query_lens)]
@@ -144,20 +144,30 @@ def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_token
     if limit >= need:
         blocks = _common_blocks(metadata.block_tables[:num_reqs, :limit])
         if blocks >= need:
-            return _shared(metadata, blocks, None)
+            return [_shared(metadata, blocks, None)]
     if not subsets:
-        return None
+        return []
     candidates = [i for i, blocks in enumerate(limits) if blocks >= need]
     if len(candidates) < min_requests:
-        return None
-    firsts = metadata.block_tables[candidates, 0].tolist()
-    counts = Counter(firsts)
-    first = max(firsts, key=counts.__getitem__)  # at a tie, the one met first
-    members = [i for i, block in zip(candidates, firsts) if block == first]
-    if len(members) < min_requests:
-        return None
-    blocks = _common_blocks(metadata.block_tables[members, : min(limits[i] for i in members)])
-    return _shared(metadata, blocks, members) if blocks >= need else None
+        return []
+    groups: dict[int, list[int]] = {}
+    for i, block in zip(candidates, metadata.block_tables[candidates, 0].tolist()):
+        groups.setdefault(block, []).append(i)
+    found = []
+    for members in sorted(groups.values(), key=len, reverse=True):  # NOTE: stable: ties in order met
+        if len(members) < min_requests:
+            break
+        blocks = _common_blocks(metadata.block_tables[members, : min(limits[i] for i in members)])
+        if blocks >= need:
+            found.append(_shared(metadata, blocks, members))
+    return found
+
+
+def find_shared_prefix(metadata: AttentionMetadata, min_requests: int, min_tokens: int,
+                       subsets: bool = False) -> SharedPrefix | None:
+    """The first of find_shared_prefixes (the largest group's), or None."""
+    found = find_shared_prefixes(metadata, min_requests, min_tokens, subsets)
+    return found[0] if found else None
 
 
 def _shared(metadata: AttentionMetadata, blocks: int, members: list[int] | None) -> SharedPrefix:
@@ -189,24 +199,36 @@ class StepPlan:
     """What cpu_paged derives from a step's metadata once for all layers.
 
     Attributes:
-        shared: The prefix every request shares, where the cascade pays.
-        tile_requests: int32 [n] the requests whose rows the prefill tiles compute (None: none).
-        skip: bool [num_reqs] the same requests, for the paged kernel to leave alone.
+        shared: The prefix every request (or the largest group) shares, where the cascade pays.
+        more_shared: The prefixes of further groups (members apart from the first's).
+        tile_requests: int32 [n] the requests whose rows the prefill tiles compute (None: none;
+            beside a cascade of groups, of the other requests only).
+        skip: bool [num_reqs] the same requests (and the groups' members), for the paged kernel
+            to leave alone.
     """
 
     shared: SharedPrefix | None
+    more_shared: list[SharedPrefix] = field(default_factory=list)
     tile_requests: torch.Tensor | None = None
     skip: torch.Tensor | None = None
 
+    @property
+    def groups(self) -> list[SharedPrefix]:
+        """Every prefix the step's cascade attends to (none: no cascade)."""
+        return ([self.shared] if self.shared is not None else []) + self.more_shared
+
 
 def plan_prefill_on_tiles(metadata: AttentionMetadata, min_tokens: int,
-                          shared: SharedPrefix | None = None) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+                          groups: list[SharedPrefix] = ()) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """The requests whose chunks have at least ``min_tokens`` query tokens (and a mask of them),
-    or None; beside a cascade of some requests (``shared`` with members), the others' chunks
-    (None if none) and a mask of them and the members (the rows the paged kernel leaves)."""
-    others = None if shared is None else shared.others
-    chosen = [i for i, tokens in enumerate(metadata.query_lens)
-              if tokens >= min_tokens and (others is None or others[i])]
+    or None; beside a cascade of groups of requests (``groups``, with members), the other
+    requests' chunks (None if none) and a mask of them and the members (the rows the paged
+    kernel leaves)."""
+    others = None
+    for group in groups:
+        others = group.others if others is None else others & group.others
+    apart = [True] * metadata.num_reqs if others is None else others.tolist()
+    chosen = [i for i, tokens in enumerate(metadata.query_lens) if tokens >= min_tokens and apart[i]]
     if not chosen and others is None:
         return None
     skip = torch.zeros(metadata.num_reqs, dtype=torch.bool) if others is None else ~others
@@ -273,11 +295,12 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
             return
         # NOTE: a cascade of some of the step's requests with tiles only (their rows on the
         # tiles, the others' as without a cascade).
-        plan = StepPlan(find_shared_prefix(metadata, *cascade_thresholds(self.tiles, self.torch_cascade_pays),
-                                           subsets=self.tiles is not None))
+        groups = find_shared_prefixes(metadata, *cascade_thresholds(self.tiles, self.torch_cascade_pays),
+                                      subsets=self.tiles is not None)
+        plan = StepPlan(groups[0] if groups else None, groups[1:])
         if self.tiles is not None and (plan.shared is None or plan.shared.members is not None):
             min_tokens = PREFILL_ON_TILES_MIN_TOKENS or PREFILL_ON_TILES_MIN_TOKENS_BY_KIND[self.tiles]
-            chosen = plan_prefill_on_tiles(metadata, min_tokens, plan.shared)
+            chosen = plan_prefill_on_tiles(metadata, min_tokens, groups)
             if chosen is not None:
                 plan.tile_requests, plan.skip = chosen
         metadata.backend_data = plan
@@ -336,21 +359,22 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
 
     def _cascade_of_members(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             metadata: AttentionMetadata, plan: StepPlan) -> torch.Tensor:
-        """A cascade of the shared prefix's members on the tiles, the other requests' rows as
-        without one (their chunks on the tiles where the plan says, else the kernel)."""
-        shared, starts = plan.shared, metadata.query_start_loc
-        own, own_lse = cpu_kernels.paged_attention(query, key_cache, value_cache, shared.suffix_tables,
-                                                   shared.suffix_seq_lens, starts, self.scale, return_lse=True,
-                                                   skip=shared.others)
+        """A cascade of each group's members on the tiles, the other requests' rows as without
+        one (their chunks on the tiles where the plan says, else the kernel)."""
+        starts = metadata.query_start_loc
         out = cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                           metadata.seq_lens_tensor, starts, self.scale, skip=plan.skip)
         ran = (plan.tile_requests is None
                or cpu_kernels.prefill_attention(query, key_cache, value_cache, metadata.block_tables,
                                                 metadata.seq_lens_tensor, starts, plan.tile_requests, self.scale,
                                                 out, self.tiles))
-        ran = ran and cpu_kernels.shared_prefix_attention(query, key_cache, value_cache, shared.blocks, own, own_lse,
-                                                          self.scale, self.tiles, shared.members, starts,
-                                                          out) is not None
+        for shared in plan.groups:
+            own, own_lse = cpu_kernels.paged_attention(query, key_cache, value_cache, shared.suffix_tables,
+                                                       shared.suffix_seq_lens, starts, self.scale, return_lse=True,
+                                                       skip=shared.others)
+            ran = ran and cpu_kernels.shared_prefix_attention(query, key_cache, value_cache, shared.blocks, own,
+                                                              own_lse, self.scale, self.tiles, shared.members,
+                                                              starts, out) is not None
         if not ran:  # NOTE: the tiles could not run (no memory for their operands): every row by the kernel.
             out = cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                               metadata.seq_lens_tensor, starts, self.scale)

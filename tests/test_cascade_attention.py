@@ -61,10 +61,13 @@ def test_with_subsets_the_largest_group_starting_with_one_block_shares_where_not
     assert shared.members.tolist() == [1, 2] and shared.blocks.tolist() == [7, 8] and shared.tokens == 32
     assert shared.others.tolist() == [True, False, False, True, True]
     assert shared.suffix_seq_lens[1:3].tolist() == [28, 28] and shared.suffix_tables[1, :2].tolist() == [9, 2]
-    # Two system prompts: the larger group; at a tie, the first block met first.
+    # Two system prompts: both groups, the larger first; at a tie, the first block met first.
     seq_lens, query_lens = [60, 60, 60, 40, 40], [1] * 5
-    shared = cpu_paged.find_shared_prefix(metadata_of(tables, seq_lens, query_lens), 2, 1, subsets=True)
-    assert shared.members.tolist() == [0, 1, 2] and shared.tokens == 32
+    groups = cpu_paged.find_shared_prefixes(metadata_of(tables, seq_lens, query_lens), 2, 1, subsets=True)
+    assert [(g.members.tolist(), g.blocks.tolist()) for g in groups] == [([0, 1, 2], [7, 8]), ([3, 4], [5, 6])]
+    assert groups[1].others.tolist() == [True, True, True, False, False]
+    assert cpu_paged.find_shared_prefix(metadata_of(tables, seq_lens, query_lens), 2, 1, subsets=True) is not None
+    assert len(cpu_paged.find_shared_prefixes(metadata_of(tables, seq_lens, query_lens), 3, 1, subsets=True)) == 1
     shared = cpu_paged.find_shared_prefix(metadata_of(tables[1:], seq_lens[1:], query_lens[1:]), 2, 1, subsets=True)
     assert shared.members.tolist() == [0, 1] and shared.blocks.tolist() == [7, 8]
     # The thresholds hold for the group: too few members, or too few tokens they share.
@@ -75,7 +78,9 @@ def test_with_subsets_the_largest_group_starting_with_one_block_shares_where_not
     assert shared.members is None and shared.others is None and shared.tokens == 32
 
 
-def test_beside_a_cascade_of_members_the_others_chunks_go_to_the_tiles(always_cascade, monkeypatch):
+def test_beside_a_cascade_of_members_the_others_chunks_go_to_the_tiles(monkeypatch):
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 2)  # (a group of one takes none)
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 1)
     monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: "amx")
     backend = cpu_paged.CpuPagedAttentionBackend(6, 2, 64, 0.125)
     tables = [[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 3, 4], [5, 6, 10, 11]]
@@ -91,6 +96,13 @@ def test_beside_a_cascade_of_members_the_others_chunks_go_to_the_tiles(always_ca
     plan = metadata.backend_data
     assert plan.shared.members.tolist() == [1, 2] and plan.tile_requests is None
     assert plan.skip.tolist() == [False, True, True, False]
+    # Two groups: each a cascade of its own, the paged kernel none of their rows.
+    tables.append([5, 6, 12, 13])
+    metadata = metadata_of(tables, [60, 60, 60, 40, 40], [1, 1, 1, 1, 1])
+    backend.prepare(metadata)
+    plan = metadata.backend_data
+    assert [g.members.tolist() for g in plan.groups] == [[0, 1, 2], [3, 4]]
+    assert plan.tile_requests is None and plan.skip.all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -167,7 +179,7 @@ def test_cascade_matches_naive(always_cascade, monkeypatch, shared_blocks, seq_l
 
 # A cascade of the members only: the first request computes the whole prompt (its rows, with
 # no whole block before them, on the prefill tiles), three share its 17 blocks (across the
-# kernel's 256-key partitions), two more stand apart (a decode, a chunk on the tiles).
+# kernel's 256-key partitions), two more stand apart (a decode, a chunk), each a group of one.
 @pytest.mark.parametrize("dtype,tiles", [(torch.bfloat16, kind) for kind in cpu_kernels.attention_tile_kinds()]
                          + [(torch.float32, "avx2")] * ("avx2" in cpu_kernels.attention_tile_kinds()))
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (2, 128)])
@@ -188,7 +200,9 @@ def test_a_cascade_of_some_requests_matches_naive(always_cascade, monkeypatch, d
                  dtype=dtype, apart=(4, 5))
     naive, reference = run_step("naive", block_size, seq_lens, query_lens, **shape)
     out, _ = run_step("cpu_paged", block_size, seq_lens, query_lens, **shape)
-    assert members == [[1, 2, 3]]  # the tiles ran for the members, once
+    # The tiles ran for the members, once; with thresholds of one request, each of the two
+    # apart is a group of its own (over its own first blocks).
+    assert members == [[1, 2, 3], [4], [5]]
     tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.float(), naive.float(), **tolerance)
     if dtype == torch.float32:

@@ -260,7 +260,7 @@ def test_a_cascade_step_equals_the_layer_by_layer_path(tmp_path, monkeypatch, ro
     model, backend, caches = head64_model(tmp_path, monkeypatch, tiles)
     calls = []
     one_call_fn = model._one_call.fn
-    model._one_call.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)  # how many shared blocks
+    model._one_call.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)  # how many groups share
     generator = torch.Generator().manual_seed(3)
     prefix = torch.randint(3, 4000, (37,), generator=generator).tolist()
     tails = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (1, 4, 2, 9, 3, 6)]
@@ -306,7 +306,7 @@ def test_a_cascade_step_equals_the_layer_by_layer_path(tmp_path, monkeypatch, ro
         for r, token in zip(which, model.compute_logits(one_call[width - 1::width]).argmax(-1).tolist()):
             tokens[r] = token
             lengths[r] += width
-    assert calls == [2] * 8  # every step in one call, each with its two shared blocks
+    assert calls == [1] * 8  # every step in one call, each a cascade of one group (its two blocks: above)
 
 
 @pytest.mark.parametrize("tiles", TILE_KINDS_HERE)
@@ -326,7 +326,7 @@ def test_a_cascade_of_some_requests_equals_the_layer_by_layer_path(tmp_path, mon
     model, backend, caches = head64_model(tmp_path, monkeypatch, tiles)
     calls = []
     one_call_fn = model._one_call.fn
-    model._one_call.fn = lambda *args: calls.append(args[25:28]) or one_call_fn(*args)
+    model._one_call.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)
     generator = torch.Generator().manual_seed(4)
     alone = torch.randint(3, 4000, (20,), generator=generator).tolist()
     alone_blocks = [30, 31]
@@ -350,7 +350,7 @@ def test_a_cascade_of_some_requests_equals_the_layer_by_layer_path(tmp_path, mon
     layered = model.forward(ids, positions, [(k.clone(), v.clone()) for k, v in before], metadata)
     calls.clear()
     one_call = model(ids, positions, caches, metadata)
-    assert calls[0][0] == 2 and calls[0][2] != 0  # two shared blocks, a list of members
+    assert calls == [1]  # one group, in the one call
     assert torch.equal(one_call, layered)
     monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 0)  # never
     plain = step(requests)
@@ -358,6 +358,57 @@ def test_a_cascade_of_some_requests_equals_the_layer_by_layer_path(tmp_path, mon
     assert plain.backend_data.shared is None
     without = model.forward(ids, positions, [(k.clone(), v.clone()) for k, v in before], plain)
     torch.testing.assert_close(one_call.float(), without.float(), rtol=0.05, atol=0.15)
+
+
+@pytest.mark.parametrize("tiles", TILE_KINDS_HERE)
+@torch.inference_mode()
+def test_a_cascade_of_two_groups_equals_the_layer_by_layer_path(tmp_path, monkeypatch, rounded_once, tiles):
+    """Traffic under two system prompts (37 and 40 tokens, two whole blocks each): each prompt's
+    first request decoding beside two new requests that found it cached (their tails in
+    chunks), and a decode of neither. Two groups, each a cascade over its own blocks, in one
+    call; bit for bit the layer-by-layer path, within bfloat16 rounding of no cascade."""
+    from pagoda.attention_backends import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 2)
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 1)
+    model, backend, caches = head64_model(tmp_path, monkeypatch, tiles)
+    calls = []
+    one_call_fn = model._one_call.fn
+    model._one_call.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)  # how many groups share
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (37, 40, 20)]
+    firsts = [[0, 1, 2], [10, 11, 12], [30, 31]]
+    metadata = step([(list(range(len(p))), b) for p, b in zip(prompts, firsts)])
+    backend.prepare(metadata)
+    model(torch.tensor([t for p in prompts for t in p]), metadata_positions(metadata), caches, metadata)
+    tails = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (4, 9, 2, 6)]
+    shares = [0, 0, 1, 1]  # which prompt each tail follows
+    blocks = [firsts[g][:2] + [20 + 2 * i, 21 + 2 * i] for i, g in enumerate(shares)]  # (of 40)
+    requests = [([len(p)], b) for p, b in zip(prompts, firsts)]
+    requests += [(list(range(32, len(prompts[g]) + len(t))), b) for g, t, b in zip(shares, tails, blocks)]
+    ids = [5, 6, 7] + [x for g, t in zip(shares, tails) for x in (prompts[g] + t)[32:]]
+    ids, positions = torch.tensor(ids), torch.tensor([p for positions, _ in requests for p in positions])
+    metadata = step(requests)
+    backend.prepare(metadata)
+    plan = metadata.backend_data
+    assert [(g.tokens, g.members.tolist()) for g in plan.groups] == [(32, [0, 3, 4]), (32, [1, 5, 6])]
+    assert plan.tile_requests is None and plan.skip.tolist() == [True, True, False, True, True, True, True]
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    layered = model.forward(ids, positions, [(k.clone(), v.clone()) for k, v in before], metadata)
+    calls.clear()
+    one_call = model(ids, positions, caches, metadata)
+    assert calls == [2]
+    assert torch.equal(one_call, layered)
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 0)  # never
+    plain = step(requests)
+    backend.prepare(plain)
+    without = model.forward(ids, positions, [(k.clone(), v.clone()) for k, v in before], plain)
+    torch.testing.assert_close(one_call.float(), without.float(), rtol=0.05, atol=0.15)
+
+
+def metadata_positions(metadata: AttentionMetadata) -> torch.Tensor:
+    """Each query row's position (its request's last query_len positions)."""
+    return torch.cat([torch.arange(s - q, s) for s, q in zip(metadata.seq_lens, metadata.query_lens)])
 
 
 @torch.inference_mode()

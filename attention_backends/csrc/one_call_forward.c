@@ -326,12 +326,14 @@ static void *carve(char **at, size_t bytes, int index) {
  * step's tensors; embed is bfloat16 [vocab, hidden], cos/sin float32 [max_positions, head_dim].
  *
  * Attention as the cpu_paged backend computes it (its plan for the step):
- * - with shared_blocks (num_shared blocks that every sequence's table starts with, or with
- *   num_members, the listed members'), a cascade: each member row's own keys (the tables from
- *   the first block after them, suffix_seq_lens) by the paged kernel, the shared keys once for
- *   all of them by tile_attention.c (on tiles of the kind `tiles`, cpu_kernels.TILE_KINDS),
- *   merged by their log-sum-exps; with members, the other requests' rows (own_skip marks
- *   them, uint8 [num_reqs]) as without a cascade, skip marking the members too;
+ * - with num_groups prefixes, a cascade: group g's group_sizes[g] = (n, m) are its n shared
+ *   blocks (the next n of shared_blocks), which every sequence's table starts with (m = 0,
+ *   one group) or the next m of `members` (their tables); each member row's own keys (the
+ *   tables from the first block after them, the group's row of suffix_seq_lens, int32
+ *   [num_groups, num_reqs]) by the paged kernel (others, uint8 [num_groups, num_reqs], marking
+ *   the rest), the shared keys once for all of them by tile_attention.c (on tiles of the kind
+ *   `tiles`, cpu_kernels.TILE_KINDS), merged by their log-sum-exps; with members, the rows of
+ *   the requests in no group as without a cascade, skip marking the members too;
  * - else (and for a cascade's other requests) the num_tile_requests tile_requests' rows
  *   (prefill chunks; skip marks them, uint8 [num_reqs]) causally on the tiles, the others by
  *   the paged kernel;
@@ -343,8 +345,8 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
                      const uint16_t *final_norm, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t intermediate, int64_t block_size, int64_t vocab,
                      int64_t max_positions, float eps, float scale, const int32_t *shared_blocks,
-                     int64_t num_shared, const int32_t *suffix_seq_lens, const int32_t *members,
-                     int64_t num_members, const uint8_t *own_skip, int tiles, int64_t num_reqs, const uint8_t *skip,
+                     int64_t num_groups, const int64_t *group_sizes, const int32_t *suffix_seq_lens,
+                     const int32_t *members, const uint8_t *others, int tiles, int64_t num_reqs, const uint8_t *skip,
                      const int32_t *tile_requests, int64_t num_tile_requests, uint16_t *out) {
     for (int64_t r = 0; r < rows; r++)
         if (tokens[r] < 0 || tokens[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -2;
@@ -383,14 +385,22 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
         paged_write_kv_bf16(qkv + q_size, qkv + q_size + kv_size, slots, layer->key_cache, layer->value_cache, rows,
                             num_kv_heads, head_dim, block_size, qkv_size, qkv_size);
         int whole = 1; /* every row's attention over its whole table by the paged kernel */
-        if (num_shared) {
-            paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables + num_shared,
-                                 block_table_stride, suffix_seq_lens, query_start, own, own_lse, own_skip, num_reqs,
-                                 num_heads, num_kv_heads, head_dim, block_size, scale, 1.0f);
-            whole = shared_prefix_attention_bf16(queries, layer->key_cache, layer->value_cache, shared_blocks,
-                                                 num_shared, block_size, rows, members, num_members, query_start,
-                                                 num_heads, num_kv_heads, head_dim, scale, own, own_lse, attn, tiles);
-            if (!whole && num_members) { /* the other requests' rows */
+        if (num_groups) {
+            const int32_t *blocks = shared_blocks, *listed = members;
+            whole = 0;
+            for (int64_t g = 0; g < num_groups && !whole; g++) {
+                const int64_t n = group_sizes[2 * g], m = group_sizes[2 * g + 1];
+                paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables + n,
+                                     block_table_stride, suffix_seq_lens + g * num_reqs, query_start, own, own_lse,
+                                     m ? others + g * num_reqs : NULL, num_reqs, num_heads, num_kv_heads, head_dim,
+                                     block_size, scale, 1.0f);
+                whole = shared_prefix_attention_bf16(queries, layer->key_cache, layer->value_cache, blocks, n,
+                                                     block_size, rows, m ? listed : NULL, m, query_start, num_heads,
+                                                     num_kv_heads, head_dim, scale, own, own_lse, attn, tiles);
+                blocks += n;
+                listed += m;
+            }
+            if (!whole && group_sizes[1]) { /* the rows of the requests in no group */
                 paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,
                                      seq_lens, query_start, attn, NULL, skip, num_reqs, num_heads, num_kv_heads,
                                      head_dim, block_size, scale, 1.0f);

@@ -123,25 +123,37 @@ class OneCallForward:
         return self.tiles is not None
 
     def _attention(self, metadata: AttentionMetadata) -> tuple[int, ...]:
-        """The C call's attention plan, as the backend made it for the step: the shared blocks,
-        their count, the rows' own context lengths, the members sharing them (all: none), their
-        count and the mask of the others, and the kind of tiles (for the shared part and the
-        prefill chunks); the number of sequences; the mask of the sequences whose chunks go to
-        the prefill tiles (beside a cascade of members: and the members), those sequences and
-        their count (none: zeros)."""
+        """The C call's attention plan, as the backend made it for the step: the cascade's
+        groups (their blocks one after the other, their count, each one's (blocks, members)
+        pair, their rows' own context lengths, their members one after the other and the masks
+        of the others; none: zeros) and the kind of tiles (for the shared parts and the prefill
+        chunks); the number of sequences; the mask of the sequences whose chunks go to the
+        prefill tiles (beside a cascade of groups: and their members), those sequences and their
+        count (none: zeros). The arrays built here are held until the next step's."""
         plan = metadata.backend_data
-        shared = getattr(plan, "shared", None)
+        groups = getattr(plan, "groups", None) or []  # (cpu_paged.StepPlan's)
         cascade = (0, 0, 0, 0, 0, 0)
-        if shared is not None:
-            if not (shared.blocks.dtype == shared.suffix_seq_lens.dtype == torch.int32
-                    and shared.blocks.is_contiguous() and shared.suffix_seq_lens.is_contiguous()):
-                raise ValueError("one_call_forward: the shared prefix's blocks and lengths are not contiguous int32")
-            members = (0, 0, 0) if shared.members is None else (
-                shared.members.data_ptr(), shared.members.shape[0], shared.others.data_ptr())
-            cascade = (shared.blocks.data_ptr(), shared.blocks.shape[0], shared.suffix_seq_lens.data_ptr(), *members)
+        if groups:
+            for shared in groups:
+                if not (shared.blocks.dtype == shared.suffix_seq_lens.dtype == torch.int32
+                        and shared.blocks.is_contiguous() and shared.suffix_seq_lens.is_contiguous()):
+                    raise ValueError("one_call_forward: a shared prefix's blocks and lengths are not contiguous int32")
+            sizes = torch.tensor([(g.blocks.shape[0], 0 if g.members is None else g.members.shape[0]) for g in groups],
+                                 dtype=torch.int64)
+            if len(groups) == 1:
+                blocks, lengths = groups[0].blocks, groups[0].suffix_seq_lens
+            else:
+                blocks = torch.cat([g.blocks for g in groups])
+                lengths = torch.cat([g.suffix_seq_lens for g in groups])
+            listed = groups[0].members is not None
+            members = torch.cat([g.members for g in groups]) if listed else None
+            others = torch.cat([g.others for g in groups]) if listed else None
+            self._held = (sizes, blocks, lengths, members, others)
+            cascade = (blocks.data_ptr(), len(groups), sizes.data_ptr(), lengths.data_ptr(),
+                       members.data_ptr() if listed else 0, others.data_ptr() if listed else 0)
         on_tiles = (0, 0, 0)
         requests, skip = getattr(plan, "tile_requests", None), getattr(plan, "skip", None)
-        if (shared is None or shared.members is not None) and skip is not None and self.tiles is not None:
+        if (not groups or groups[0].members is not None) and skip is not None and self.tiles is not None:
             on_tiles = (skip.data_ptr(), 0 if requests is None else requests.data_ptr(),
                         0 if requests is None else requests.shape[0])
         return (*cascade, self.tiles_kind, metadata.num_reqs, *on_tiles)
