@@ -7,7 +7,10 @@ prefix_offset / read_offset technique of HF TGI and vLLM) instead of the whole s
 Streaming contract:
     * ``output_text`` is the text so far, never ending in half a UTF-8 character: text
       whose decoding ends in U+FFFD is held back until the character completes (or until
-      :meth:`finish`, which flushes whatever is left).
+      :meth:`finish`, which flushes whatever is left). Bytes that can no longer complete
+      one (a model emitting invalid UTF-8: byte tokens that never form a character) go out
+      as U+FFFD once more tokens follow than a character has bytes, instead of holding the
+      whole stream back until the request ends.
     * :meth:`get_delta` returns the text produced since its previous call. While the
       request runs and has stop strings, the last ``len(longest stop) - 1`` characters are
       held back, because they might be the start of a stop string; so a stop string that
@@ -30,6 +33,9 @@ if TYPE_CHECKING:
 # (e.g. SentencePiece's leading-space handling); 5 is vLLM's choice.
 _PROMPT_CONTEXT = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# NOTE: a UTF-8 character has at most 4 bytes and a token at least one, so a character still
+# incomplete after this many tokens began in the last ones: the text before them is final.
+_UTF8_MAX_BYTES = 4
 
 
 class IncrementalDetokenizer:
@@ -138,15 +144,37 @@ class IncrementalDetokenizer:
         if self._prefix_text is None:
             self._prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(ids[self._prefix_offset :])
-        if len(new_text) <= len(self._prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not flush):
+        end = len(ids)
+        if len(new_text) > len(self._prefix_text) and new_text.endswith(_REPLACEMENT_CHAR) and not flush:
+            end = self._final_end(new_text)
+        if end == len(ids) and (len(new_text) <= len(self._prefix_text)
+                                or (new_text.endswith(_REPLACEMENT_CHAR) and not flush)):
             # NOTE: nothing yet (a skipped special token) or half a character: keep the
             # offsets, so the window grows until the text completes.
             return ""
+        if end < len(ids):
+            new_text = self._decode(ids[self._prefix_offset : end])
         delta = new_text[len(self._prefix_text) :]
         del ids[: self._read_offset]
-        self._prefix_offset, self._read_offset = 0, len(ids)
+        self._prefix_offset, self._read_offset = 0, end - self._read_offset
         self._prefix_text = None
         return delta
+
+    def _final_end(self, new_text: str) -> int:
+        """Where the window's text is final though it ends in U+FFFD: with more pending tokens
+        than a character has bytes, the last token boundary among the last few whose text
+        before it the later tokens do not change (no character spans it: the text before it
+        is the start of the whole, and a U+FFFD it ends with is followed by more characters,
+        so its bytes were cut off, not waiting); else the whole window (nothing final yet)."""
+        ids = self._ids
+        if len(ids) - self._read_offset <= _UTF8_MAX_BYTES:
+            return len(ids)
+        for end in range(len(ids) - 1, len(ids) - 1 - _UTF8_MAX_BYTES, -1):
+            text = self._decode(ids[self._prefix_offset : end])
+            if (len(text) > len(self._prefix_text) and new_text.startswith(text)
+                    and (not text.endswith(_REPLACEMENT_CHAR) or len(new_text) > len(text))):
+                return end
+        return len(ids)
 
     def _append(self, delta: str) -> bool:
         """Adds decoded text and looks for a stop string in the part that could match."""
