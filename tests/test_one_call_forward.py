@@ -210,6 +210,20 @@ def head64_model(tmp_path, monkeypatch, tiles: str):
     return model, backend, caches
 
 
+def cascade_model(tmp_path, monkeypatch, tiles: str, min_requests: int):
+    """head64_model with the cascade taken from ``min_requests`` requests over any shared block,
+    and the list the one call's cascade groups are counted into, a count a call."""
+    from pagoda.attention_backends import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", min_requests)
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 1)
+    model, backend, caches = head64_model(tmp_path, monkeypatch, tiles)
+    calls = []
+    one_call_fn = model._one_call.fn
+    model._one_call.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)  # how many groups share
+    return model, backend, caches, calls
+
+
 TILE_KINDS_HERE = list(cpu_kernels.attention_tile_kinds() if cpu_kernels.available() else ()) or [
     pytest.param(None, marks=pytest.mark.skip(reason="no attention tiles here"))]
 
@@ -255,12 +269,7 @@ def test_a_cascade_step_equals_the_layer_by_layer_path(tmp_path, monkeypatch, ro
     of the same step without the cascade."""
     from pagoda.attention_backends import cpu_paged
 
-    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 1)
-    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 1)
-    model, backend, caches = head64_model(tmp_path, monkeypatch, tiles)
-    calls = []
-    one_call_fn = model._one_call.fn
-    model._one_call.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)  # how many groups share
+    model, backend, caches, calls = cascade_model(tmp_path, monkeypatch, tiles, 1)
     generator = torch.Generator().manual_seed(3)
     prefix = torch.randint(3, 4000, (37,), generator=generator).tolist()
     tails = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (1, 4, 2, 9, 3, 6)]
@@ -320,13 +329,8 @@ def test_a_cascade_of_some_requests_equals_the_layer_by_layer_path(tmp_path, mon
     of the same step without the cascade."""
     from pagoda.attention_backends import cpu_paged
 
-    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 2)
-    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 1)
     monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", 8)
-    model, backend, caches = head64_model(tmp_path, monkeypatch, tiles)
-    calls = []
-    one_call_fn = model._one_call.fn
-    model._one_call.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)
+    model, backend, caches, calls = cascade_model(tmp_path, monkeypatch, tiles, 2)
     generator = torch.Generator().manual_seed(4)
     alone = torch.randint(3, 4000, (20,), generator=generator).tolist()
     alone_blocks = [30, 31]
@@ -369,12 +373,7 @@ def test_a_cascade_of_two_groups_equals_the_layer_by_layer_path(tmp_path, monkey
     call; bit for bit the layer-by-layer path, within bfloat16 rounding of no cascade."""
     from pagoda.attention_backends import cpu_paged
 
-    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_REQUESTS", 2)
-    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 1)
-    model, backend, caches = head64_model(tmp_path, monkeypatch, tiles)
-    calls = []
-    one_call_fn = model._one_call.fn
-    model._one_call.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)  # how many groups share
+    model, backend, caches, calls = cascade_model(tmp_path, monkeypatch, tiles, 2)
     generator = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (37, 40, 20)]
     firsts = [[0, 1, 2], [10, 11, 12], [30, 31]]
