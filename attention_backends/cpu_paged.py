@@ -335,7 +335,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
             if metadata.num_reqs < requests or shared.tokens < tokens:
                 shared = None
         if shared is None:
-            tiles = on_tiles and plan.tile_requests is not None and plan.shared is None
+            tiles = on_tiles and plan.tile_requests is not None
             out = cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                               metadata.seq_lens_tensor, metadata.query_start_loc, self.scale,
                                               skip=plan.skip if tiles else None)
@@ -368,13 +368,14 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
                or cpu_kernels.prefill_attention(query, key_cache, value_cache, metadata.block_tables,
                                                 metadata.seq_lens_tensor, starts, plan.tile_requests, self.scale,
                                                 out, self.tiles))
-        for shared in plan.groups:
+        for shared in plan.groups if ran else ():
             own, own_lse = cpu_kernels.paged_attention(query, key_cache, value_cache, shared.suffix_tables,
                                                        shared.suffix_seq_lens, starts, self.scale, return_lse=True,
                                                        skip=shared.others)
-            ran = ran and cpu_kernels.shared_prefix_attention(query, key_cache, value_cache, shared.blocks, own,
-                                                              own_lse, self.scale, self.tiles, shared.members,
-                                                              starts, out) is not None
+            ran = cpu_kernels.shared_prefix_attention(query, key_cache, value_cache, shared.blocks, own, own_lse,
+                                                      self.scale, self.tiles, shared.members, starts, out) is not None
+            if not ran:
+                break
         if not ran:  # NOTE: the tiles could not run (no memory for their operands): every row by the kernel.
             out = cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                               metadata.seq_lens_tensor, starts, self.scale)
