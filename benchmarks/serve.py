@@ -4,8 +4,9 @@ generator (`vllm bench serve`, the client neither project's server was written a
 For each engine in turn, on the same port, model and dtype: start the server, run every
 scenario (a fixed concurrency, or a steady Poisson arrival rate) with the same random
 prompts (with ``--prefix-len``, each after one random prefix they all share: a system prompt
-that prefix caching, and Pagoda's cascade attention, can share), stop the server. Reported side by side: output throughput, and TTFT, TPOT, ITL
-and E2E latency percentiles, with Pagoda's ratio (above 1: Pagoda better).
+that prefix caching, and Pagoda's cascade attention, can share), stop the server. Reported
+side by side: output throughput, and TTFT, TPOT, ITL and E2E latency percentiles, with
+Pagoda's ratio (above 1: Pagoda better).
 
 The client runs in vLLM's virtual environment (``--vllm-python``), through
 ``benchmarks/vllm_cli.py``; it needs no vLLM server, so ``--peer none`` measures Pagoda alone.
@@ -157,8 +158,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def print_table(results: dict, scenarios: list[tuple[str, list[str]]], args: argparse.Namespace) -> None:
     prefix = f" after a shared prefix of {args.prefix_len}" if args.prefix_len else ""
-    print(f"\n{args.num_prompts} random prompts of {args.input_len} tokens{prefix}, {args.output_len} output tokens each "
-          "(EOS ignored), greedy; vLLM's `vllm bench serve` as the client")
+    print(f"\n{args.num_prompts} random prompts of {args.input_len} tokens{prefix}, {args.output_len} output tokens "
+          "each (EOS ignored), greedy; vLLM's `vllm bench serve` as the client")
     for scenario, _ in scenarios:
         print(f"\n{scenario}")
         print(f"{'metric':<16}" + "".join(f"{engine:>12}" for engine in results)

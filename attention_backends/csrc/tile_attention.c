@@ -813,8 +813,8 @@ static int shared_prefix(const void *query, const void *key_cache, const void *v
         const int64_t part = job / KV, h = job % KV;
         char *dst = part == 0 ? kb + h * D * padded_keys * E : part == 1 ? vb + h * padded_keys * D * E
                                                                           : qp + h * padded_rows * D * E;
-        pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, tok, blocks, keys, padded_keys, block_size,
-                     block_stride, 0, num_tokens, padded_rows, num_heads, G, h, D, scale);
+        pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, tok, blocks, keys, padded_keys,
+                     block_size, block_stride, 0, num_tokens, padded_rows, num_heads, G, h, D, scale);
     }
     const int64_t tasks_per_head = padded_rows / R;
     #pragma omp parallel
@@ -905,9 +905,9 @@ static int prefill(const void *query, const void *key_cache, const void *value_c
             const int64_t pk = padded_keys[j], pr = padded_rows[j];
             char *base = work + offset[j] * E;
             char *dst = base + (part == 0 ? h * D * pk : part == 1 ? KV * D * pk + h * pk * D : 2 * KV * D * pk + h * pr * D) * E;
-            pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, NULL, block_tables + i * block_table_stride,
-                         seq_lens[i], pk, block_size, block_stride, query_start[i], query_start[i + 1] - query_start[i],
-                         pr, num_heads, G, h, D, scale);
+            pack_operand(kind, f32, (int)part, dst, key_cache, value_cache, query, NULL,
+                         block_tables + i * block_table_stride, seq_lens[i], pk, block_size, block_stride,
+                         query_start[i], query_start[i + 1] - query_start[i], pr, num_heads, G, h, D, scale);
         }
         #pragma omp parallel
         {
@@ -953,7 +953,8 @@ static int shared_prefix(const void *query, const void *key_cache, const void *v
                          int64_t head_dim, float scale, const void *own_out, const float *own_lse, void *out, int kind,
                          int f32) {
     (void)query, (void)key_cache, (void)value_cache, (void)blocks, (void)num_blocks, (void)block_size;
-    (void)members, (void)num_members, (void)query_start, (void)num_tokens, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)scale, (void)own_out;
+    (void)members, (void)num_members, (void)query_start, (void)num_tokens, (void)num_heads, (void)num_kv_heads;
+    (void)head_dim, (void)scale, (void)own_out;
     (void)own_lse, (void)out, (void)kind, (void)f32;
     return 1;
 }
