@@ -3,7 +3,7 @@ without cascade attention (attention_backends/cpu_paged.py), in-process.
 
 For each (requests, shared tokens) pair, a step of one decode row per request over the
 shared blocks plus ``--own`` tokens of its own (``--apart`` of the requests over blocks of their
-own instead: a step under two prompts, where the cascade takes the others), through the cpu_paged backend as the model
+own instead, beside whom the cascade takes the others), through the cpu_paged backend as the model
 calls it (write of the new keys, attention), over ``--layers`` layers' calls; the kernel
 alone against the cascade (its shared part on the attention tiles where they run, AMX's,
 AVX512-BF16's or AVX2's float32 ones, else by torch's flash attention). Shapes default to

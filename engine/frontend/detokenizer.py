@@ -145,15 +145,15 @@ class IncrementalDetokenizer:
             self._prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(ids[self._prefix_offset :])
         end = len(ids)
-        if len(new_text) > len(self._prefix_text) and new_text.endswith(_REPLACEMENT_CHAR) and not flush:
+        if new_text.endswith(_REPLACEMENT_CHAR) and not flush:
+            # NOTE: half a character: keep the offsets, so the window grows until the text
+            # completes, unless the text before the last few tokens is final.
             end = self._final_end(new_text)
-        if end == len(ids) and (len(new_text) <= len(self._prefix_text)
-                                or (new_text.endswith(_REPLACEMENT_CHAR) and not flush)):
-            # NOTE: nothing yet (a skipped special token) or half a character: keep the
-            # offsets, so the window grows until the text completes.
-            return ""
-        if end < len(ids):
+            if end == len(ids):
+                return ""
             new_text = self._decode(ids[self._prefix_offset : end])
+        if len(new_text) <= len(self._prefix_text):
+            return ""  # nothing yet (a skipped special token)
         delta = new_text[len(self._prefix_text) :]
         del ids[: self._read_offset]
         self._prefix_offset, self._read_offset = 0, end - self._read_offset

@@ -134,17 +134,12 @@ class OneCallForward:
         groups = getattr(plan, "groups", None) or []  # (cpu_paged.StepPlan's)
         cascade = (0, 0, 0, 0, 0, 0)
         if groups:
-            for shared in groups:
-                if not (shared.blocks.dtype == shared.suffix_seq_lens.dtype == torch.int32
-                        and shared.blocks.is_contiguous() and shared.suffix_seq_lens.is_contiguous()):
-                    raise ValueError("one_call_forward: a shared prefix's blocks and lengths are not contiguous int32")
+            if any(not g.blocks.dtype == g.suffix_seq_lens.dtype == torch.int32 for g in groups):
+                raise ValueError("one_call_forward: a shared prefix's blocks and lengths are not int32")
             sizes = torch.tensor([(g.blocks.shape[0], 0 if g.members is None else g.members.shape[0]) for g in groups],
                                  dtype=torch.int64)
-            if len(groups) == 1:
-                blocks, lengths = groups[0].blocks, groups[0].suffix_seq_lens
-            else:
-                blocks = torch.cat([g.blocks for g in groups])
-                lengths = torch.cat([g.suffix_seq_lens for g in groups])
+            blocks = torch.cat([g.blocks for g in groups])
+            lengths = torch.cat([g.suffix_seq_lens for g in groups])
             listed = groups[0].members is not None
             members = torch.cat([g.members for g in groups]) if listed else None
             others = torch.cat([g.others for g in groups]) if listed else None
