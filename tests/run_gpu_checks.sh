@@ -2,7 +2,8 @@
 # Every GPU check in one go, on a machine with a CUDA GPU (docs/attention-backends.md, "What has
 # run where"): the GPU tests (`pytest -m gpu`: CUDA parity with transformers, the compiled
 # triton kernels and FlashInfer against the naive backend, 64-bit block offsets), with the
-# torch, triton and transformers already installed there.
+# torch, triton and transformers already installed there; then a timing of decode attention
+# per backend (tests/gpu_attention_timing.py).
 #
 # Offline (the GPU machines lent to this project have no network): run
 # tests/prepare_gpu_carry.sh here first and carry .gpu-carry; its wheels are installed without
@@ -45,5 +46,7 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$out
 "$python" -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider --junitxml "$out/gpu-junit.xml" "$@" \
     2>&1 | tee -a "$out/gpu-summary.txt"
 status=${PIPESTATUS[0]}
+# Decode attention per backend at batch 1 and 64 (a table of milliseconds), checks or not.
+"$python" tests/gpu_attention_timing.py 2>&1 | tee -a "$out/gpu-summary.txt"
 rm -rf "$link_dir"
 exit "$status"

@@ -136,6 +136,44 @@ def test_triton_kernels_match_naive_in_bfloat16_under_the_interpreter(triton_int
     backend_matches_naive("triton", 16, 3, 64, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("cases", [([150, 97, 17, 128, 40], [1, 1, 1, 1, 1]), ([150, 97, 40], [40, 1, 40])],
+                         ids=["decodes", "chunk-decode-prefill"])
+def test_triton_split_kv_matches_naive_under_the_interpreter(triton_interpreter, monkeypatch, group, cases):
+    # Three parts of 64 keys: contexts end mid-part, one (17) inside the first, a chunk whose
+    # first rows come before the last part (they see nothing there), a prefill inside one part.
+    from pagoda.attention_backends import triton_attention
+
+    monkeypatch.setattr(triton_attention, "SPLIT_MIN_LEN", 32)
+    plan = triton_attention.plan_tiles(cases[1], cases[0], group, 2)
+    assert (plan.num_splits, plan.split_len) == (3, 64)
+    backend_matches_naive("triton", 16, group, 64, cases=cases)
+    if group == 3:
+        backend_matches_naive("triton", 16, group, 128, dtype=torch.bfloat16, cases=cases)
+
+
+def test_triton_tiles_pack_a_kv_heads_queries_and_split_only_small_steps():
+    from pagoda.attention_backends.triton_attention import MIN_ROWS, plan_tiles
+
+    # Every query of every request in exactly one tile, in order.
+    query_lens, seq_lens = [37, 1, 9, 16, 1], [37, 20, 33, 16, 50]
+    for group in (1, 2, 3, 7, 8, 16):
+        plan = plan_tiles(query_lens, seq_lens, group, 8)
+        assert plan.tokens * plan.group_pad >= max(MIN_ROWS, group) and plan.group_pad >= group
+        covered = [(r, s + i) for r, s in zip(plan.tile_request, plan.tile_start) for i in range(plan.tokens)
+                   if s + i < query_lens[r]]
+        assert covered == [(r, i) for r, q in enumerate(query_lens) for i in range(q)]
+        assert plan.num_splits == 1  # 50 keys at most: nothing to split
+    # One decode over 4096 keys with 8 KV heads: 8 programs, so 16 parts of 256 keys.
+    plan = plan_tiles([1], [4096], 4, 8)
+    assert (plan.tokens, plan.group_pad, plan.num_splits, plan.split_len) == (1, 16, 16, 256)
+    # 64 decodes already make 512 programs: no split.
+    assert plan_tiles([1] * 64, [4096] * 64, 4, 8).num_splits == 1
+    # A split never leaves a part empty for the longest context.
+    plan = plan_tiles([1, 1], [1000, 3], 1, 2)
+    assert (plan.num_splits - 1) * plan.split_len < 1000 <= plan.num_splits * plan.split_len
+
+
 def test_flashinfer_plan_describes_every_requests_pages_in_order():
     from pagoda.attention_backends.flashinfer_attention import plan_paged_kv
 
@@ -421,3 +459,17 @@ def test_the_float32_tiles_are_the_default_only_without_avx512(monkeypatch):
     assert cpu_kernels.attention_tiles() is None
     monkeypatch.setattr(cpu_kernels, "attention_tile_kinds", lambda: ("avx512_bf16", "avx2"))
     assert cpu_kernels.attention_tiles() == "avx512_bf16"
+
+
+def test_the_gpu_checks_decode_timing_runs_on_the_cpu(capsys):
+    """tests/gpu_attention_timing.py (run by run_gpu_checks.sh on a GPU) on the CPU's backends:
+    a row of timings per backend that runs, a reason for one that cannot."""
+    from gpu_attention_timing import main
+
+    main(["--device", "cpu", "--backends", "naive,cpu_paged,flashinfer", "--batches", "1,3", "--contexts", "40",
+          "--iters", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["backend", "1", "x", "40", "3", "x", "40"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    assert all(float(ms) > 0 for ms in rows["naive"] + rows["cpu_paged"]) and len(rows["naive"]) == 2
+    assert "not available" in " ".join(rows["flashinfer"])
