@@ -40,6 +40,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif f.name == "pooling":
             parser.add_argument(flag, default=default, choices=list(POOLING_METHODS),
                                 help="how /v1/embeddings pools the prompt's final hidden states (default last)")
+        elif f.name == "gpu_memory_utilization":
+            parser.add_argument(flag, type=float, default=default,
+                                help="on a GPU, the share of its memory for the weights, activations and KV cache "
+                                     "together; the KV cache gets the rest (default 0.9; unused with --kv-cache-gib)")
         elif isinstance(default, str) or f.name == "model":
             parser.add_argument(flag, default=default)
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, fields
 
@@ -37,7 +38,13 @@ class EngineConfig:
             docs/quantization.md).
         block_size: Tokens per KV cache block.
         kv_cache_bytes: Memory given to the KV cache; used when num_kv_blocks is None.
+            None: 2 GiB on the CPU; on a GPU, what gpu_memory_utilization leaves.
         num_kv_blocks: Exact number of KV blocks (overrides kv_cache_bytes).
+        gpu_memory_utilization: On a GPU, the share of its memory the worker may use in
+            all (vLLM's flag): the KV cache gets what is left of it after the weights, the
+            activations' peak (measured by a forward of max_num_batched_tokens at start-up)
+            and the memory outside torch. Used when neither kv_cache_bytes nor
+            num_kv_blocks is given.
         max_model_len: Longest prompt + output, in tokens; None means the model's own.
         max_num_seqs: Most requests running in one step.
         max_num_batched_tokens: Token budget of one step.
@@ -97,8 +104,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quantization: str = "auto"
     block_size: int = 16
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -129,7 +137,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")
-        _positive_int(self, "kv_cache_bytes")
+        if self.kv_cache_bytes is not None:
+            _positive_int(self, "kv_cache_bytes")
+        if (not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool)
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization!r}")
         _positive_int(self, "max_num_seqs")
         _positive_int(self, "max_num_batched_tokens")
         if self.num_kv_blocks is not None:
@@ -188,3 +200,16 @@ def compiles_model(config: EngineConfig, device_type: str, world_size: int) -> b
     """Whether the worker compiles the model (torch.compile of its regions): on the CPU, one
     rank, unless enforce_eager or batch_invariant (a GPU runs eagerly for now)."""
     return device_type == "cpu" and world_size == 1 and not (config.enforce_eager or config.batch_invariant)
+
+
+# NOTE: for tests: a device of this many bytes simulated on the CPU, so that the start that sizes
+# the KV cache from a GPU's memory runs where no GPU is (the weights are measured, the rest 0).
+SIMULATED_DEVICE_MEMORY_ENV = "PAGODA_SIMULATED_DEVICE_MEMORY"
+
+
+def sizes_kv_from_memory(config: EngineConfig, device_type: str) -> bool:
+    """Whether the worker sizes the KV cache from the device's free memory (on a GPU, unless
+    kv_cache_bytes or num_kv_blocks is given)."""
+    if config.kv_cache_bytes is not None or config.num_kv_blocks is not None:
+        return False
+    return device_type == "cuda" or bool(os.environ.get(SIMULATED_DEVICE_MEMORY_ENV))

@@ -26,8 +26,11 @@ class WorkerInit:
         config: The engine configuration.
         model_dir: Hugging Face-style model directory.
         model_config: Its parsed configuration.
-        num_blocks: KV blocks to allocate.
-        max_model_len: Longest sequence (sizes the RoPE tables).
+        num_blocks: KV blocks to allocate; None: the worker measures its device's memory
+            first, sends a WorkerMemory and allocates what the KVCacheAllocation it gets back
+            says.
+        max_model_len: Longest sequence (sizes the RoPE tables; with num_blocks None, an
+            upper bound: the allocation's may be shorter).
         num_cpu_blocks: Blocks of the CPU swap space.
         rank: Tensor-parallel rank of this worker.
         world_size: Tensor-parallel ranks in all.
@@ -41,7 +44,7 @@ class WorkerInit:
     config: EngineConfig
     model_dir: Path
     model_config: ModelConfig
-    num_blocks: int
+    num_blocks: int | None
     max_model_len: int
     num_cpu_blocks: int = 0
     rank: int = 0
@@ -210,6 +213,44 @@ class WorkerReady:
     compiled: str = ""  # the compiled regions loaded from disk and compiled, for the start-up line
     weights: str = ""  # their format and resident size, for the start-up line
     one_call_forward: bool = False  # decode steps run in one call (engine/models/one_call_forward.py)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """What one worker measured of its device's memory at start-up (bytes).
+
+    Attributes:
+        total: The device's memory.
+        free_at_start: Free before the worker loaded anything (other processes' use
+            and the worker's CUDA context already taken).
+        weights: Held by torch once the model's weights were loaded.
+        peak_activations: The most torch held above the weights during a forward of
+            max_num_batched_tokens tokens (the scratch KV cache of that forward not counted).
+        non_torch: Taken outside torch's allocator since the start (NCCL, cuBLAS workspaces).
+    """
+
+    total: int
+    free_at_start: int
+    weights: int
+    peak_activations: int
+    non_torch: int
+
+
+@dataclass(slots=True)
+class WorkerMemory:
+    """Sent instead of WorkerReady by a worker started with ``num_blocks=None``, once the
+    model is loaded: what it measured. The engine answers with a KVCacheAllocation."""
+
+    memory: DeviceMemory
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheAllocation:
+    """The engine's answer to WorkerMemory: the KV cache to allocate (every rank the same)."""
+
+    num_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
 
 
 @dataclass(slots=True)

@@ -163,3 +163,18 @@ def test_triton_split_kv_on_cuda_matches_naive(group, dtype):
     out, _ = run_step("triton", 16, seq_lens, query_lens, seed=5, dtype=dtype, device="cuda", **shape)
     tolerance = dict(rtol=1e-3, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.float(), naive.float(), **tolerance)
+
+
+def test_the_kv_cache_is_sized_from_the_gpus_memory(tiny_llama_dir):
+    """No kv_cache_bytes: the worker measures the GPU (weights, a forward's peak, the rest) and
+    the cache takes what gpu_memory_utilization leaves."""
+    with LLM(str(tiny_llama_dir), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8,
+             gpu_memory_utilization=0.3) as llm:
+        [memory] = llm.engine.device_memory
+        assert memory.total == torch.cuda.mem_get_info()[1]
+        assert memory.weights > 0 and memory.peak_activations > 0
+        kv = llm.engine.kv_cache_size
+        budget = int(memory.total * 0.3) - memory.weights - memory.peak_activations - memory.non_torch
+        assert kv.num_blocks == min(budget // kv.bytes_per_block, 8 * 256 // 16)
+        out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core.kv_sizing import bytes_per_block, size_kv_cache
+from pagoda.engine.core.kv_sizing import bytes_per_block, kv_cache_budget, size_kv_cache
+from pagoda.engine.messages import DeviceMemory
 from pagoda.engine.model_config import ModelConfig
 
 # SmolLM2-135M's shape: 30 layers, 9 query heads over 3 KV heads of 64.
@@ -61,3 +62,27 @@ def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         size_kv_cache(config, MODEL, BF16)
     assert size_kv_cache(replace(config, max_num_batched_tokens=2048), MODEL, BF16).max_model_len == 2048
+
+
+GIB = 1024**3
+H200 = DeviceMemory(total=140 * GIB, free_at_start=139 * GIB, weights=16 * GIB, peak_activations=3 * GIB,
+                    non_torch=GIB)
+
+
+def test_on_a_gpu_the_cache_gets_the_utilization_less_weights_activations_and_the_rest():
+    budget = kv_cache_budget(H200, 0.9)
+    assert budget == int(140 * GIB * 0.9) - 20 * GIB
+    assert kv_cache_budget(H200, 0.5) == 50 * GIB
+    size = size_kv_cache(EngineConfig(max_num_seqs=4096), MODEL, BF16, budget=budget)
+    assert size.num_blocks == budget // BLOCK_BYTES  # ~590k blocks, under 4096 x 512
+    # The cap of max_num_seqs full-length requests still holds.
+    assert size_kv_cache(EngineConfig(), MODEL, BF16, budget=budget).num_blocks == 256 * 8192 // 16
+
+
+def test_a_device_that_other_processes_fill_or_a_model_that_fills_it_is_refused():
+    busy = replace(H200, free_at_start=100 * GIB)
+    with pytest.raises(ValueError, match=r"100.00 GiB free of 140.00 GiB at start-up.*lower gpu_memory_utilization"):
+        kv_cache_budget(busy, 0.9)
+    assert kv_cache_budget(busy, 0.7) == 98 * GIB - 20 * GIB
+    with pytest.raises(ValueError, match=r"leaves nothing for the KV cache: weights 16.00 GiB, activations 3.00 GiB"):
+        kv_cache_budget(H200, 0.1)

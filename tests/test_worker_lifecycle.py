@@ -66,3 +66,69 @@ def test_the_worker_gets_the_allocator_tunables_unless_the_user_set_some(tiny_ll
         assert "glibc.malloc.mmap_threshold=67108864" in tunables[0]
     else:
         assert tunables[0] == f"GLIBC_TUNABLES={user_value}"
+
+
+# -- the KV cache sized from the device's memory (a GPU; simulated here) -----------------
+
+MEMORY_SIZED = dict(enforce_eager=True, dtype="float32", max_model_len=256, gpu_memory_utilization=0.5)
+
+
+@pytest.fixture
+def simulated_device(monkeypatch):
+    """A device of 64 MiB, simulated on the CPU: the worker measures its weights, the rest is 0."""
+    from pagoda.engine.config import SIMULATED_DEVICE_MEMORY_ENV
+
+    monkeypatch.setenv(SIMULATED_DEVICE_MEMORY_ENV, str(64 << 20))
+    return 64 << 20
+
+
+def test_the_kv_cache_takes_what_the_memory_utilization_leaves_after_the_weights(tiny_llama_dir, simulated_device):
+    import os
+    import signal
+
+    from pagoda import SamplingParams
+    from helpers import make_hf_model
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), **MEMORY_SIZED) as llm:
+        engine = llm.engine
+        [memory] = engine.device_memory
+        hf_bytes = sum(p.nbytes for p in make_hf_model(tiny_llama_dir).parameters())
+        assert memory.total == simulated_device and hf_bytes <= memory.weights < hf_bytes + (1 << 20)
+        kv = engine.kv_cache_size
+        assert kv.num_blocks == (simulated_device // 2 - memory.weights) // kv.bytes_per_block
+        assert kv.num_blocks < 256 * 256 // 16  # not the cap of max_num_seqs full requests
+        assert engine.worker.ready.kv_cache_bytes == kv.num_bytes
+        first = llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
+        # A restarted worker allocates what the first start decided, without measuring again.
+        os.kill(engine.worker.pid, signal.SIGKILL)
+        assert llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids == first
+        assert engine.core.num_worker_restarts == 1 and engine.kv_cache_size is kv
+        assert engine.worker.ready.kv_cache_bytes == kv.num_bytes
+    with LLM(str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=256, num_kv_blocks=64) as llm:
+        assert llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids == first
+
+
+def test_a_utilization_that_leaves_nothing_for_the_kv_cache_says_so(tiny_llama_dir, simulated_device):
+    with pytest.raises(ValueError, match="leaves nothing for the KV cache: weights"):
+        LLM(str(tiny_llama_dir), **{**MEMORY_SIZED, "gpu_memory_utilization": 0.05})
+
+
+def test_tensor_parallel_ranks_allocate_one_size_from_their_measurements(tiny_llama_dir, simulated_device):
+    from pagoda import SamplingParams
+    from helpers import make_hf_model
+
+    with LLM(str(tiny_llama_dir), **{**MEMORY_SIZED, "gpu_memory_utilization": 0.25}, tensor_parallel_size=2) as llm:
+        memory = llm.engine.device_memory
+        whole = sum(p.nbytes for p in make_hf_model(tiny_llama_dir).parameters())
+        assert len(memory) == 2 and all(m.weights < whole for m in memory)  # each rank its share
+        budget = min(simulated_device // 4 - m.weights for m in memory)
+        assert llm.engine.kv_cache_size.num_blocks == budget // llm.engine.kv_cache_size.bytes_per_block
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_an_explicit_kv_cache_size_is_not_measured(tiny_llama_dir, simulated_device):
+    with LLM(str(tiny_llama_dir), **MEMORY_SIZED, kv_cache_bytes=1 << 20) as llm:
+        assert llm.engine.device_memory is None
+        assert llm.engine.kv_cache_size.num_blocks == (1 << 20) // llm.engine.kv_cache_size.bytes_per_block

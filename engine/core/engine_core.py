@@ -26,7 +26,7 @@ from pagoda.engine.exceptions import EngineDeadError, StepError, WorkerDiedError
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput, WorkerReady
 
 if TYPE_CHECKING:
-    from pagoda.engine.executor.base import Executor
+    from pagoda.engine.executor.base import Executor, SizeKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -122,14 +122,18 @@ class EngineCore:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    async def start(self) -> WorkerReady:
+    async def start(self, size_kv: SizeKVCache | None = None) -> WorkerReady:
         """Starts the worker, then the loop; returns what the worker reported.
+
+        Args:
+            size_kv: Where the worker sizes the KV cache from its device's memory: decides
+                it (and must set the scheduler, which the loop then uses).
 
         Raises:
             WorkerDiedError: The worker failed to start.
         """
         self.worker = self._make_executor(self._wakeup.set)
-        ready = await self.worker.start()
+        ready = await self.worker.start(size_kv)
         self._spawn_standby()
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="pagoda-engine-loop")
         return ready

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagoda.engine.config import EngineConfig
+from pagoda.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from pagoda.engine.messages import DeviceMemory
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.tensor_parallel import head_share
 
@@ -50,8 +51,9 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype_size: int, tensor
 
 
 def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
-                  draft: ModelConfig | None = None) -> KVCacheSize:
-    """Sizes the cache from ``config.kv_cache_bytes`` (or ``num_kv_blocks``) and the model.
+                  draft: ModelConfig | None = None, budget: int | None = None) -> KVCacheSize:
+    """Sizes the cache from ``config.kv_cache_bytes`` (or ``num_kv_blocks``, or a budget
+    measured on the device) and the model.
 
     Never more blocks than ``max_num_seqs`` full-length requests can use.
 
@@ -61,6 +63,8 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
         dtype_size: Bytes of one element of the KV cache's dtype.
         draft: Speculative decoding's draft model, whose cache has the same blocks: a
             block's bytes are both models'.
+        budget: Bytes for the cache measured on the device (:func:`kv_cache_budget`), in
+            place of ``config.kv_cache_bytes``.
 
     Raises:
         ValueError: max_model_len is longer than the model's context or window, or does
@@ -85,7 +89,8 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:
-        num_blocks = min(config.kv_cache_bytes // block_bytes,
+        cache_bytes = budget if budget is not None else config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+        num_blocks = min(cache_bytes // block_bytes,
                          config.max_num_seqs * -(-wanted_len // config.block_size))
     capacity = num_blocks * config.block_size
     if config.max_model_len is not None and config.max_model_len > capacity:
@@ -101,3 +106,26 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
     return KVCacheSize(num_blocks=num_blocks, num_cpu_blocks=config.swap_space_bytes // block_bytes,
                        block_size=config.block_size, bytes_per_block=block_bytes, max_model_len=max_model_len,
                        limited_by_window=limited_by_window)
+
+
+def kv_cache_budget(memory: DeviceMemory, utilization: float) -> int:
+    """Bytes the KV cache may take: ``utilization`` of the device's memory, less the weights,
+    the activations' peak and the memory outside torch (vLLM's rule).
+
+    Raises:
+        ValueError: Other processes already hold more than ``1 - utilization`` of the
+            device, or nothing is left for the cache.
+    """
+    gib = 1024**3
+    wanted = int(memory.total * utilization)
+    if memory.free_at_start < wanted:
+        raise ValueError(f"the device has {memory.free_at_start / gib:.2f} GiB free of {memory.total / gib:.2f} GiB "
+                         f"at start-up, less than gpu_memory_utilization {utilization} asks for "
+                         f"({wanted / gib:.2f} GiB): lower gpu_memory_utilization or free the device")
+    budget = wanted - memory.weights - memory.peak_activations - memory.non_torch
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {utilization} ({wanted / gib:.2f} GiB of {memory.total / gib:.2f} "
+                         f"GiB) leaves nothing for the KV cache: weights {memory.weights / gib:.2f} GiB, activations "
+                         f"{memory.peak_activations / gib:.2f} GiB, outside torch {memory.non_torch / gib:.2f} GiB; "
+                         "raise gpu_memory_utilization, lower max_num_batched_tokens or use a smaller model")
+    return budget

@@ -13,7 +13,12 @@ from typing import Protocol
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.exceptions import WorkerDiedError
-from pagoda.engine.messages import RunnerOutput, SchedulerOutput, WorkerInit, WorkerReady
+from pagoda.engine.messages import (DeviceMemory, KVCacheAllocation, RunnerOutput, SchedulerOutput, WorkerInit,
+                                    WorkerReady)
+
+# Decides the KV cache from what every rank measured of its device's memory (for a worker
+# started with num_blocks None): the engine's part of that start.
+SizeKVCache = Callable[[list[DeviceMemory]], KVCacheAllocation]
 
 
 class Executor(Protocol):
@@ -36,8 +41,10 @@ class Executor(Protocol):
     def is_alive(self) -> bool:
         """Whether every process of it runs."""
 
-    async def start(self) -> WorkerReady:
-        """Starts the worker and waits until it has loaded the model.
+    async def start(self, size_kv: SizeKVCache | None = None) -> WorkerReady:
+        """Starts the worker and waits until it has loaded the model and allocated the KV
+        cache; where the init's num_blocks is None, ``size_kv`` decides that cache from the
+        ranks' measurements in between.
 
         Raises:
             WorkerDiedError: It failed to start; the message holds its traceback.

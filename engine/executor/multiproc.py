@@ -24,6 +24,7 @@ import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from pagoda.engine.config import compiles_model
 from pagoda.engine.exceptions import WorkerDiedError
@@ -36,14 +37,19 @@ from pagoda.engine.exceptions import WorkerDiedError
 #: moved within noise. The price is up to 1 GiB of memory that the worker keeps once used.
 WORKER_MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=1073741824"
 from pagoda.engine.messages import (
+    KVCacheAllocation,
     RunnerOutput,
     SchedulerOutput,
     Shutdown,
     WorkerFailed,
     WorkerInit,
+    WorkerMemory,
     WorkerProgress,
     WorkerReady,
 )
+
+if TYPE_CHECKING:
+    from pagoda.engine.executor.base import SizeKVCache
 
 _STOP_WRITING = object()
 logger = logging.getLogger(__name__)
@@ -131,13 +137,27 @@ class WorkerProcess:
             theirs.close()
         self._conn = Connection(ours.detach())
 
-    async def start(self) -> WorkerReady:
+    async def start(self, size_kv: SizeKVCache | None = None) -> WorkerReady:
         """Starts the worker (or takes the standby :meth:`spawn` started) and waits until it
-        has loaded the model.
+        has loaded the model and allocated the KV cache (sized by ``size_kv`` from what the
+        worker measured, where its init leaves num_blocks to it).
 
         Raises:
             WorkerDiedError: The worker failed to start; the message holds its traceback.
         """
+        message = await self.load()
+        if isinstance(message, WorkerMemory):
+            try:
+                allocation = size_kv([message.memory])
+            except BaseException:
+                await self.shutdown(timeout=1.0)
+                raise
+            message = await self.allocate(allocation)
+        return message
+
+    async def load(self) -> WorkerReady | WorkerMemory:
+        """The first half of :meth:`start`: the worker's answer once it has loaded the model
+        (WorkerMemory where it waits for an allocation)."""
         if self._proc is None:
             self._spawn(standby=False)
         loop = asyncio.get_running_loop()
@@ -147,6 +167,16 @@ class WorkerProcess:
         self._writer = threading.Thread(target=self._write, name="pagoda-worker-writer", daemon=True)
         self._writer.start()
         self._send(self._init)
+        return await self._started()
+
+    async def allocate(self, allocation: KVCacheAllocation) -> WorkerReady:
+        """The second half of :meth:`start`, after a WorkerMemory: the KV cache to allocate."""
+        self._send(allocation)
+        message = await self._started()
+        assert isinstance(message, WorkerReady), f"unexpected message {type(message).__name__}"
+        return message
+
+    async def _started(self) -> WorkerReady | WorkerMemory:
         message = await self.recv()
         while isinstance(message, WorkerProgress):
             logger.info("worker: %s", message.message)
@@ -154,8 +184,9 @@ class WorkerProcess:
         if isinstance(message, WorkerFailed):
             await self.shutdown()
             raise WorkerDiedError(f"the worker failed to start:\n{message.error}")
-        assert isinstance(message, WorkerReady), f"unexpected message {type(message).__name__}"
-        self.ready = message
+        assert isinstance(message, (WorkerReady, WorkerMemory)), f"unexpected message {type(message).__name__}"
+        if isinstance(message, WorkerReady):
+            self.ready = message
         return message
 
     def check(self) -> None:
@@ -338,14 +369,26 @@ class WorkerGroup:
     def is_alive(self) -> bool:
         return all(w.is_alive() for w in self.workers)
 
-    async def start(self) -> WorkerReady:
-        results = await asyncio.gather(*(w.start() for w in self.workers), return_exceptions=True)
+    async def start(self, size_kv: SizeKVCache | None = None) -> WorkerReady:
+        results = await self._every_rank(w.load() for w in self.workers)
+        if isinstance(results[0], WorkerMemory):
+            try:
+                allocation = size_kv([r.memory for r in results])
+            except BaseException:
+                await self.shutdown(timeout=1.0)
+                raise
+            results = await self._every_rank(w.allocate(allocation) for w in self.workers)
+        self.ready = results[0]
+        return self.ready
+
+    async def _every_rank(self, calls) -> list:
+        """Awaits one call per rank; if any fails, stops every rank and raises the first error."""
+        results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.shutdown(timeout=1.0)
             raise errors[0]
-        self.ready = results[0]
-        return self.ready
+        return results
 
     def check(self) -> None:
         for worker in self.workers:

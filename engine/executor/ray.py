@@ -17,10 +17,15 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from pagoda.engine.exceptions import WorkerDiedError
-from pagoda.engine.messages import RunnerOutput, SchedulerOutput, WorkerInit, WorkerReady
+from pagoda.engine.messages import (KVCacheAllocation, RunnerOutput, SchedulerOutput, WorkerInit, WorkerMemory,
+                                    WorkerReady)
 from pagoda.engine.platform import resolve_device
+
+if TYPE_CHECKING:
+    from pagoda.engine.executor.base import SizeKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +41,18 @@ class RankActor:
 
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
 
-    def start(self, init: WorkerInit) -> WorkerReady:
+    def start(self, init: WorkerInit) -> WorkerReady | WorkerMemory:
         from pagoda.engine.worker.main import build_runner, ready_message
 
         self.runner = build_runner(init)
+        if self.runner.kv_caches is None:  # sized from the device's memory: allocate() follows
+            return WorkerMemory(self.runner.measure_memory())
+        return ready_message(self.runner)
+
+    def allocate(self, allocation: KVCacheAllocation) -> WorkerReady:
+        from pagoda.engine.worker.main import ready_message
+
+        self.runner.allocate(allocation)
         return ready_message(self.runner)
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
@@ -87,7 +100,7 @@ class RayWorkerGroup:
     def is_alive(self) -> bool:
         return bool(self._actors) and self._death is None
 
-    async def start(self) -> WorkerReady:
+    async def start(self, size_kv: SizeKVCache | None = None) -> WorkerReady:
         try:
             import ray
             from ray.util.placement_group import placement_group
@@ -116,6 +129,9 @@ class RayWorkerGroup:
                                                  dist_init_method=method))
                       for rank, actor in enumerate(self._actors)]
             results = await asyncio.gather(*starts)
+            if isinstance(results[0], WorkerMemory):
+                allocation = size_kv([r.memory for r in results])
+                results = await asyncio.gather(*(actor.allocate.remote(allocation) for actor in self._actors))
         except Exception as exc:  # ray.exceptions.RayTaskError carries the rank's traceback
             await self.shutdown()
             raise WorkerDiedError(f"the worker failed to start:\n{exc}") from exc

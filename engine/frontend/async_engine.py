@@ -14,18 +14,18 @@ import asyncio
 import itertools
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import pluggy
 
 from pagoda.attention_backends import get_attention_backend
-from pagoda.engine.config import EngineConfig
+from pagoda.engine.config import EngineConfig, sizes_kv_from_memory
 from pagoda.engine.core.engine_core import EngineCore, StepStats
 from pagoda.engine.core.grammar import BitmaskFiller, GrammarCompiler
-from pagoda.engine.core.kv_sizing import KVCacheSize, size_kv_cache
+from pagoda.engine.core.kv_sizing import KVCacheSize, kv_cache_budget, size_kv_cache
 from pagoda.engine.core.plugin_manager import check_policy_names, create_plugin_manager, plugin_names
 from pagoda.engine.core.policy import Policy
 from pagoda.engine.core.request import Request
@@ -33,7 +33,7 @@ from pagoda.engine.core.scheduler import Scheduler
 from pagoda.engine.exceptions import EngineDeadError
 from pagoda.engine.executor.base import Executor, create_executor
 from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
-from pagoda.engine.messages import WorkerInit
+from pagoda.engine.messages import DeviceMemory, KVCacheAllocation, WorkerInit
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_tokenizer, resolve_model, resolve_model_dtype
 from pagoda.engine.outputs import RequestOutput
@@ -64,6 +64,9 @@ class AsyncEngine:
         self.tokenizer = None
         self.model_config: ModelConfig | None = None
         self.kv_cache_size: KVCacheSize | None = None
+        # What each rank measured of its device's memory, where the KV cache was sized from it.
+        self.device_memory: list[DeviceMemory] | None = None
+        self._worker_init: WorkerInit | None = None
         self.core: EngineCore | None = None
         self.output_processor: OutputProcessor | None = None
         self.grammar_compiler: GrammarCompiler | None = None
@@ -99,24 +102,58 @@ class AsyncEngine:
                                tuple(self.tokenizer.encode(parser.end, add_special_tokens=False)))
         draft_dir, draft_config = await asyncio.to_thread(self._draft_model, model_config)
         kv_dtype = kv_dtype or dtype
-        self.kv_cache_size = kv = size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config)
+        # NOTE: sized here, or (from the device's memory) once the worker has loaded the model
+        # and measured; either way the sizing's own errors come before the model loads, from
+        # the largest cache the configuration could use.
+        from_memory = sizes_kv_from_memory(config, device.type)
+        kv = size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config,
+                           budget=sys.maxsize if from_memory else None)
+        self._worker_init = WorkerInit(config, model_dir, model_config, kv.num_blocks, kv.max_model_len,
+                                       kv.num_cpu_blocks, draft_model_dir=draft_dir, draft_model_config=draft_config)
+
+        def size_kv(memory: list[DeviceMemory]) -> KVCacheAllocation:
+            budget = min(kv_cache_budget(m, config.gpu_memory_utilization) for m in memory)
+            logger.info("device memory: %.2f GiB; weights %.2f GiB, activations' peak %.2f GiB, outside torch "
+                        "%.2f GiB: %.2f GiB for the KV cache (gpu_memory_utilization %s)",
+                        *(x / 1024**3 for x in (memory[0].total, memory[0].weights, memory[0].peak_activations,
+                                                memory[0].non_torch, budget)), config.gpu_memory_utilization)
+            self.device_memory = memory
+            return self._use_kv_cache(size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config, budget),
+                                      kv_dtype)
+
+        self.core = EngineCore(config, None, self._make_executor, self.output_processor,
+                               async_scheduling=self.uses_async_scheduling())
+        if from_memory:
+            self._worker_init = replace(self._worker_init, num_blocks=None)
+        else:
+            self._use_kv_cache(kv, kv_dtype)
+        logger.info("starting the worker process")
+        ready = await self.core.start(size_kv if from_memory else None)
+        logger.info("worker ready: %s, %s, %s, attention backend %s, %.2f GiB of KV cache%s; async scheduling %s",
+                    ready.device, ready.dtype, ready.weights, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
+                    f", model compiled in {ready.compile_seconds:.1f} s ({ready.compiled})" if ready.compile_seconds else "",
+                    "on" if self.core.async_scheduling else "off")
+
+    def _make_executor(self, on_death):
+        """The worker(s), from the current WorkerInit (a restart allocates what the first start
+        decided)."""
+        return create_executor(self._worker_init, self.config, on_death)
+
+    def _use_kv_cache(self, kv: KVCacheSize, kv_dtype) -> KVCacheAllocation:
+        """Takes the KV cache's size: the scheduler over its blocks, and the workers' init."""
+        self.kv_cache_size = kv
         if kv.limited_by_window:
             logger.warning("limiting max_model_len to the sliding window (%d tokens)", kv.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s, %d bytes a token), "
                     "max_model_len %d; swap space %d blocks", kv.num_blocks, kv.block_size, kv.num_tokens,
                     kv.num_bytes / 1024**3, str(kv_dtype).removeprefix("torch."), kv.bytes_per_block // kv.block_size,
                     kv.max_model_len, kv.num_cpu_blocks)
-        scheduler = Scheduler.from_config(config, kv, self.policy, BitmaskFiller(model_config.vocab_size))
-        init = WorkerInit(config, model_dir, model_config, kv.num_blocks, kv.max_model_len, kv.num_cpu_blocks,
-                          draft_model_dir=draft_dir, draft_model_config=draft_config)
-        self.core = EngineCore(config, scheduler, partial(create_executor, init, config), self.output_processor,
-                               async_scheduling=self.uses_async_scheduling())
-        logger.info("starting the worker process")
-        ready = await self.core.start()
-        logger.info("worker ready: %s, %s, %s, attention backend %s, %.2f GiB of KV cache%s; async scheduling %s",
-                    ready.device, ready.dtype, ready.weights, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
-                    f", model compiled in {ready.compile_seconds:.1f} s ({ready.compiled})" if ready.compile_seconds else "",
-                    "on" if self.core.async_scheduling else "off")
+        self.core.scheduler = Scheduler.from_config(self.config, kv, self.policy,
+                                                    BitmaskFiller(self.model_config.vocab_size))
+        allocation = KVCacheAllocation(kv.num_blocks, kv.num_cpu_blocks, kv.max_model_len)
+        self._worker_init = replace(self._worker_init, num_blocks=kv.num_blocks, num_cpu_blocks=kv.num_cpu_blocks,
+                                    max_model_len=kv.max_model_len)
+        return allocation
 
     def _draft_model(self, model_config: ModelConfig) -> tuple[Path | None, ModelConfig | None]:
         """Speculative decoding's draft model (method draft_model): its directory and

@@ -53,6 +53,16 @@ def serve(conn: Connection, preloading: threading.Thread | None = None) -> None:
 
     try:
         runner = build_runner(init, progress if init.rank == 0 else None)
+        if runner.kv_caches is None:
+            # Sized from the device's memory: the engine decides from what every rank measured.
+            from pagoda.engine.messages import WorkerMemory
+
+            conn.send(WorkerMemory(runner.measure_memory()))
+            try:
+                allocation = conn.recv()
+            except (EOFError, OSError):
+                return
+            runner.allocate(allocation)
     except BaseException:  # noqa: BLE001 - the engine reports it; SystemExit from a library too
         _send_failure(conn, traceback.format_exc())
         return

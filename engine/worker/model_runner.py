@@ -9,6 +9,7 @@ which lets the attention backends treat them as one contiguous slice.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -20,8 +21,9 @@ from pagoda.attention_backends import AttentionMetadata, get_attention_backend
 from pagoda.engine.tensor_parallel import head_share
 from pagoda.engine.worker.distributed import init_tensor_parallel
 from pagoda.engine.worker.input_batch import InputBatch
-from pagoda.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInit
-from pagoda.engine.config import compiles_model
+from pagoda.engine.messages import (DeviceMemory, KVCacheAllocation, RunnerOutput, SchedulerOutput, TokenLogprobs,
+                                    WorkerInit)
+from pagoda.engine.config import SIMULATED_DEVICE_MEMORY_ENV, compiles_model
 from pagoda.engine.model_loader import (compressed_tensors_config, default_cache_dir, load_weights, plan_quantization,
                                         resolve_model_dtype)
 from pagoda.engine.models import linear
@@ -69,10 +71,11 @@ class ModelRunner:
             attention_backend = "cpu_paged"
         backend_cls = get_attention_backend(attention_backend, self.device, fp8_cache,
                                             attention_shape(model_config, self.dtype))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._free_at_start = torch.cuda.mem_get_info(self.device)[0]
         self.model, self.attention_backend = self._load_model(init.model_dir, model_config, backend_cls, init,
                                                               progress)
-        self.kv_caches, self.cpu_caches = self._allocate_caches(self.attention_backend, model_config, init)
-        self.kv_cache_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
         # Speculative decoding's draft model: its own KV cache over the same blocks, so the
         # block tables and slots of a step serve both models.
         self.draft = self.draft_backend = None
@@ -80,8 +83,20 @@ class ModelRunner:
         if init.draft_model_dir is not None:
             self.draft, self.draft_backend = self._load_model(init.draft_model_dir, init.draft_model_config,
                                                               backend_cls, init, progress)
+        self._init, self._progress = init, progress
+        self.kv_caches = None
+        if init.num_blocks is not None:
+            self.allocate(KVCacheAllocation(init.num_blocks, init.num_cpu_blocks, init.max_model_len))
+
+    def allocate(self, allocation: KVCacheAllocation) -> None:
+        """Allocates the KV cache (and the draft's, and the swap space), the persistent batch
+        and the sampler, then compiles and warms the model up: the second half of the start."""
+        init, progress, config, model_config = self._init, self._progress, self._init.config, self.model_config
+        self.kv_caches, self.cpu_caches = self._allocate_caches(self.attention_backend, model_config, allocation)
+        self.kv_cache_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+        if self.draft is not None:
             self.draft_kv_caches, self.draft_cpu_caches = self._allocate_caches(self.draft_backend,
-                                                                                init.draft_model_config, init)
+                                                                                init.draft_model_config, allocation)
             self.kv_cache_bytes += sum(k.nbytes + v.nbytes for k, v in self.draft_kv_caches)
         # Whole steps in one C call where the model allows (engine/models/one_call_forward.py).
         self.one_call_forward = self.model.prepare_one_call_forward(self.kv_caches)
@@ -89,8 +104,8 @@ class ModelRunner:
             self.draft.prepare_one_call_forward(self.draft_kv_caches)
         # NOTE: the engine's seed drives unseeded sampling, so a run is reproducible as a whole.
         self.sampler = Sampler(config.seed)
-        self.batch = InputBatch(config.max_num_seqs, init.max_model_len, self.block_size, model_config.vocab_size,
-                                list(model_config.eos_token_ids), self.device)
+        self.batch = InputBatch(config.max_num_seqs, allocation.max_model_len, self.block_size,
+                                model_config.vocab_size, list(model_config.eos_token_ids), self.device)
         self._failed: set[str] = set()
         self.compile_seconds = 0.0
         self.compile_description = ""
@@ -101,10 +116,10 @@ class ModelRunner:
         # code rounds differently from the many-row code's.
         # NOTE: nor where every step runs in one call: the compiled regions would serve no step
         # (the warm-up then allocates the call's activations before the first request).
-        if compiles_model(config, self.device.type, tp.world_size) and self.model.one_call_takes_every_step():
+        if compiles_model(config, self.device.type, self.tp.world_size) and self.model.one_call_takes_every_step():
             progress("every step runs in one C call: nothing to compile")
             self._warm_up()
-        elif compiles_model(config, self.device.type, tp.world_size):
+        elif compiles_model(config, self.device.type, self.tp.world_size):
             directory = default_cache_dir() / "compiled" / cache_key(*self.model.describe_code())
             if directory.is_dir() and any(directory.glob("*.bin")):
                 progress(f"loading the compiled model from {directory}")
@@ -183,9 +198,9 @@ class ModelRunner:
         return (f"{source}: "
                 + ", ".join(f"{count} layers {name}" for name, count in counts.items()) + "; ")
 
-    def _allocate_caches(self, backend, model_config, init: WorkerInit) -> tuple[list, list]:
+    def _allocate_caches(self, backend, model_config, allocation: KVCacheAllocation) -> tuple[list, list]:
         """A model's KV cache (zeroed) and its swap space, one (key, value) pair per layer."""
-        key_shape, value_shape = backend.kv_cache_shapes(init.num_blocks, self.block_size)
+        key_shape, value_shape = backend.kv_cache_shapes(allocation.num_blocks, self.block_size)
         caches = [(torch.zeros(key_shape, dtype=self.kv_cache_dtype, device=self.device),
                    torch.zeros(value_shape, dtype=self.kv_cache_dtype, device=self.device))
                   for _ in range(model_config.num_hidden_layers)]
@@ -193,12 +208,63 @@ class ModelRunner:
         # NOTE: left uninitialised: a block is only ever read back after a whole block was
         # swapped into it; and unpinned pages that are never touched cost no memory (4 GiB by
         # default; zeroing them took about a second of every start).
-        cpu_key_shape, cpu_value_shape = backend.kv_cache_shapes(init.num_cpu_blocks, self.block_size)
+        cpu_key_shape, cpu_value_shape = backend.kv_cache_shapes(allocation.num_cpu_blocks, self.block_size)
         pin = self.device.type == "cuda"
         cpu_caches = [(torch.empty(cpu_key_shape, dtype=self.kv_cache_dtype, pin_memory=pin),
                        torch.empty(cpu_value_shape, dtype=self.kv_cache_dtype, pin_memory=pin))
-                      for _ in range(model_config.num_hidden_layers)] if init.num_cpu_blocks else []
+                      for _ in range(model_config.num_hidden_layers)] if allocation.num_cpu_blocks else []
         return caches, cpu_caches
+
+    def measure_memory(self) -> DeviceMemory:
+        """What sizing the KV cache from the device's memory needs (called before
+        :meth:`allocate`): the weights held, the activations' peak over a forward of
+        max_num_batched_tokens tokens with max_num_seqs rows of logits, and what was taken
+        outside torch since the start.
+
+        On the CPU only with SIMULATED_DEVICE_MEMORY_ENV set (tests): the weights are
+        measured, nothing else.
+        """
+        config = self._init.config
+        if self.device.type != "cuda":
+            simulated = os.environ.get(SIMULATED_DEVICE_MEMORY_ENV)
+            if not simulated:
+                raise RuntimeError("the KV cache is sized from the device's memory only on a GPU")
+            models = [self.model] + ([self.draft] if self.draft is not None else [])
+            weights = sum(t.nbytes for model in models for t in (*model.parameters(), *model.buffers()))
+            return DeviceMemory(total=int(simulated), free_at_start=int(simulated), weights=weights,
+                                peak_activations=0, non_torch=0)
+        device = self.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        scratch = self._profile_forward(min(config.max_num_batched_tokens, self._init.max_model_len),
+                                        config.max_num_seqs)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - weights - scratch
+        non_torch = self._free_at_start - torch.cuda.mem_get_info(device)[0] - torch.cuda.memory_reserved(device)
+        torch.cuda.empty_cache()
+        return DeviceMemory(total=torch.cuda.mem_get_info(device)[1], free_at_start=self._free_at_start,
+                            weights=weights, peak_activations=max(0, peak), non_torch=max(0, non_torch))
+
+    def _profile_forward(self, num_tokens: int, num_rows: int) -> int:
+        """One prefill of ``num_tokens`` tokens over a one-block scratch cache (every token's
+        keys written to block 0), then logits and a softmax for ``num_rows`` of them: the
+        largest step's activations. Returns the scratch cache's bytes."""
+        key_shape, value_shape = self.attention_backend.kv_cache_shapes(1, self.block_size)
+        caches = [(torch.zeros(key_shape, dtype=self.kv_cache_dtype, device=self.device),
+                   torch.zeros(value_shape, dtype=self.kv_cache_dtype, device=self.device))
+                  for _ in range(self.model_config.num_hidden_layers)]
+        with torch.inference_mode():
+            positions = torch.arange(num_tokens, device=self.device)
+            metadata = self._metadata(np.array([num_tokens]), np.array([num_tokens]),
+                                      np.zeros((1, -(-num_tokens // self.block_size)), dtype=np.int32),
+                                      positions.cpu().numpy())
+            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, caches,
+                                metadata)
+            logits = self.model.compute_logits(hidden[-min(num_rows, num_tokens):])
+            torch.softmax(logits.float(), dim=-1)
+        return sum(k.nbytes + v.nbytes for k, v in caches)
 
     def _warm_up(self) -> None:
         """Runs a prefill (WARM_UP_PREFILL_TOKENS, or less where the model is shorter) and a decode
