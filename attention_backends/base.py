@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 # The KV cache's element types besides the model's own dtype (the engine's kv_cache_dtype):
@@ -58,6 +59,9 @@ class AttentionMetadata:
         block_size: Tokens per block.
         max_query_len: Longest query.
         max_seq_len: Longest context.
+        block_tables_host: The block tables on the host (numpy), where the caller has
+            them: a backend that plans on the CPU reads them instead of copying
+            ``block_tables`` back from a GPU (a sync).
         backend_data: Whatever the backend's prepare() derived from the above.
     """
 
@@ -71,6 +75,7 @@ class AttentionMetadata:
     block_size: int
     max_query_len: int
     max_seq_len: int
+    block_tables_host: np.ndarray | None = None
     backend_data: Any = None
 
     @property

@@ -3,7 +3,8 @@
 The cache is FlashInfer's NHD layout, one key and one value tensor per layer of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (a "page" is one of our blocks).
 Once per step, :func:`plan_paged_kv` turns the step's block tables into FlashInfer's CSR
-description of the pages (indptr, indices, last-page lengths) with plain torch code, for
+description of the pages (indptr, indices, last-page lengths) with numpy on the host (the
+wrappers' ``plan()`` reads them there: no copy back from the GPU, no sync), for
 the decode requests (one query each) and for the rest (prefill chunks, which may sit on
 a cached prefix); the two wrappers are planned with it once and then run for every
 layer. Keys and values are written into their slots with the base class's indexing.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata
@@ -39,7 +41,8 @@ def decode_uses_tensor_cores(group: int) -> bool:
 
 @dataclass(slots=True)
 class PagedKV:
-    """FlashInfer's description of some requests' pages (CSR over block tables).
+    """FlashInfer's description of some requests' pages (CSR over block tables), in host
+    memory: ``plan()`` reads them on the host and copies the indices to the GPU itself.
 
     Attributes:
         indptr: int32 [num_reqs + 1]: request ``i``'s pages are
@@ -58,63 +61,73 @@ class FlashInferPlan:
     """One step split into its decode requests and its prefill requests.
 
     Attributes:
-        decode_rows: Query rows of the decode requests (one each), int64.
+        decode_rows: Query rows of the decode requests (one each): a slice where they come
+            first, one after the other (the model runner's order: the wrapper then writes
+            into the output in place), else an int64 index tensor on the device.
         decode: Their pages.
-        prefill_rows: Query rows of the other requests, request after request, int64.
-        prefill_qo_indptr: int32 [num_prefills + 1]: their query rows, as offsets into
-            ``prefill_rows``.
+        prefill_rows: Query rows of the other requests, request after request: a slice or
+            an index tensor, as ``decode_rows``.
+        prefill_qo_indptr: int32 [num_prefills + 1], on the host: their query rows, as
+            offsets into ``prefill_rows``.
         prefill: Their pages.
+        num_decodes: Decode rows.
+        num_prefill_rows: Prefill rows.
     """
 
-    decode_rows: torch.Tensor
+    decode_rows: slice | torch.Tensor
     decode: PagedKV
-    prefill_rows: torch.Tensor
+    prefill_rows: slice | torch.Tensor
     prefill_qo_indptr: torch.Tensor
     prefill: PagedKV
-
-    @property
-    def num_decodes(self) -> int:
-        return int(self.decode_rows.numel())
-
-    @property
-    def num_prefill_rows(self) -> int:
-        return int(self.prefill_rows.numel())
+    num_decodes: int
+    num_prefill_rows: int
 
 
-def paged_kv(seq_lens: torch.Tensor, block_tables: torch.Tensor, page_size: int) -> PagedKV:
+def paged_kv(seq_lens: np.ndarray, block_tables: np.ndarray, page_size: int) -> PagedKV:
     """The CSR page description of requests with these context lengths and block tables."""
-    seq_lens = seq_lens.to(torch.int64)
+    seq_lens = seq_lens.astype(np.int64)
     num_pages = (seq_lens + page_size - 1) // page_size
-    indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32, device=seq_lens.device)
-    torch.cumsum(num_pages, 0, out=indptr[1:])
-    columns = torch.arange(block_tables.shape[1], device=block_tables.device)
-    used = columns.unsqueeze(0) < num_pages.unsqueeze(1)
-    indices = block_tables[used].to(torch.int32)  # row-major: each request's pages in order
-    last_page_len = (seq_lens - (num_pages - 1) * page_size).to(torch.int32)
-    return PagedKV(indptr, indices, last_page_len)
+    indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+    np.cumsum(num_pages, out=indptr[1:])
+    used = np.arange(block_tables.shape[1])[None, :] < num_pages[:, None]
+    indices = block_tables[used].astype(np.int32)  # row-major: each request's pages in order
+    last_page_len = (seq_lens - (num_pages - 1) * page_size).astype(np.int32)
+    return PagedKV(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last_page_len))
+
+
+def _rows(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
+    """Query rows as a slice where they are consecutive, else as an index tensor."""
+    if len(rows) == 0 or rows[-1] - rows[0] == len(rows) - 1:
+        return slice(int(rows[0]), int(rows[-1]) + 1) if len(rows) else slice(0, 0)
+    return torch.from_numpy(rows).to(device)
 
 
 def plan_paged_kv(metadata: AttentionMetadata) -> FlashInferPlan:
-    """Splits a step into decode and prefill requests and describes their pages."""
+    """Splits a step into decode and prefill requests and describes their pages, from the
+    step's host-side lengths and block tables (nothing read back from the GPU)."""
     device = metadata.block_tables.device
-    query_lens = torch.tensor(metadata.query_lens, dtype=torch.int64, device=device)
-    starts = metadata.query_start_loc[:-1].to(torch.int64)
+    tables = metadata.block_tables_host
+    if tables is None:
+        tables = metadata.block_tables.cpu().numpy()
+    query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
+    seq_lens = np.asarray(metadata.seq_lens, dtype=np.int64)
+    starts = np.cumsum(query_lens) - query_lens
     is_decode = query_lens == 1
-    decode_idx = torch.nonzero(is_decode).flatten()
-    prefill_idx = torch.nonzero(~is_decode).flatten()
-    prefill_lens = query_lens[prefill_idx]
-    qo_indptr = torch.zeros(len(prefill_idx) + 1, dtype=torch.int32, device=device)
-    torch.cumsum(prefill_lens, 0, out=qo_indptr[1:])
+    prefill_lens = query_lens[~is_decode]
+    qo_indptr = np.zeros(len(prefill_lens) + 1, dtype=np.int32)
+    np.cumsum(prefill_lens, out=qo_indptr[1:])
     # Each prefill request's rows: its start plus 0..query_len-1.
-    owner = torch.repeat_interleave(torch.arange(len(prefill_idx), device=device), prefill_lens)
-    prefill_rows = starts[prefill_idx][owner] + torch.arange(len(owner), device=device) - qo_indptr[:-1].long()[owner]
-    seq_lens = metadata.seq_lens_tensor
+    owner = np.repeat(np.arange(len(prefill_lens)), prefill_lens)
+    prefill_rows = starts[~is_decode][owner] + np.arange(len(owner)) - qo_indptr[:-1][owner]
+    decode_rows = starts[is_decode]
     return FlashInferPlan(
-        decode_rows=starts[decode_idx],
-        decode=paged_kv(seq_lens[decode_idx], metadata.block_tables[decode_idx], metadata.block_size),
-        prefill_rows=prefill_rows,
-        prefill_qo_indptr=qo_indptr,
-        prefill=paged_kv(seq_lens[prefill_idx], metadata.block_tables[prefill_idx], metadata.block_size),
+        decode_rows=_rows(decode_rows, device),
+        decode=paged_kv(seq_lens[is_decode], tables[is_decode], metadata.block_size),
+        prefill_rows=_rows(prefill_rows, device),
+        prefill_qo_indptr=torch.from_numpy(qo_indptr),
+        prefill=paged_kv(seq_lens[~is_decode], tables[~is_decode], metadata.block_size),
+        num_decodes=len(decode_rows),
+        num_prefill_rows=len(prefill_rows),
     )
 
 
@@ -189,8 +202,12 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._planned = plan
         decode_wrapper, prefill_wrapper = self._wrappers(query.device)
         output = torch.empty_like(query)
-        if plan.num_decodes:
-            output[plan.decode_rows] = decode_wrapper.run(query[plan.decode_rows], kv_cache)
-        if plan.num_prefill_rows:
-            output[plan.prefill_rows] = prefill_wrapper.run(query[plan.prefill_rows], kv_cache)
+        for count, rows, wrapper in ((plan.num_decodes, plan.decode_rows, decode_wrapper),
+                                     (plan.num_prefill_rows, plan.prefill_rows, prefill_wrapper)):
+            if not count:
+                continue
+            if isinstance(rows, slice):  # in place: no gather of the queries, no scatter of the output
+                wrapper.run(query[rows], kv_cache, out=output[rows])
+            else:
+                output[rows] = wrapper.run(query[rows], kv_cache)
         return output

@@ -276,8 +276,12 @@ class TritonAttentionBackend(AttentionBackend):
         plan = plan_tiles(metadata.query_lens, metadata.seq_lens, self.num_heads // self.num_kv_heads,
                           self.num_kv_heads)
         device = metadata.block_tables.device
-        metadata.backend_data = (plan, torch.from_numpy(plan.tile_request).to(device),
-                                 torch.from_numpy(plan.tile_start).to(device))
+
+        def upload(array: np.ndarray) -> torch.Tensor:  # NOTE: pinned and non_blocking: no wait on the GPU
+            tensor = torch.from_numpy(array)
+            return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
+
+        metadata.backend_data = (plan, upload(plan.tile_request), upload(plan.tile_start))
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)

@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -208,6 +209,29 @@ def test_flashinfer_plan_describes_every_requests_pages_in_order():
             assert pages == tables[i]  # no padding block, in table order
             last = int(kv.last_page_len[j])
             assert 1 <= last <= block_size and (len(pages) - 1) * block_size + last == seq_lens[i]
+    assert plan.prefill_qo_indptr.device.type == kv.indptr.device.type == "cpu"  # plan() reads them there
+
+
+def test_flashinfer_plan_takes_the_runners_order_as_slices_written_in_place():
+    """Decodes first, then the chunks (the model runner's order): both sets of query rows are
+    slices, so the wrappers write into the output in place; the host's block tables are
+    read, not the device's."""
+    from pagoda.attention_backends.flashinfer_attention import plan_paged_kv
+
+    seq_lens, query_lens = [20, 50, 37, 33], [1, 1, 37, 9]
+    tables = np.array([[4, 9, 0], [1, 2, 3], [5, 6, 7], [8, 10, 11]], dtype=np.int32)
+    metadata = AttentionMetadata(
+        num_tokens=48, query_lens=query_lens, seq_lens=seq_lens,
+        query_start_loc=torch.tensor([0, 1, 2, 39, 48], dtype=torch.int32),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.full((4, 3), 99, dtype=torch.int32),  # not read
+        slot_mapping=torch.zeros(48, dtype=torch.int64), block_size=16, max_query_len=37, max_seq_len=50,
+        block_tables_host=tables)
+    plan = plan_paged_kv(metadata)
+    assert (plan.decode_rows, plan.prefill_rows) == (slice(0, 2), slice(2, 48))
+    assert (plan.num_decodes, plan.num_prefill_rows) == (2, 46)
+    assert plan.decode.indices.tolist() == [4, 9, 1, 2, 3] and plan.decode.last_page_len.tolist() == [4, 2]
+    assert plan.prefill.indices.tolist() == [5, 6, 7, 8, 10, 11] and plan.prefill_qo_indptr.tolist() == [0, 37, 46]
 
 
 def test_backends_that_cannot_run_say_why():
@@ -473,3 +497,27 @@ def test_the_gpu_checks_decode_timing_runs_on_the_cpu(capsys):
     rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
     assert all(float(ms) > 0 for ms in rows["naive"] + rows["cpu_paged"]) and len(rows["naive"]) == 2
     assert "not available" in " ".join(rows["flashinfer"])
+
+
+def test_host_arrays_reach_the_cpu_device_without_a_copy():
+    from pagoda.engine.worker.host_copy import to_device
+
+    array = np.arange(6, dtype=np.int32)
+    tensor = to_device(array, torch.device("cpu"))
+    assert tensor.data_ptr() == array.ctypes.data  # the hot path on the CPU pays nothing
+    assert to_device(array, torch.device("cpu"), torch.long).tolist() == list(range(6))
+
+
+def test_the_swap_space_is_one_buffer_viewed_per_layer():
+    from pagoda.engine.worker.model_runner import allocate_swap_space
+
+    shapes = ((5, 2, 16, 4), (5, 2, 4, 16))  # cpu_paged's: keys transposed within a block
+    layers = allocate_swap_space(shapes, 3, torch.bfloat16, pin=False)
+    assert len(layers) == 3 and all(tuple(tuple(t.shape) for t in layer) == shapes for layer in layers)
+    base = layers[0][0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base and t.is_contiguous() for layer in layers for t in layer)
+    # The views tile the buffer without overlap: writing one block of each leaves the others.
+    for i, layer in enumerate(layers):
+        for j, t in enumerate(layer):
+            t.fill_(10 * i + j)
+    assert [int(t[4, 1, 3, 3]) for layer in layers for t in layer] == [0, 1, 10, 11, 20, 21]

@@ -178,3 +178,35 @@ def test_the_kv_cache_is_sized_from_the_gpus_memory(tiny_llama_dir):
         assert kv.num_blocks == min(budget // kv.bytes_per_block, 8 * 256 // 16)
         out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_steps_inputs_and_attention_plans_reach_the_gpu_without_a_host_sync():
+    """The runner's uploads (pinned, non_blocking) and the triton and flashinfer plans (from
+    host arrays) run under torch's sync debug mode set to raise on any synchronizing call."""
+    import numpy as np
+
+    from pagoda.attention_backends import AttentionMetadata, get_attention_backend
+    from pagoda.engine.worker.host_copy import to_device
+
+    device = torch.device("cuda")
+    query_lens, seq_lens = np.array([1, 1, 40], dtype=np.int32), np.array([300, 17, 60], dtype=np.int32)
+    tables = np.arange(3 * 19, dtype=np.int32).reshape(3, 19)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ids = to_device(np.arange(42, dtype=np.int32), device, torch.long)
+        metadata = AttentionMetadata(
+            num_tokens=42, query_lens=query_lens.tolist(), seq_lens=seq_lens.tolist(),
+            query_start_loc=to_device(np.array([0, 1, 2, 42], dtype=np.int32), device),
+            seq_lens_tensor=to_device(seq_lens, device), block_tables=to_device(tables, device),
+            slot_mapping=to_device(np.arange(42, dtype=np.int64), device), block_size=16, max_query_len=40,
+            max_seq_len=300, block_tables_host=tables)
+        for name in ("triton", "flashinfer"):
+            try:
+                backend = get_attention_backend(name, device)(8, 2, 128, 128**-0.5)
+            except ValueError:
+                continue  # not installed here
+            backend.prepare(metadata)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert ids.dtype == torch.long and ids.cpu().tolist() == list(range(42))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pagoda.engine.messages import NewRequestData
+from pagoda.engine.worker.host_copy import to_device
 from pagoda.engine.worker.sampling_metadata import SamplingMetadata, greedy_temperature, mix_seed
 from pagoda.engine.sampling_params import POOLING_METHODS, SamplingParams
 
@@ -202,7 +203,7 @@ class InputBatch:
                               all_random=all_random)
 
         def tensor(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+            return to_device(values, device)
 
         if not all_greedy:
             random = ~greedy

@@ -9,6 +9,7 @@ which lets the attention backends treat them as one contiguous slice.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import traceback
@@ -20,6 +21,7 @@ import torch
 from pagoda.attention_backends import AttentionMetadata, get_attention_backend
 from pagoda.engine.tensor_parallel import head_share
 from pagoda.engine.worker.distributed import init_tensor_parallel
+from pagoda.engine.worker.host_copy import to_device
 from pagoda.engine.worker.input_batch import InputBatch
 from pagoda.engine.messages import (DeviceMemory, KVCacheAllocation, RunnerOutput, SchedulerOutput, TokenLogprobs,
                                     WorkerInit)
@@ -204,16 +206,9 @@ class ModelRunner:
         caches = [(torch.zeros(key_shape, dtype=self.kv_cache_dtype, device=self.device),
                    torch.zeros(value_shape, dtype=self.kv_cache_dtype, device=self.device))
                   for _ in range(model_config.num_hidden_layers)]
-        # The swap space: the same layout in CPU memory (pinned when the cache is on a GPU).
-        # NOTE: left uninitialised: a block is only ever read back after a whole block was
-        # swapped into it; and unpinned pages that are never touched cost no memory (4 GiB by
-        # default; zeroing them took about a second of every start).
-        cpu_key_shape, cpu_value_shape = backend.kv_cache_shapes(allocation.num_cpu_blocks, self.block_size)
-        pin = self.device.type == "cuda"
-        cpu_caches = [(torch.empty(cpu_key_shape, dtype=self.kv_cache_dtype, pin_memory=pin),
-                       torch.empty(cpu_value_shape, dtype=self.kv_cache_dtype, pin_memory=pin))
-                      for _ in range(model_config.num_hidden_layers)] if allocation.num_cpu_blocks else []
-        return caches, cpu_caches
+        swap = allocate_swap_space(backend.kv_cache_shapes(allocation.num_cpu_blocks, self.block_size),
+                                   model_config.num_hidden_layers, self.kv_cache_dtype, pin=self.device.type == "cuda")
+        return caches, swap if allocation.num_cpu_blocks else []
 
     def measure_memory(self) -> DeviceMemory:
         """What sizing the KV cache from the device's memory needs (called before
@@ -351,8 +346,8 @@ class ModelRunner:
         metadata = self._metadata(query_lens, seq_lens, block_tables, positions, token_rows)
 
         device = self.device
-        input_tensor = torch.from_numpy(input_ids).to(device, torch.long)
-        position_tensor = torch.from_numpy(positions).to(device, torch.long)
+        input_tensor = to_device(input_ids, device, torch.long)
+        position_tensor = to_device(positions, device, torch.long)
         hidden = self.model(input_tensor, position_tensor, self.kv_caches, metadata)
         if self.draft is not None:
             # The draft model's cache follows every token the model computes.
@@ -378,7 +373,7 @@ class ModelRunner:
             counts = num_drafts[samples] + 1
             offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
             logit_rows, last = np.repeat(sample_rows, counts), np.repeat(ends - counts, counts) + offsets
-        last = torch.from_numpy(last).to(device)
+        last = to_device(last, device)
         md = batch.sampling_metadata(logit_rows, offsets) if self.tp.rank == 0 else None
         # NOTE: plain greedy rows with nothing else reading the logits: where the LM head's
         # kernel can, it picks the tokens without writing the logits out (never under tensor
@@ -390,7 +385,7 @@ class ModelRunner:
             greedy_rows = None
             if md is not None and not md.all_random:
                 greedy_rows = (torch.arange(len(logit_rows), device=device) if md.all_greedy
-                               else md.greedy_mask.nonzero().squeeze(1))
+                               else to_device(np.flatnonzero(batch.greedy[logit_rows]), device))
             logits = self.model.compute_logits(last_hidden, greedy_rows)
             if sched.grammar_bitmask is not None:
                 _mask_logits(logits, logit_rows, [row_of[r] for r in sched.grammar_request_ids],
@@ -530,10 +525,11 @@ class ModelRunner:
             num_tokens=int(query_start[-1]),
             query_lens=query_lens.tolist(),
             seq_lens=seq_lens.tolist(),
-            query_start_loc=torch.from_numpy(query_start).to(device),
-            seq_lens_tensor=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(device),
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start_loc=to_device(query_start, device),
+            seq_lens_tensor=to_device(seq_lens.astype(np.int32), device),
+            block_tables=to_device(block_tables, device),
+            slot_mapping=to_device(slot_mapping, device),
+            block_tables_host=block_tables,
             block_size=block_size,
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
@@ -549,6 +545,22 @@ class ModelRunner:
         for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
             self.attention_backend.copy_blocks(src_k, dst_k, src_ids, dst_ids, self.block_size)
             self.attention_backend.copy_blocks(src_v, dst_v, src_ids, dst_ids, self.block_size)
+
+
+def allocate_swap_space(shapes: tuple[tuple[int, ...], ...], num_layers: int, dtype: torch.dtype,
+                        pin: bool) -> list[tuple[torch.Tensor, ...]]:
+    """The swap space: per layer, a (keys, values) pair of the cache's ``shapes`` in CPU memory,
+    all of them views of one buffer (pinned when the cache is on a GPU: one pinned allocation,
+    not two per layer that the driver maps and registers apart).
+
+    NOTE: left uninitialised: a block is only ever read back after a whole block was swapped
+    into it; and unpinned pages that are never touched cost no memory (4 GiB by default;
+    zeroing them took about a second of every start).
+    """
+    sizes = [math.prod(shape) for shape in shapes]
+    buffer = torch.empty(num_layers * sum(sizes), dtype=dtype, pin_memory=pin)
+    views = iter(buffer.split(sizes * num_layers))
+    return [tuple(next(views).view(shape) for shape in shapes) for _ in range(num_layers)]
 
 
 def _mask_logits(logits: torch.Tensor, sample_rows: np.ndarray, grammar_rows: list[int],
