@@ -152,6 +152,16 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Derives per-step data shared by every layer into ``metadata.backend_data``."""
 
+    # Whether prepare_decode_graph can plan decode steps for CUDA graphs.
+    supports_decode_graphs: bool = False
+
+    def prepare_decode_graph(self, metadata: AttentionMetadata) -> None:
+        """Plans, once, every step of ``metadata.num_reqs`` decodes (one query each) whose
+        lengths, block tables and slots are later written into metadata's tensors in place:
+        a CUDA graph's plan, which may read nothing of a step on the host (its lists hold
+        the longest lengths, not a step's). Only where ``supports_decode_graphs``."""
+        raise NotImplementedError(f"the {self.name} backend does not plan decode steps for CUDA graphs")
+
     @abstractmethod
     def forward(
         self,

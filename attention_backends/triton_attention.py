@@ -58,8 +58,8 @@ class TilePlan:
         tokens: Query tokens per tile (1 when every request decodes).
         group_pad: Rows per token: the query heads of one KV head, padded to a power of 2
             (and so that a tile has at least MIN_ROWS rows).
-        num_splits: Parts each context is cut into (1: no split-KV).
-        split_len: Context tokens per part (a multiple of BLOCK_N).
+        num_splits: Parts each tile's context is cut into, each part a program (1: no
+            split-KV); the kernel sizes a request's parts from its own length.
     """
 
     tile_request: np.ndarray
@@ -67,7 +67,6 @@ class TilePlan:
     tokens: int
     group_pad: int
     num_splits: int
-    split_len: int
 
 
 def plan_tiles(query_lens: list[int], seq_lens: list[int], group: int, num_kv_heads: int) -> TilePlan:
@@ -81,16 +80,23 @@ def plan_tiles(query_lens: list[int], seq_lens: list[int], group: int, num_kv_he
     tile_request = np.repeat(np.arange(len(query_lens)), num_tiles)
     first_tile = np.cumsum(num_tiles) - num_tiles
     tile_start = (np.arange(len(tile_request)) - first_tile[tile_request]) * tokens
-    longest = max(seq_lens)
-    programs = len(tile_request) * num_kv_heads
-    num_splits = min(MAX_SPLITS, -(-SPLIT_TARGET_PROGRAMS // programs), longest // SPLIT_MIN_LEN)
-    if num_splits > 1:
-        split_len = -(-longest // (num_splits * BLOCK_N)) * BLOCK_N
-        num_splits = -(-longest // split_len)
-    else:
-        num_splits, split_len = 1, longest
-    return TilePlan(tile_request.astype(np.int32), tile_start.astype(np.int32), tokens, group_pad, num_splits,
-                    split_len)
+    return TilePlan(tile_request.astype(np.int32), tile_start.astype(np.int32), tokens, group_pad,
+                    _num_splits(len(tile_request) * num_kv_heads, max(seq_lens)))
+
+
+def _num_splits(programs: int, longest: int) -> int:
+    """Parts enough to bring the programs to SPLIT_TARGET_PROGRAMS, none shorter than
+    SPLIT_MIN_LEN over the longest context, at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, -(-SPLIT_TARGET_PROGRAMS // programs), longest // SPLIT_MIN_LEN))
+
+
+def plan_decode_graph(num_reqs: int, group: int, num_kv_heads: int, max_model_len: int) -> TilePlan:
+    """The plan of any step of ``num_reqs`` decodes, whatever their lengths (a CUDA graph's:
+    it cannot see them): one tile per request, the split chosen for the longest context a
+    request may have."""
+    group_pow2 = 1 << (group - 1).bit_length()
+    return TilePlan(np.arange(num_reqs, dtype=np.int32), np.zeros(num_reqs, dtype=np.int32), 1,
+                    max(group_pow2, MIN_ROWS), _num_splits(num_reqs * num_kv_heads, max_model_len))
 
 
 def interpreting() -> bool:
@@ -126,7 +132,7 @@ def _kernels(interpret: bool):
     @triton.jit
     def paged_attention_kernel(query_ptr, key_cache_ptr, value_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                                block_tables_ptr, seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_start_ptr,
-                               scale, split_len,
+                               scale, num_splits,
                                stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
                                stride_kc_block, stride_kc_slot, stride_kc_head,
                                stride_vc_block, stride_vc_slot, stride_vc_head, stride_table,
@@ -161,7 +167,9 @@ def _kernels(interpret: bool):
         acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
         context_end = tl.minimum(seq_len, seq_len - query_len + first + TOKENS)
         if SPLIT:
-            # Split-KV: this program takes one split_len-long part of the context.
+            # Split-KV: this program takes one of num_splits equal parts of the tile's context
+            # (whole TILE_N columns; the last parts of a short context are empty).
+            split_len = tl.cdiv(tl.cdiv(context_end, num_splits), TILE_N) * TILE_N
             context_begin = tl.program_id(2) * split_len
             context_end = tl.minimum(context_end, context_begin + split_len)
         else:
@@ -283,6 +291,15 @@ class TritonAttentionBackend(AttentionBackend):
 
         metadata.backend_data = (plan, upload(plan.tile_request), upload(plan.tile_start))
 
+    supports_decode_graphs = True
+
+    def prepare_decode_graph(self, metadata: AttentionMetadata) -> None:
+        plan = plan_decode_graph(metadata.num_reqs, self.num_heads // self.num_kv_heads, self.num_kv_heads,
+                                 metadata.max_seq_len)
+        device = metadata.block_tables.device
+        metadata.backend_data = (plan, torch.from_numpy(plan.tile_request).to(device),
+                                 torch.from_numpy(plan.tile_start).to(device))
+
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         key_cache, value_cache = kv_cache
@@ -300,7 +317,7 @@ class TritonAttentionBackend(AttentionBackend):
         block_tables = metadata.block_tables
         attention_kernel[(len(plan.tile_request), self.num_kv_heads, plan.num_splits)](
             query, key_cache, value_cache, out, part_out, part_lse, block_tables, metadata.seq_lens_tensor,
-            metadata.query_start_loc, tile_request, tile_start, self.scale, plan.split_len,
+            metadata.query_start_loc, tile_request, tile_start, self.scale, plan.num_splits,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),

@@ -213,6 +213,7 @@ class WorkerReady:
     compiled: str = ""  # the compiled regions loaded from disk and compiled, for the start-up line
     weights: str = ""  # their format and resident size, for the start-up line
     one_call_forward: bool = False  # decode steps run in one call (engine/models/one_call_forward.py)
+    cuda_graphs: str = ""  # on a GPU: which decode steps replay CUDA graphs, or why none do
 
 
 @dataclass(frozen=True, slots=True)

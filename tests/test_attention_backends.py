@@ -141,13 +141,14 @@ def test_triton_kernels_match_naive_in_bfloat16_under_the_interpreter(triton_int
 @pytest.mark.parametrize("cases", [([150, 97, 17, 128, 40], [1, 1, 1, 1, 1]), ([150, 97, 40], [40, 1, 40])],
                          ids=["decodes", "chunk-decode-prefill"])
 def test_triton_split_kv_matches_naive_under_the_interpreter(triton_interpreter, monkeypatch, group, cases):
-    # Three parts of 64 keys: contexts end mid-part, one (17) inside the first, a chunk whose
-    # first rows come before the last part (they see nothing there), a prefill inside one part.
+    # Four parts of each context (150: 64 keys each, the fourth empty; 97 and 40: 32 each):
+    # contexts end mid-part, one (17) inside the first, a chunk whose first rows come before
+    # the last parts (they see nothing there).
     from pagoda.attention_backends import triton_attention
 
     monkeypatch.setattr(triton_attention, "SPLIT_MIN_LEN", 32)
     plan = triton_attention.plan_tiles(cases[1], cases[0], group, 2)
-    assert (plan.num_splits, plan.split_len) == (3, 64)
+    assert plan.num_splits == 4
     backend_matches_naive("triton", 16, group, 64, cases=cases)
     if group == 3:
         backend_matches_naive("triton", 16, group, 128, dtype=torch.bfloat16, cases=cases)
@@ -167,12 +168,11 @@ def test_triton_tiles_pack_a_kv_heads_queries_and_split_only_small_steps():
         assert plan.num_splits == 1  # 50 keys at most: nothing to split
     # One decode over 4096 keys with 8 KV heads: 8 programs, so 16 parts of 256 keys.
     plan = plan_tiles([1], [4096], 4, 8)
-    assert (plan.tokens, plan.group_pad, plan.num_splits, plan.split_len) == (1, 16, 16, 256)
+    assert (plan.tokens, plan.group_pad, plan.num_splits) == (1, 16, 16)
     # 64 decodes already make 512 programs: no split.
     assert plan_tiles([1] * 64, [4096] * 64, 4, 8).num_splits == 1
-    # A split never leaves a part empty for the longest context.
-    plan = plan_tiles([1, 1], [1000, 3], 1, 2)
-    assert (plan.num_splits - 1) * plan.split_len < 1000 <= plan.num_splits * plan.split_len
+    # Parts of at least 256 keys of the longest context: 1000 keys, 3 parts.
+    assert plan_tiles([1, 1], [1000, 3], 1, 2).num_splits == 3
 
 
 def test_flashinfer_plan_describes_every_requests_pages_in_order():

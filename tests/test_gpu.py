@@ -52,10 +52,13 @@ def test_greedy_parity_on_cuda_with_the_triton_kernels(tiny_llama_dir):
     prompts = [[1000 + 3 * i + j for j in range(10 + 7 * i)] for i in range(4)]
     expected = [hf_greedy(hf, p, 12) for p in prompts]
     settings = dict(device="cuda", dtype="float32", block_size=16, max_model_len=64, num_kv_blocks=32)
-    with LLM(str(tiny_llama_dir), attention_backend="triton", **settings) as llm:
-        assert llm.engine.worker.ready.attention_backend == "triton"
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    for eager in (False, True):  # decode steps replaying CUDA graphs, then without
+        with LLM(str(tiny_llama_dir), attention_backend="triton", enforce_eager=eager, **settings) as llm:
+            ready = llm.engine.worker.ready
+            assert ready.attention_backend == "triton"
+            assert ready.cuda_graphs.startswith("no CUDA graphs" if eager else "CUDA graphs of decode batches")
+            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 def test_greedy_parity_on_cuda_with_flashinfer(head64_llama_dir):

@@ -129,10 +129,10 @@ class AsyncEngine:
             self._use_kv_cache(kv, kv_dtype)
         logger.info("starting the worker process")
         ready = await self.core.start(size_kv if from_memory else None)
-        logger.info("worker ready: %s, %s, %s, attention backend %s, %.2f GiB of KV cache%s; async scheduling %s",
+        logger.info("worker ready: %s, %s, %s, attention backend %s, %.2f GiB of KV cache%s%s; async scheduling %s",
                     ready.device, ready.dtype, ready.weights, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
                     f", model compiled in {ready.compile_seconds:.1f} s ({ready.compiled})" if ready.compile_seconds else "",
-                    "on" if self.core.async_scheduling else "off")
+                    f", {ready.cuda_graphs}" if ready.cuda_graphs else "", "on" if self.core.async_scheduling else "off")
 
     def _make_executor(self, on_death):
         """The worker(s), from the current WorkerInit (a restart allocates what the first start

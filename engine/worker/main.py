@@ -125,7 +125,8 @@ def ready_message(runner):
                        attention_backend=runner.attention_backend.name, kv_cache_bytes=runner.kv_cache_bytes,
                        pid=os.getpid(), compile_seconds=runner.compile_seconds,
                        compiled=runner.compile_description,
-                       weights=runner.weights_description, one_call_forward=runner.one_call_forward)
+                       weights=runner.weights_description, one_call_forward=runner.one_call_forward,
+                       cuda_graphs=runner.graphs_description)
 
 
 def lead(runner, receive, send) -> None:

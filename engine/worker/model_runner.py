@@ -94,7 +94,10 @@ class ModelRunner:
         """Allocates the KV cache (and the draft's, and the swap space), the persistent batch
         and the sampler, then compiles and warms the model up: the second half of the start."""
         init, progress, config, model_config = self._init, self._progress, self._init.config, self.model_config
-        self.kv_caches, self.cpu_caches = self._allocate_caches(self.attention_backend, model_config, allocation)
+        graphs_off = self._decode_graphs_off(config)
+        # NOTE: with CUDA graphs, one block past the pool's: the padding rows' scratch block.
+        self.kv_caches, self.cpu_caches = self._allocate_caches(self.attention_backend, model_config, allocation,
+                                                                extra_blocks=0 if graphs_off is not None else 1)
         self.kv_cache_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
         if self.draft is not None:
             self.draft_kv_caches, self.draft_cpu_caches = self._allocate_caches(self.draft_backend,
@@ -137,6 +140,45 @@ class ModelRunner:
             self.compile_description = (f"{loaded} compiled regions loaded" + (f", {compiled} compiled" if compiled
                                                                                else ""))
             logger.info("compiled the model in %.1f s (%s)", self.compile_seconds, self.compile_description)
+        self.decode_graphs = None
+        self.graphs_description = graphs_off or ""
+        if graphs_off is None:
+            self._capture_decode_graphs(allocation, progress)
+
+    def _decode_graphs_off(self, config) -> str | None:
+        """Why decode steps run without CUDA graphs (None: they take them; "" on the CPU,
+        where there are none to take)."""
+        if self.device.type != "cuda":
+            return "" if self.device.type == "cpu" else f"no CUDA graphs on {self.device.type}"
+        if config.enforce_eager:
+            return "no CUDA graphs (--enforce-eager)"
+        if self.tp.world_size > 1:
+            return "no CUDA graphs under tensor parallelism yet"
+        if self._init.draft_model_dir is not None:
+            return "no CUDA graphs with a draft model yet"
+        if not self.attention_backend.supports_decode_graphs:
+            return f"no CUDA graphs with the {self.attention_backend.name} attention backend yet"
+        return None
+
+    def _capture_decode_graphs(self, allocation: KVCacheAllocation, progress) -> None:
+        """Captures the decode buckets, then checks each replay against the eager forward; a
+        mismatch leaves decode steps eager (engine/worker/cuda_graphs.py)."""
+        from pagoda.engine.worker.cuda_graphs import DecodeGraphs
+
+        config = self._init.config
+        graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, allocation.max_model_len,
+                              self.block_size, scratch_block=allocation.num_blocks)
+        progress(f"capturing CUDA graphs of decode batches of 1 to {graphs.max_batch} ({len(graphs.sizes)} sizes; "
+                 "--enforce-eager skips them)")
+        graphs.capture_all()
+        problem = graphs.check(allocation.num_blocks, self.model_config.vocab_size)
+        if problem is not None:
+            logger.warning("CUDA graphs off: %s", problem)
+            self.graphs_description = f"CUDA graphs off after their check failed ({problem})"
+            return
+        self.decode_graphs = graphs
+        self.graphs_description = (f"CUDA graphs of decode batches of 1 to {graphs.max_batch} "
+                                   f"({len(graphs.sizes)} sizes, captured in {graphs.capture_seconds:.1f} s)")
 
     def _load_model(self, model_dir, model_config, backend_cls, init: WorkerInit,
                     progress: Callable[[str], None]) -> tuple[LlamaForCausalLM, object]:
@@ -200,9 +242,10 @@ class ModelRunner:
         return (f"{source}: "
                 + ", ".join(f"{count} layers {name}" for name, count in counts.items()) + "; ")
 
-    def _allocate_caches(self, backend, model_config, allocation: KVCacheAllocation) -> tuple[list, list]:
+    def _allocate_caches(self, backend, model_config, allocation: KVCacheAllocation,
+                         extra_blocks: int = 0) -> tuple[list, list]:
         """A model's KV cache (zeroed) and its swap space, one (key, value) pair per layer."""
-        key_shape, value_shape = backend.kv_cache_shapes(allocation.num_blocks, self.block_size)
+        key_shape, value_shape = backend.kv_cache_shapes(allocation.num_blocks + extra_blocks, self.block_size)
         caches = [(torch.zeros(key_shape, dtype=self.kv_cache_dtype, device=self.device),
                    torch.zeros(value_shape, dtype=self.kv_cache_dtype, device=self.device))
                   for _ in range(model_config.num_hidden_layers)]
@@ -343,15 +386,20 @@ class ModelRunner:
         input_ids = batch.token_ids[token_rows, positions]
         max_blocks = -(-int(seq_lens.max()) // self.block_size)
         block_tables = batch.block_table[rows, :max_blocks]
-        metadata = self._metadata(query_lens, seq_lens, block_tables, positions, token_rows)
-
         device = self.device
-        input_tensor = to_device(input_ids, device, torch.long)
-        position_tensor = to_device(positions, device, torch.long)
-        hidden = self.model(input_tensor, position_tensor, self.kv_caches, metadata)
-        if self.draft is not None:
-            # The draft model's cache follows every token the model computes.
-            self.draft(input_tensor, position_tensor, self.draft_kv_caches, metadata)
+        graphs = self.decode_graphs
+        if graphs is not None and query_lens.max() == 1 and num_drafts is None and len(rows) <= graphs.max_batch:
+            slots = block_tables[np.arange(len(rows)), positions // self.block_size].astype(np.int64)
+            hidden = graphs.run(input_ids, positions, seq_lens, block_tables,
+                                slots * self.block_size + positions % self.block_size)
+        else:
+            metadata = self._metadata(query_lens, seq_lens, block_tables, positions, token_rows)
+            input_tensor = to_device(input_ids, device, torch.long)
+            position_tensor = to_device(positions, device, torch.long)
+            hidden = self.model(input_tensor, position_tensor, self.kv_caches, metadata)
+            if self.draft is not None:
+                # The draft model's cache follows every token the model computes.
+                self.draft(input_tensor, position_tensor, self.draft_kv_caches, metadata)
         batch.num_computed_tokens[rows] = seq_lens
         if batch.num_scoring_rows:
             score_prompts(self.model, batch, out if self.tp.rank == 0 else None, hidden, rows, computed, query_lens,
