@@ -61,8 +61,8 @@ def triton_interpreter():
     pytest.importorskip("triton", reason="the triton package is not installed (pip install 'pagoda[triton]')")
 
 
-@pytest.mark.parametrize("num_reqs", [1, 3, 5])
-@pytest.mark.parametrize("split", [False, True], ids=["one-part", "split-kv"])
+@pytest.mark.parametrize("num_reqs,split", [(1, False), (3, False), (5, True)],
+                         ids=["one", "three-padded-to-4", "five-padded-to-8-split-kv"])
 def test_a_padded_bucket_gives_each_request_what_the_eager_step_gives(triton_model, monkeypatch, num_reqs, split):
     """Requests with contexts of 5-19 tokens prefilled eagerly, then one decode of them run in
     the bucket's static buffers (rows past them padding): the same hidden states as the eager

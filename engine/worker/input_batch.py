@@ -212,7 +212,8 @@ class InputBatch:
                 md.greedy_mask = tensor(greedy)
             top_k = self.top_k[rows]
             if (top_k[random] < self.vocab_size).any():
-                md.top_k = tensor(np.where(random, top_k, self.vocab_size))
+                top_k = np.where(random, top_k, self.vocab_size)
+                md.top_k, md.max_top_k = tensor(top_k), int(top_k.max())
             top_p = self.top_p[rows]
             if (top_p[random] < 1.0).any():
                 md.top_p = tensor(np.where(random, top_p, 1.0).astype(np.float32))

@@ -100,7 +100,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Temperature, filters and the exponential race; edits ``logits`` in place."""
         logits.div_(md.temperature.unsqueeze(1))
-        logits = _apply_top_k_top_p(logits, md.top_k, md.top_p)
+        logits = _apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
         probs = logits.softmax(dim=-1)
         if md.min_p is not None:
             threshold = probs.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
@@ -151,13 +151,15 @@ def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
     logits.sub_(md.presence_penalties.unsqueeze(1) * seen_in_output)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Masks (to -inf) the tokens outside each row's top-k, then outside its top-p mass."""
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                       max_top_k: int) -> torch.Tensor:
+    """Masks (to -inf) the tokens outside each row's top-k (at most ``max_top_k``), then
+    outside its top-p mass."""
     if top_k is None and top_p is None:
         return logits
     if top_p is None:
         # NOTE: topk of the largest k needed avoids a full sort; ties at the k-th value stay.
-        kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
+        kth = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
         return logits.masked_fill_(logits < kth, float("-inf"))
     sorted_logits, order = logits.sort(dim=-1)  # ascending
     if top_k is not None:

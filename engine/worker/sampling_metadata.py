@@ -28,6 +28,8 @@ class SamplingMetadata:
         temperature: ``[B]`` float32, 1.0 on greedy rows; None when all greedy.
         greedy_mask: ``[B]`` bool, True on greedy rows; None unless the batch is mixed.
         top_k: ``[B]`` int64, ``V`` where disabled; None when no random row uses it.
+        max_top_k: The largest of ``top_k``, known on the host (reading it from the
+            device would wait for the GPU).
         top_p: ``[B]`` float32, 1.0 where disabled; None when no random row uses it.
         min_p: ``[B]`` float32, 0.0 where disabled; None when no random row uses it.
         seeded_rows: ``(row, step_seed)`` for random rows with a seed; ``step_seed``
@@ -51,6 +53,7 @@ class SamplingMetadata:
     temperature: torch.Tensor | None = None
     greedy_mask: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
+    max_top_k: int = 0
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
     seeded_rows: list[tuple[int, int]] | None = None
