@@ -83,8 +83,10 @@ class FlashInferPlan:
     num_prefill_rows: int
 
 
-def paged_kv(seq_lens: np.ndarray, block_tables: np.ndarray, page_size: int) -> PagedKV:
-    """The CSR page description of requests with these context lengths and block tables."""
+def paged_kv(seq_lens: np.ndarray, block_tables: np.ndarray, page_size: int, pin: bool = False) -> PagedKV:
+    """The CSR page description of requests with these context lengths and block tables
+    (``pin``: the arrays plan() copies to the GPU in pinned memory, so the copy does not
+    make the host wait)."""
     seq_lens = seq_lens.astype(np.int64)
     num_pages = (seq_lens + page_size - 1) // page_size
     indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
@@ -92,14 +94,18 @@ def paged_kv(seq_lens: np.ndarray, block_tables: np.ndarray, page_size: int) -> 
     used = np.arange(block_tables.shape[1])[None, :] < num_pages[:, None]
     indices = block_tables[used].astype(np.int32)  # row-major: each request's pages in order
     last_page_len = (seq_lens - (num_pages - 1) * page_size).astype(np.int32)
-    return PagedKV(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last_page_len))
+    indices, last_page_len = torch.from_numpy(indices), torch.from_numpy(last_page_len)
+    if pin:
+        indices, last_page_len = indices.pin_memory(), last_page_len.pin_memory()
+    return PagedKV(torch.from_numpy(indptr), indices, last_page_len)
 
 
 def _rows(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
     """Query rows as a slice where they are consecutive, else as an index tensor."""
     if len(rows) == 0 or rows[-1] - rows[0] == len(rows) - 1:
         return slice(int(rows[0]), int(rows[-1]) + 1) if len(rows) else slice(0, 0)
-    return torch.from_numpy(rows).to(device)
+    rows = torch.from_numpy(rows)
+    return rows.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else rows
 
 
 def plan_paged_kv(metadata: AttentionMetadata) -> FlashInferPlan:
@@ -120,12 +126,13 @@ def plan_paged_kv(metadata: AttentionMetadata) -> FlashInferPlan:
     owner = np.repeat(np.arange(len(prefill_lens)), prefill_lens)
     prefill_rows = starts[~is_decode][owner] + np.arange(len(owner)) - qo_indptr[:-1][owner]
     decode_rows = starts[is_decode]
+    pin = device.type == "cuda"
     return FlashInferPlan(
         decode_rows=_rows(decode_rows, device),
-        decode=paged_kv(seq_lens[is_decode], tables[is_decode], metadata.block_size),
+        decode=paged_kv(seq_lens[is_decode], tables[is_decode], metadata.block_size, pin),
         prefill_rows=_rows(prefill_rows, device),
         prefill_qo_indptr=torch.from_numpy(qo_indptr),
-        prefill=paged_kv(seq_lens[~is_decode], tables[~is_decode], metadata.block_size),
+        prefill=paged_kv(seq_lens[~is_decode], tables[~is_decode], metadata.block_size, pin),
         num_decodes=len(decode_rows),
         num_prefill_rows=len(prefill_rows),
     )

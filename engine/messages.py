@@ -228,6 +228,8 @@ class DeviceMemory:
         peak_activations: The most torch held above the weights during a forward of
             max_num_batched_tokens tokens (the scratch KV cache of that forward not counted).
         non_torch: Taken outside torch's allocator since the start (NCCL, cuBLAS workspaces).
+        reserved: Held once the cache is allocated: the penalties' buffers, the CUDA
+            graphs' pool (a decode step of max_num_seqs, measured).
     """
 
     total: int
@@ -235,6 +237,7 @@ class DeviceMemory:
     weights: int
     peak_activations: int
     non_torch: int
+    reserved: int = 0
 
 
 @dataclass(slots=True)

@@ -73,6 +73,7 @@ def test_on_a_gpu_the_cache_gets_the_utilization_less_weights_activations_and_th
     budget = kv_cache_budget(H200, 0.9)
     assert budget == int(140 * GIB * 0.9) - 20 * GIB
     assert kv_cache_budget(H200, 0.5) == 50 * GIB
+    assert kv_cache_budget(replace(H200, reserved=2 * GIB), 0.5) == 48 * GIB  # penalties' buffers, graphs
     size = size_kv_cache(EngineConfig(max_num_seqs=4096), MODEL, BF16, budget=budget)
     assert size.num_blocks == budget // BLOCK_BYTES  # ~590k blocks, under 4096 x 512
     # The cap of max_num_seqs full-length requests still holds.

@@ -132,3 +132,32 @@ def test_an_explicit_kv_cache_size_is_not_measured(tiny_llama_dir, simulated_dev
     with LLM(str(tiny_llama_dir), **MEMORY_SIZED, kv_cache_bytes=1 << 20) as llm:
         assert llm.engine.device_memory is None
         assert llm.engine.kv_cache_size.num_blocks == (1 << 20) // llm.engine.kv_cache_size.bytes_per_block
+
+
+def test_a_rank_that_fails_to_start_stops_the_others_instead_of_waiting_for_them():
+    """A rank that fails while the others wait for it in a collective (the memory profile's
+    all-reduces): the group stops every rank and raises at once, not after the others."""
+    import asyncio
+
+    from pagoda.engine.exceptions import WorkerDiedError
+    from pagoda.engine.executor.multiproc import WorkerGroup
+
+    group = WorkerGroup.__new__(WorkerGroup)
+    stopped = []
+
+    async def shutdown(timeout=5.0):
+        stopped.append(timeout)
+
+    group.shutdown = shutdown
+
+    async def failing():
+        await asyncio.sleep(0.01)
+        raise WorkerDiedError("rank 1 failed to start")
+
+    async def main():
+        waiting = asyncio.Event()  # never set: a rank blocked in a collective
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            await asyncio.wait_for(group._every_rank([waiting.wait(), failing()]), timeout=10)
+
+    asyncio.run(main())
+    assert stopped == [1.0]

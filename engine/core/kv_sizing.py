@@ -110,22 +110,25 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
 
 def kv_cache_budget(memory: DeviceMemory, utilization: float) -> int:
     """Bytes the KV cache may take: ``utilization`` of the device's memory, less the weights,
-    the activations' peak and the memory outside torch (vLLM's rule).
+    the activations' peak, what stays reserved beside the cache and the memory outside torch
+    (vLLM's rule).
 
     Raises:
-        ValueError: Other processes already hold more than ``1 - utilization`` of the
-            device, or nothing is left for the cache.
+        ValueError: Other processes (and the worker's own CUDA context) already hold more
+            than ``1 - utilization`` of the device, or nothing is left for the cache.
     """
     gib = 1024**3
     wanted = int(memory.total * utilization)
     if memory.free_at_start < wanted:
         raise ValueError(f"the device has {memory.free_at_start / gib:.2f} GiB free of {memory.total / gib:.2f} GiB "
-                         f"at start-up, less than gpu_memory_utilization {utilization} asks for "
-                         f"({wanted / gib:.2f} GiB): lower gpu_memory_utilization or free the device")
-    budget = wanted - memory.weights - memory.peak_activations - memory.non_torch
+                         f"at start-up (other processes and the worker's own CUDA context hold the rest), less than "
+                         f"gpu_memory_utilization {utilization} asks for ({wanted / gib:.2f} GiB): lower "
+                         "gpu_memory_utilization or free the device")
+    budget = wanted - memory.weights - memory.peak_activations - memory.reserved - memory.non_torch
     if budget <= 0:
         raise ValueError(f"gpu_memory_utilization {utilization} ({wanted / gib:.2f} GiB of {memory.total / gib:.2f} "
                          f"GiB) leaves nothing for the KV cache: weights {memory.weights / gib:.2f} GiB, activations "
-                         f"{memory.peak_activations / gib:.2f} GiB, outside torch {memory.non_torch / gib:.2f} GiB; "
-                         "raise gpu_memory_utilization, lower max_num_batched_tokens or use a smaller model")
+                         f"{memory.peak_activations / gib:.2f} GiB, reserved {memory.reserved / gib:.2f} GiB, "
+                         f"outside torch {memory.non_torch / gib:.2f} GiB; raise gpu_memory_utilization, lower "
+                         "max_num_batched_tokens or max_num_seqs, or use a smaller model")
     return budget

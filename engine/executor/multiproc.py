@@ -382,13 +382,17 @@ class WorkerGroup:
         return self.ready
 
     async def _every_rank(self, calls) -> list:
-        """Awaits one call per rank; if any fails, stops every rank and raises the first error."""
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        """Awaits one call per rank; as soon as one fails, stops every rank and raises its
+        error (the others may be waiting in a collective for the rank that failed)."""
+        tasks = [asyncio.ensure_future(call) for call in calls]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        errors = [task.exception() for task in done if task.exception() is not None]
         if errors:
+            for task in pending:
+                task.cancel()
             await self.shutdown(timeout=1.0)
             raise errors[0]
-        return results
+        return [task.result() for task in tasks]
 
     def check(self) -> None:
         for worker in self.workers:

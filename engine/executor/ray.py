@@ -129,12 +129,20 @@ class RayWorkerGroup:
                                                  dist_init_method=method))
                       for rank, actor in enumerate(self._actors)]
             results = await asyncio.gather(*starts)
-            if isinstance(results[0], WorkerMemory):
-                allocation = size_kv([r.memory for r in results])
-                results = await asyncio.gather(*(actor.allocate.remote(allocation) for actor in self._actors))
         except Exception as exc:  # ray.exceptions.RayTaskError carries the rank's traceback
             await self.shutdown()
             raise WorkerDiedError(f"the worker failed to start:\n{exc}") from exc
+        if isinstance(results[0], WorkerMemory):
+            try:
+                allocation = size_kv([r.memory for r in results])  # a configuration's error as it is
+            except BaseException:
+                await self.shutdown()
+                raise
+            try:
+                results = await asyncio.gather(*(actor.allocate.remote(allocation) for actor in self._actors))
+            except Exception as exc:
+                await self.shutdown()
+                raise WorkerDiedError(f"the worker failed to start:\n{exc}") from exc
         self._follow = [actor.follow.remote() for actor in self._actors[1:]]
         self.ready = results[0]
         return self.ready

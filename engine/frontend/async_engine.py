@@ -113,10 +113,11 @@ class AsyncEngine:
 
         def size_kv(memory: list[DeviceMemory]) -> KVCacheAllocation:
             budget = min(kv_cache_budget(m, config.gpu_memory_utilization) for m in memory)
-            logger.info("device memory: %.2f GiB; weights %.2f GiB, activations' peak %.2f GiB, outside torch "
-                        "%.2f GiB: %.2f GiB for the KV cache (gpu_memory_utilization %s)",
+            logger.info("device memory: %.2f GiB; weights %.2f GiB, activations' peak %.2f GiB, reserved %.2f GiB, "
+                        "outside torch %.2f GiB: %.2f GiB for the KV cache (gpu_memory_utilization %s)",
                         *(x / 1024**3 for x in (memory[0].total, memory[0].weights, memory[0].peak_activations,
-                                                memory[0].non_torch, budget)), config.gpu_memory_utilization)
+                                                memory[0].reserved, memory[0].non_torch, budget)),
+                        config.gpu_memory_utilization)
             self.device_memory = memory
             return self._use_kv_cache(size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config, budget),
                                       kv_dtype)

@@ -75,6 +75,9 @@ class DecodeGraphs:
         self._pinned = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for name, t in self._device.items()}
         self._host = {name: t.numpy() for name, t in self._pinned.items()}  # the same memory
         self._query_start = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        # Recorded after each step's copies: the next step's host writes wait for it (a step
+        # that samples nothing ends without the token fetch that would have waited).
+        self._copied: torch.cuda.Event | None = None
         self._metadata: dict[int, AttentionMetadata] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.capture_seconds = 0.0
@@ -137,6 +140,8 @@ class DecodeGraphs:
         bucket as padding over the scratch block; returns the bucket."""
         n = len(input_ids)
         size = self.bucket(n)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have read the pinned buffers
         h = self._host
         h["input_ids"][:n], h["input_ids"][n:size] = input_ids, 0
         h["positions"][:n], h["positions"][n:size] = positions, 0
@@ -147,7 +152,12 @@ class DecodeGraphs:
         h["block_tables"][:n, : block_tables.shape[1]] = block_tables
         h["block_tables"][n:size, 0] = self.scratch_block
         for name, device in self._device.items():
-            device[:size].copy_(self._pinned[name][:size], non_blocking=True)  # whole rows: contiguous
+            # NOTE: whole rows of the block tables, contiguous (the graphs read them with the
+            # full width's stride): a non-contiguous source would be copied through pageable memory.
+            device[:size].copy_(self._pinned[name][:size], non_blocking=True)
+        if self._pinned["input_ids"].is_pinned():
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return size
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
@@ -159,20 +169,27 @@ class DecodeGraphs:
             out = self._forward(size)
         else:
             graph.replay()
-        return out[: len(input_ids)]
+        # NOTE: a copy: the graph's output is overwritten by the next replay.
+        return out[: len(input_ids)].clone()
 
     def check(self, num_blocks: int, vocab_size: int) -> str | None:
         """Replays every bucket against the eager forward over the same inputs (random tokens,
-        one context per request in a free block of its own, at start-up when every block is
-        free); returns what differed, or None."""
+        contexts over free blocks of their own, as long as the blocks allow: at start-up every
+        block is free; long ones reach the later parts of split-KV); returns what differed, or
+        None."""
         gen = torch.Generator().manual_seed(0)
+        width = -(-self.max_model_len // self.block_size)
         with torch.inference_mode():
             for size in self.sizes:
                 n = min(size, num_blocks)
-                lens = torch.randint(1, self.block_size + 1, (n,), generator=gen).numpy().astype(np.int32)
+                per_request = max(1, min(num_blocks // n, width))
+                lens = torch.randint(1, per_request * self.block_size + 1, (n,), generator=gen).numpy()
+                lens = np.minimum(lens, self.max_model_len).astype(np.int32)
                 ids = torch.randint(0, vocab_size, (n,), generator=gen).numpy()
-                blocks = np.arange(n, dtype=np.int32)[:, None]
-                args = (ids, lens - 1, lens, blocks, blocks[:, 0].astype(np.int64) * self.block_size + lens - 1)
+                blocks = np.arange(n * per_request, dtype=np.int32).reshape(n, per_request)
+                last = lens - 1
+                slots = blocks[np.arange(n), last // self.block_size].astype(np.int64) * self.block_size
+                args = (ids, last, lens, blocks, slots + last % self.block_size)
                 replayed = self.run(*args).float().clone()
                 self.fill(*args)
                 eager = self._forward(self.bucket(n))[:n].float()

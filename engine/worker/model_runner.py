@@ -170,11 +170,18 @@ class ModelRunner:
                               self.block_size, scratch_block=allocation.num_blocks)
         progress(f"capturing CUDA graphs of decode batches of 1 to {graphs.max_batch} ({len(graphs.sizes)} sizes; "
                  "--enforce-eager skips them)")
-        graphs.capture_all()
-        problem = graphs.check(allocation.num_blocks, self.model_config.vocab_size)
+        try:
+            graphs.capture_all()
+            problem = graphs.check(allocation.num_blocks, self.model_config.vocab_size)
+        except Exception as exc:  # noqa: BLE001 - an op the capture refuses, or no memory for its pool
+            logger.exception("capturing the CUDA graphs failed")
+            problem = f"the capture failed: {type(exc).__name__}: {exc}"
+            del graphs
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         if problem is not None:
             logger.warning("CUDA graphs off: %s", problem)
-            self.graphs_description = f"CUDA graphs off after their check failed ({problem})"
+            self.graphs_description = f"CUDA graphs off ({problem})"
             return
         self.decode_graphs = graphs
         self.graphs_description = (f"CUDA graphs of decode batches of 1 to {graphs.max_batch} "
@@ -255,9 +262,10 @@ class ModelRunner:
 
     def measure_memory(self) -> DeviceMemory:
         """What sizing the KV cache from the device's memory needs (called before
-        :meth:`allocate`): the weights held, the activations' peak over a forward of
-        max_num_batched_tokens tokens with max_num_seqs rows of logits, and what was taken
-        outside torch since the start.
+        :meth:`allocate`): the weights held, the activations' peak over a step of
+        max_num_batched_tokens tokens with max_num_seqs rows of logits (times the drafts'),
+        what the penalties' buffers and the CUDA graphs will hold, and what was taken outside
+        torch since the start.
 
         On the CPU only with SIMULATED_DEVICE_MEMORY_ENV set (tests): the weights are
         measured, nothing else.
@@ -275,33 +283,47 @@ class ModelRunner:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         weights = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        scratch = self._profile_forward(min(config.max_num_batched_tokens, self._init.max_model_len),
-                                        config.max_num_seqs)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - weights - scratch
+        spec = config.speculative_config
+        rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+
+        def peak_of(query_lens: list[int], logit_rows: int) -> int:
+            torch.cuda.reset_peak_memory_stats(device)
+            scratch = self._profile_forward(query_lens, logit_rows)
+            torch.cuda.synchronize(device)
+            return max(0, torch.cuda.max_memory_allocated(device) - weights - scratch)
+
+        # The largest step: max_num_batched_tokens tokens in requests of at most max_model_len.
+        longest = self._init.max_model_len
+        tokens = config.max_num_batched_tokens
+        peak = peak_of([longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else []), rows)
+        # Held once the cache is allocated: the penalties' [max_num_seqs, vocab] counts and
+        # prompt mask, and the CUDA graphs' pool (about a decode step's activations).
+        reserved = config.max_num_seqs * self.model_config.vocab_size * 5
+        if self._decode_graphs_off(config) is None:
+            reserved += peak_of([1] * config.max_num_seqs, config.max_num_seqs)
         non_torch = self._free_at_start - torch.cuda.mem_get_info(device)[0] - torch.cuda.memory_reserved(device)
         torch.cuda.empty_cache()
         return DeviceMemory(total=torch.cuda.mem_get_info(device)[1], free_at_start=self._free_at_start,
-                            weights=weights, peak_activations=max(0, peak), non_torch=max(0, non_torch))
+                            weights=weights, peak_activations=peak, non_torch=max(0, non_torch), reserved=reserved)
 
-    def _profile_forward(self, num_tokens: int, num_rows: int) -> int:
-        """One prefill of ``num_tokens`` tokens over a one-block scratch cache (every token's
-        keys written to block 0), then logits and a softmax for ``num_rows`` of them: the
-        largest step's activations. Returns the scratch cache's bytes."""
+    def _profile_forward(self, query_lens: list[int], num_rows: int) -> int:
+        """One step of requests of ``query_lens`` tokens from position 0 over a one-block
+        scratch cache (every token's keys written to block 0), then logits, a softmax and a
+        sort (top-p's) for ``num_rows`` rows. Returns the scratch cache's bytes."""
         key_shape, value_shape = self.attention_backend.kv_cache_shapes(1, self.block_size)
         caches = [(torch.zeros(key_shape, dtype=self.kv_cache_dtype, device=self.device),
                    torch.zeros(value_shape, dtype=self.kv_cache_dtype, device=self.device))
                   for _ in range(self.model_config.num_hidden_layers)]
+        lens = np.array(query_lens)
+        positions = np.concatenate([np.arange(n) for n in query_lens])
         with torch.inference_mode():
-            positions = torch.arange(num_tokens, device=self.device)
-            metadata = self._metadata(np.array([num_tokens]), np.array([num_tokens]),
-                                      np.zeros((1, -(-num_tokens // self.block_size)), dtype=np.int32),
-                                      positions.cpu().numpy())
-            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, caches,
-                                metadata)
-            logits = self.model.compute_logits(hidden[-min(num_rows, num_tokens):])
-            torch.softmax(logits.float(), dim=-1)
+            metadata = self._metadata(lens, lens, np.zeros((len(lens), -(-int(lens.max()) // self.block_size)),
+                                                           dtype=np.int32), positions)
+            hidden = self.model(torch.zeros(len(positions), dtype=torch.long, device=self.device),
+                                to_device(positions, self.device, torch.long), caches, metadata)
+            rows = torch.arange(num_rows, device=self.device) % len(positions)
+            logits = self.model.compute_logits(hidden[rows]).float()
+            torch.softmax(logits, dim=-1).sort(dim=-1)
         return sum(k.nbytes + v.nbytes for k, v in caches)
 
     def _warm_up(self) -> None:
