@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("decode attention timing: no CUDA device here, skipped")
+        return
     print(f"decode attention, one layer ({HEADS} heads, {KV_HEADS} KV heads, head size {HEAD_DIM}, bf16, "
           f"blocks of {BLOCK_SIZE}) on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
           f"ms a step (mean of {args.iters})")
