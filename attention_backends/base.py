@@ -155,12 +155,16 @@ class AttentionBackend(ABC):
     # Whether prepare_decode_graph can plan decode steps for CUDA graphs.
     supports_decode_graphs: bool = False
 
-    def prepare_decode_graph(self, metadata: AttentionMetadata) -> None:
+    def prepare_decode_graph(self, metadata: AttentionMetadata, kv_dtype: torch.dtype) -> None:
         """Plans, once, every step of ``metadata.num_reqs`` decodes (one query each) whose
         lengths, block tables and slots are later written into metadata's tensors in place:
         a CUDA graph's plan, which may read nothing of a step on the host (its lists hold
         the longest lengths, not a step's). Only where ``supports_decode_graphs``."""
         raise NotImplementedError(f"the {self.name} backend does not plan decode steps for CUDA graphs")
+
+    def update_decode_graph(self, metadata: AttentionMetadata, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+        """Before a replay: whatever the backend keeps beside metadata's tensors for the step
+        (its host lengths and block tables, padding rows included). Nothing by default."""
 
     @abstractmethod
     def forward(

@@ -83,6 +83,14 @@ class FlashInferPlan:
     num_prefill_rows: int
 
 
+@dataclass(slots=True)
+class DecodeGraphPlan:
+    """A CUDA graph's decode steps: the bucket's own wrapper, in FlashInfer's CUDA-graph mode."""
+
+    wrapper: object
+    dtype: torch.dtype
+
+
 def paged_kv(seq_lens: np.ndarray, block_tables: np.ndarray, page_size: int, pin: bool = False) -> PagedKV:
     """The CSR page description of requests with these context lengths and block tables
     (``pin``: the arrays plan() copies to the GPU in pinned memory, so the copy does not
@@ -177,7 +185,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self._decode_wrapper is None:
             import flashinfer
 
-            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self._workspace = workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, "NHD", use_tensor_cores=decode_uses_tensor_cores(self.num_heads // self.num_kv_heads))
             self._prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
@@ -185,6 +193,37 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         metadata.backend_data = plan_paged_kv(metadata)
+
+    supports_decode_graphs = True
+
+    def prepare_decode_graph(self, metadata: AttentionMetadata, kv_dtype: torch.dtype) -> None:
+        """A decode wrapper of the bucket's own in FlashInfer's CUDA-graph mode: its page
+        arrays live in fixed device buffers, which update_decode_graph's plan() refills
+        before each replay (the kernels the graph captured read them there)."""
+        import flashinfer
+
+        size, device = metadata.num_reqs, metadata.block_tables.device
+        self._wrappers(device)
+        # NOTE: the eager wrappers' workspace: one graph or eager step runs at a time.
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=decode_uses_tensor_cores(self.num_heads // self.num_kv_heads),
+            paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=torch.zeros(size * metadata.block_tables.shape[1], dtype=torch.int32,
+                                                device=device),
+            paged_kv_last_page_len_buffer=torch.ones(size, dtype=torch.int32, device=device))
+        metadata.backend_data = DecodeGraphPlan(wrapper, kv_dtype)
+        # NOTE: planned once here for the capture (every row one token of its first block).
+        self.update_decode_graph(metadata, np.ones(size, dtype=np.int32),
+                                 metadata.block_tables.cpu().numpy())
+
+    def update_decode_graph(self, metadata: AttentionMetadata, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+        plan: DecodeGraphPlan = metadata.backend_data
+        pages = paged_kv(seq_lens, block_tables, metadata.block_size, pin=metadata.block_tables.is_cuda)
+        plan.wrapper.plan(pages.indptr, pages.indices, pages.last_page_len, num_qo_heads=self.num_heads,
+                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=metadata.block_size,
+                          pos_encoding_mode="NONE", q_data_type=plan.dtype, kv_data_type=plan.dtype,
+                          sm_scale=self.scale)
 
     def _plan_wrappers(self, plan: FlashInferPlan, dtype: torch.dtype, device: torch.device, page_size: int):
         decode_wrapper, prefill_wrapper = self._wrappers(device)
@@ -199,9 +238,13 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
-        plan: FlashInferPlan = metadata.backend_data
+        plan: FlashInferPlan | DecodeGraphPlan = metadata.backend_data
         key_cache, _ = kv_cache
         query = query.to(key_cache.dtype)
+        if isinstance(plan, DecodeGraphPlan):  # a decode graph's step: every row one query
+            output = torch.empty_like(query)
+            plan.wrapper.run(query, kv_cache, out=output)
+            return output
         if self._planned is not plan:
             # NOTE: the wrappers are planned on the first layer of a step, where the dtype
             # and device are known; every later layer of the step reuses the plan.

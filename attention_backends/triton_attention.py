@@ -293,7 +293,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     supports_decode_graphs = True
 
-    def prepare_decode_graph(self, metadata: AttentionMetadata) -> None:
+    def prepare_decode_graph(self, metadata: AttentionMetadata, kv_dtype: torch.dtype) -> None:
         plan = plan_decode_graph(metadata.num_reqs, self.num_heads // self.num_kv_heads, self.num_kv_heads,
                                  metadata.max_seq_len)
         device = metadata.block_tables.device

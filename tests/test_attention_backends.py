@@ -521,3 +521,50 @@ def test_the_swap_space_is_one_buffer_viewed_per_layer():
         for j, t in enumerate(layer):
             t.fill_(10 * i + j)
     assert [int(t[4, 1, 3, 3]) for layer in layers for t in layer] == [0, 1, 10, 11, 20, 21]
+
+
+def test_flashinfer_decode_graph_replans_each_step_into_its_fixed_buffers(monkeypatch):
+    """FlashInfer's CUDA-graph decode wrapper, through a stand-in that records the calls (the
+    package and a GPU are not here): built over page buffers of the bucket's size, planned
+    before each replay from the host's lengths and tables (padding rows: one token of the
+    scratch block), run into the output in place."""
+    import sys
+    import types
+
+    calls = []
+
+    class Wrapper:
+        def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False,
+                     paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+            if use_cuda_graph:
+                calls.append(("init", tuple(paged_kv_indptr_buffer.shape), tuple(paged_kv_indices_buffer.shape),
+                              tuple(paged_kv_last_page_len_buffer.shape), use_tensor_cores))
+
+        def plan(self, indptr, indices, last_page_len, **options):
+            calls.append(("plan", indptr.tolist(), indices.tolist(), last_page_len.tolist(), options["page_size"],
+                          options["q_data_type"]))
+
+        def run(self, query, kv_cache, out=None):
+            calls.append(("run", tuple(query.shape), out is not None))
+            out.fill_(1)
+
+    flashinfer = types.ModuleType("flashinfer")
+    flashinfer.BatchDecodeWithPagedKVCacheWrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper = Wrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
+    from pagoda.attention_backends.flashinfer_attention import FlashInferAttentionBackend
+
+    backend = FlashInferAttentionBackend(8, 2, 64, 64**-0.5)
+    scratch = 9
+    metadata = AttentionMetadata(
+        num_tokens=4, query_lens=[1] * 4, seq_lens=[64] * 4, query_start_loc=torch.arange(5, dtype=torch.int32),
+        seq_lens_tensor=torch.ones(4, dtype=torch.int32), block_tables=torch.full((4, 4), scratch, dtype=torch.int32),
+        slot_mapping=torch.full((4,), scratch * 16, dtype=torch.int64), block_size=16, max_query_len=1, max_seq_len=64)
+    backend.prepare_decode_graph(metadata, torch.bfloat16)
+    assert calls == [("init", (5,), (16,), (4,), True),  # groups of 4 take the tensor-core decode
+                     ("plan", [0, 1, 2, 3, 4], [scratch] * 4, [1, 1, 1, 1], 16, torch.bfloat16)]
+    tables = np.array([[3, 4, 0, 0], [5, 6, 7, 0], [scratch, 1, 2, 3], [scratch, 8, 8, 8]], dtype=np.int32)
+    backend.update_decode_graph(metadata, np.array([20, 33, 1, 1], dtype=np.int32), tables)
+    assert calls[-1] == ("plan", [0, 2, 5, 6, 7], [3, 4, 5, 6, 7, scratch, scratch], [4, 1, 1, 1], 16, torch.bfloat16)
+    cache = tuple(torch.zeros(10, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    out = backend.forward(torch.randn(4, 8, 64), torch.randn(4, 2, 64), torch.randn(4, 2, 64), cache, metadata)
+    assert calls[-1] == ("run", (4, 8, 64), True) and bool((out == 1).all())

@@ -70,10 +70,13 @@ def test_greedy_parity_on_cuda_with_flashinfer(head64_llama_dir):
     settings = dict(device="cuda", dtype="bfloat16", block_size=16, max_model_len=64, num_kv_blocks=32)
     with LLM(str(head64_llama_dir), attention_backend="naive", **settings) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    with LLM(str(head64_llama_dir), attention_backend="flashinfer", **settings) as llm:
-        assert llm.engine.worker.ready.attention_backend == "flashinfer"
-        outputs = llm.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    for eager in (False, True):  # decode steps replaying CUDA graphs, then without
+        with LLM(str(head64_llama_dir), attention_backend="flashinfer", enforce_eager=eager, **settings) as llm:
+            ready = llm.engine.worker.ready
+            assert ready.attention_backend == "flashinfer"
+            assert ready.cuda_graphs.startswith("no CUDA graphs" if eager else "CUDA graphs of decode batches")
+            outputs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 def test_sampling_features_run_on_cuda(tiny_llama_dir):

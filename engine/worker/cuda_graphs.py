@@ -6,9 +6,11 @@ A step of ``n`` decodes runs the graph of the smallest bucket ``size >= n``: its
 written into static buffers (the graph reads them where it was captured), rows ``n..size``
 are padding that reads and writes only the scratch block, a block past the pool's that no
 request ever gets. The attention backend plans such a step once per bucket, from nothing
-but its size (``AttentionBackend.prepare_decode_graph``): the plan may not depend on the
-step's lengths, which the graph cannot see. Only backends that can (``supports_decode_graphs``)
-take graphs; the others, prefill chunks, tensor parallelism and draft models run eagerly.
+but its size (``AttentionBackend.prepare_decode_graph``): the captured kernels may not depend
+on the step's lengths on the host, which the graph cannot see; what a backend keeps beside the
+buffers it refreshes before each replay (``update_decode_graph``: FlashInfer's page arrays).
+Only backends that can (``supports_decode_graphs``: triton, flashinfer) take graphs; the
+others, prefill chunks, tensor parallelism and draft models run eagerly.
 
 After capturing, each bucket is replayed once against the same forward run eagerly over the
 same buffers (``check``): a mismatch turns the graphs off with a warning rather than
@@ -57,6 +59,7 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
                  scratch_block: int, capture: bool = True) -> None:
         self.model, self.kv_caches = model, kv_caches
+        self.backend = model.layers[0].self_attn.backend
         self.sizes = bucket_sizes(max_num_seqs)
         self.block_size, self.scratch_block, self.capture = block_size, scratch_block, capture
         self.max_model_len = max_model_len
@@ -96,7 +99,7 @@ class DecodeGraphs:
                 query_start_loc=self._query_start[: size + 1], seq_lens_tensor=d["seq_lens"][:size],
                 block_tables=d["block_tables"][:size], slot_mapping=d["slot_mapping"][:size],
                 block_size=self.block_size, max_query_len=1, max_seq_len=self.max_model_len)
-            self.model.layers[0].self_attn.backend.prepare_decode_graph(metadata)
+            self.backend.prepare_decode_graph(metadata, self.kv_caches[0][0].dtype)
             self._metadata[size] = metadata
         return self._metadata[size]
 
@@ -151,6 +154,7 @@ class DecodeGraphs:
         # the blocks a context covers, and a padding row (one token) only its first.
         h["block_tables"][:n, : block_tables.shape[1]] = block_tables
         h["block_tables"][n:size, 0] = self.scratch_block
+        self.backend.update_decode_graph(self.metadata(size), h["seq_lens"][:size], h["block_tables"][:size])
         for name, device in self._device.items():
             # NOTE: whole rows of the block tables, contiguous (the graphs read them with the
             # full width's stride): a non-contiguous source would be copied through pageable memory.
