@@ -197,9 +197,10 @@ def _positive_int(config: EngineConfig, name: str) -> None:
 
 
 def compiles_model(config: EngineConfig, device_type: str, world_size: int) -> bool:
-    """Whether the worker compiles the model (torch.compile of its regions): on the CPU, one
-    rank, unless enforce_eager or batch_invariant (a GPU runs eagerly for now)."""
-    return device_type == "cpu" and world_size == 1 and not (config.enforce_eager or config.batch_invariant)
+    """Whether the worker compiles the model (torch.compile of its regions): on the CPU or a
+    GPU, one rank, unless enforce_eager or batch_invariant."""
+    return (device_type in ("cpu", "cuda") and world_size == 1
+            and not (config.enforce_eager or config.batch_invariant))
 
 
 # NOTE: for tests: a device of this many bytes simulated on the CPU, so that the start that sizes

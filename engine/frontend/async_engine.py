@@ -132,7 +132,8 @@ class AsyncEngine:
         ready = await self.core.start(size_kv if from_memory else None)
         logger.info("worker ready: %s, %s, %s, attention backend %s, %.2f GiB of KV cache%s%s; async scheduling %s",
                     ready.device, ready.dtype, ready.weights, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
-                    f", model compiled in {ready.compile_seconds:.1f} s ({ready.compiled})" if ready.compile_seconds else "",
+                    f", model compiled in {ready.compile_seconds:.1f} s ({ready.compiled})" if ready.compile_seconds
+                    else f", {ready.compiled}" if ready.compiled else "",
                     f", {ready.cuda_graphs}" if ready.cuda_graphs else "", "on" if self.core.async_scheduling else "off")
 
     def _make_executor(self, on_death):

@@ -255,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, end - start, bias=False)
         self._vocab_shares = [b - a for a, b in (even_split(config.vocab_size, r, tp.world_size)
                                                  for r in range(tp.world_size))]
-        self._regions = (before_first_attention, between_attentions, after_last_attention)
+        self.use_eager_regions()
         self._packed_lm_head: tuple[torch.Tensor, str, int] | None = None
         # An untied LM head's weight as loaded, once the head is packed (break_bfloat16_ties).
         self._unpacked_lm_head: torch.Tensor | None = None
@@ -274,6 +274,10 @@ class LlamaForCausalLM(nn.Module):
         torch._dynamo.config.specialize_float = True
         self._regions = tuple(PrecompiledRegion(fn, directory, {"size_asserts": False})
                               for fn in (before_first_attention, between_attentions, after_last_attention))
+
+    def use_eager_regions(self) -> None:
+        """Back to the regions as plain functions (after a compile that failed)."""
+        self._regions = (before_first_attention, between_attentions, after_last_attention)
 
     def describe_code(self) -> tuple:
         """What the compiled regions' code depends on beyond the sources and the CPU: the

@@ -114,9 +114,7 @@ class ModelRunner:
         self._failed: set[str] = set()
         self.compile_seconds = 0.0
         self.compile_description = ""
-        # NOTE: compiled on the CPU only for now: the compiled path has not been checked on
-        # a GPU yet, so CUDA runs eagerly; and not across tensor-parallel ranks, whose
-        # all-reduces sit inside the compiled regions.
+        # NOTE: not across tensor-parallel ranks, whose all-reduces sit inside the compiled regions.
         # NOTE: not with batch_invariant: inductor compiles a one-row batch apart, and its
         # code rounds differently from the many-row code's.
         # NOTE: nor where every step runs in one call: the compiled regions would serve no step
@@ -125,25 +123,43 @@ class ModelRunner:
             progress("every step runs in one C call: nothing to compile")
             self._warm_up()
         elif compiles_model(config, self.device.type, self.tp.world_size):
-            directory = default_cache_dir() / "compiled" / cache_key(*self.model.describe_code())
-            if directory.is_dir() and any(directory.glob("*.bin")):
-                progress(f"loading the compiled model from {directory}")
-            else:
-                progress(f"compiling the model with torch.compile (tens of seconds; later starts load it from "
-                         f"{directory}; --enforce-eager skips it)")
-            start = time.perf_counter()
-            self.model.compile_regions(directory)
-            self._warm_up()
-            self.compile_seconds = time.perf_counter() - start
-            regions = self.model._regions
-            loaded, compiled = sum(r.loaded for r in regions), sum(r.compiled for r in regions)
-            self.compile_description = (f"{loaded} compiled regions loaded" + (f", {compiled} compiled" if compiled
-                                                                               else ""))
-            logger.info("compiled the model in %.1f s (%s)", self.compile_seconds, self.compile_description)
+            self._compile(progress)
         self.decode_graphs = None
         self.graphs_description = graphs_off or ""
         if graphs_off is None:
             self._capture_decode_graphs(allocation, progress)
+
+    def _compile(self, progress) -> None:
+        """Compiles the model's regions (loading them where an earlier start kept them) and
+        warms them up. On a GPU, where this path has not been run by this project's checks
+        yet, a failure leaves the model eager, with the error in the log."""
+        key = [*self.model.describe_code()]
+        if self.device.type == "cuda":
+            key += [torch.cuda.get_device_name(self.device), torch.cuda.get_device_capability(self.device),
+                    torch.version.cuda]
+        directory = default_cache_dir() / "compiled" / cache_key(*key)
+        if directory.is_dir() and any(directory.glob("*.bin")):
+            progress(f"loading the compiled model from {directory}")
+        else:
+            progress(f"compiling the model with torch.compile (tens of seconds; later starts load it from "
+                     f"{directory}; --enforce-eager skips it)")
+        start = time.perf_counter()
+        try:
+            self.model.compile_regions(directory)
+            self._warm_up()
+        except Exception:
+            if self.device.type != "cuda":
+                raise
+            logger.exception("compiling the model failed on %s: it runs eagerly", self.device)
+            progress("compiling the model failed (the worker's log has the error): it runs eagerly")
+            self.model.use_eager_regions()
+            self.compile_description = "compiling failed: eager (see the log)"
+            return
+        self.compile_seconds = time.perf_counter() - start
+        regions = self.model._regions
+        loaded, compiled = sum(r.loaded for r in regions), sum(r.compiled for r in regions)
+        self.compile_description = f"{loaded} compiled regions loaded" + (f", {compiled} compiled" if compiled else "")
+        logger.info("compiled the model in %.1f s (%s)", self.compile_seconds, self.compile_description)
 
     def _decode_graphs_off(self, config) -> str | None:
         """Why decode steps run without CUDA graphs (None: they take them; "" on the CPU,
