@@ -162,8 +162,8 @@ class InputBatch:
         if self.output_counts is not None:
             penalized = self.has_penalty[rows]
             if penalized.any():
-                r = torch.from_numpy(rows[penalized]).to(self.device, torch.int64)
-                t = torch.from_numpy(token_ids[penalized]).to(self.device, torch.int64)
+                r = to_device(rows[penalized], self.device, torch.int64)
+                t = to_device(token_ids[penalized], self.device, torch.int64)
                 self.output_counts.index_put_((r, t), torch.ones_like(r, dtype=torch.float32), accumulate=True)
 
     def _count_drafts(self, counts: torch.Tensor, rows: np.ndarray, offsets: np.ndarray) -> None:
@@ -177,8 +177,8 @@ class InputBatch:
         within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         positions = np.repeat(self.num_tokens[rows[index]], lengths) + within
         tokens = self.token_ids[rows[pair_rows], positions].astype(np.int64)
-        r = torch.from_numpy(pair_rows.astype(np.int64)).to(self.device)
-        t = torch.from_numpy(tokens).to(self.device)
+        r = to_device(pair_rows.astype(np.int64), self.device)
+        t = to_device(tokens, self.device)
         counts.index_put_((r, t), torch.ones(len(r), dtype=counts.dtype, device=self.device), accumulate=True)
 
     def count_output(self, row: int, token_ids: list[int]) -> None:

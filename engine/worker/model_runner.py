@@ -670,9 +670,9 @@ def _mask_logits(logits: torch.Tensor, sample_rows: np.ndarray, grammar_rows: li
     # took several times longer.
     bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, count=logits.shape[1],
                          bitorder="little")
-    disallowed = torch.from_numpy(bits).view(torch.bool).logical_not_().to(logits.device)
+    disallowed = to_device(np.logical_not(bits, out=bits).view(np.bool_), logits.device)
     if len(index) == logits.shape[0] and (index == np.arange(len(index))).all():
         logits.masked_fill_(disallowed, float("-inf"))  # every sampling row is structured
     else:
-        rows = torch.from_numpy(index).to(logits.device)
+        rows = to_device(index, logits.device)
         logits[rows] = logits[rows].masked_fill(disallowed, float("-inf"))
