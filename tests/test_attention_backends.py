@@ -137,9 +137,11 @@ def test_triton_kernels_match_naive_in_bfloat16_under_the_interpreter(triton_int
     backend_matches_naive("triton", 16, 3, 64, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("group", [1, 3, 8])
-@pytest.mark.parametrize("cases", [([150, 97, 17, 128, 40], [1, 1, 1, 1, 1]), ([150, 97, 40], [40, 1, 40])],
-                         ids=["decodes", "chunk-decode-prefill"])
+DECODES, CHUNKS = ([150, 97, 17, 128, 40], [1, 1, 1, 1, 1]), ([150, 97, 40], [40, 1, 40])
+
+
+@pytest.mark.parametrize("group,cases", [(1, DECODES), (3, DECODES), (8, DECODES), (1, CHUNKS), (3, CHUNKS)],
+                         ids=["decodes-1", "decodes-3", "decodes-8", "chunk-decode-prefill-1", "chunk-decode-prefill-3"])
 def test_triton_split_kv_matches_naive_under_the_interpreter(triton_interpreter, monkeypatch, group, cases):
     # Four parts of each context (150: 64 keys each, the fourth empty; 97 and 40: 32 each):
     # contexts end mid-part, one (17) inside the first, a chunk whose first rows come before
