@@ -102,10 +102,8 @@ def paged_kv(seq_lens: np.ndarray, block_tables: np.ndarray, page_size: int, pin
     used = np.arange(block_tables.shape[1])[None, :] < num_pages[:, None]
     indices = block_tables[used].astype(np.int32)  # row-major: each request's pages in order
     last_page_len = (seq_lens - (num_pages - 1) * page_size).astype(np.int32)
-    indices, last_page_len = torch.from_numpy(indices), torch.from_numpy(last_page_len)
-    if pin:
-        indices, last_page_len = indices.pin_memory(), last_page_len.pin_memory()
-    return PagedKV(torch.from_numpy(indptr), indices, last_page_len)
+    arrays = [torch.from_numpy(a) for a in (indptr, indices, last_page_len)]
+    return PagedKV(*(a.pin_memory() for a in arrays) if pin else arrays)
 
 
 def _rows(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
@@ -219,8 +217,12 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def update_decode_graph(self, metadata: AttentionMetadata, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
         plan: DecodeGraphPlan = metadata.backend_data
-        pages = paged_kv(seq_lens, block_tables, metadata.block_size, pin=metadata.block_tables.is_cuda)
-        plan.wrapper.plan(pages.indptr, pages.indices, pages.last_page_len, num_qo_heads=self.num_heads,
+        device = metadata.block_tables.device
+        pages = paged_kv(seq_lens, block_tables, metadata.block_size, pin=device.type == "cuda")
+        # NOTE: in CUDA-graph mode plan() copies the indices into its buffer without waiting only
+        # from the device (from the host it waits for the stream): uploaded here first.
+        indices = pages.indices.to(device, non_blocking=True)
+        plan.wrapper.plan(pages.indptr, indices, pages.last_page_len, num_qo_heads=self.num_heads,
                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=metadata.block_size,
                           pos_encoding_mode="NONE", q_data_type=plan.dtype, kv_data_type=plan.dtype,
                           sm_scale=self.scale)
