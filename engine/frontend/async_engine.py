@@ -108,8 +108,10 @@ class AsyncEngine:
         from_memory = sizes_kv_from_memory(config, device.type)
         kv = size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config,
                            budget=sys.maxsize if from_memory else None)
-        self._worker_init = WorkerInit(config, model_dir, model_config, kv.num_blocks, kv.max_model_len,
-                                       kv.num_cpu_blocks, draft_model_dir=draft_dir, draft_model_config=draft_config)
+        # NOTE: num_blocks None: the worker measures first (then _use_kv_cache fills it in).
+        self._worker_init = WorkerInit(config, model_dir, model_config, None if from_memory else kv.num_blocks,
+                                       kv.max_model_len, kv.num_cpu_blocks, draft_model_dir=draft_dir,
+                                       draft_model_config=draft_config)
 
         def size_kv(memory: list[DeviceMemory]) -> KVCacheAllocation:
             budget = min(kv_cache_budget(m, config.gpu_memory_utilization) for m in memory)
@@ -124,9 +126,7 @@ class AsyncEngine:
 
         self.core = EngineCore(config, None, self._make_executor, self.output_processor,
                                async_scheduling=self.uses_async_scheduling())
-        if from_memory:
-            self._worker_init = replace(self._worker_init, num_blocks=None)
-        else:
+        if not from_memory:
             self._use_kv_cache(kv, kv_dtype)
         logger.info("starting the worker process")
         ready = await self.core.start(size_kv if from_memory else None)
