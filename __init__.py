@@ -10,6 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagoda.engine.executor.cpu_affinity import record_process_cpus
+
+# NOTE: before anything of Pagoda's imports torch, whose OpenMP may bind this thread to one CPU
+# (see engine/executor/cpu_affinity.py).
+record_process_cpus()
+
 if TYPE_CHECKING:
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.frontend.async_engine import AsyncEngine

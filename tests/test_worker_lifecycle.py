@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,70 @@ def test_the_worker_gets_the_allocator_tunables_unless_the_user_set_some(tiny_ll
         assert "glibc.malloc.mmap_threshold=67108864" in tunables[0]
     else:
         assert tunables[0] == f"GLIBC_TUNABLES={user_value}"
+
+
+# -- the worker's CPUs ----------------------------------------------------------------------
+
+AFFINITY_SCRIPT = """\
+import os
+{before}
+from pagoda import LLM
+
+llm = LLM({model!r}, enforce_eager=True, dtype="float32", max_model_len=64, num_kv_blocks=32)
+tasks = f"/proc/{{llm.engine.worker.pid}}/task"
+cpus = set()
+for task in os.listdir(tasks):
+    for line in open(f"{{tasks}}/{{task}}/status"):
+        if line.startswith("Cpus_allowed_list:"):
+            for part in line.split(":")[1].strip().split(","):
+                low, _, high = part.partition("-")
+                cpus.update(range(int(low), int(high or low) + 1))
+print("WORKER", sorted(cpus))
+llm.shutdown()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell one from all")
+@pytest.mark.parametrize("case", ["openmp-binds", "openmp-binds-torch-first", "taskset-one-cpu"])
+def test_the_worker_runs_on_the_processs_cpus_whatever_openmp_bound(tiny_llama_dir, tmp_path, case):
+    """With OMP_PROC_BIND set, torch's OpenMP binds the engine's thread to one CPU on import;
+    the worker used to inherit that one CPU (and ran on one thread). Its threads now span the
+    CPUs the process had, or, where the user narrowed them, only those."""
+    before = {"openmp-binds": "", "openmp-binds-torch-first": "import torch",
+              "taskset-one-cpu": "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})"}[case]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")}
+    if case.startswith("openmp-binds"):
+        env["OMP_PROC_BIND"] = "close"
+    result = subprocess.run([sys.executable, "-"], input=AFFINITY_SCRIPT.format(before=before, model=str(tiny_llama_dir)),
+                            capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("WORKER"))
+    worker = set(eval(line.removeprefix("WORKER")))  # noqa: S307 - a list literal we printed
+    mine = os.sched_getaffinity(0)
+    assert worker == ({min(mine)} if case == "taskset-one-cpu" else mine)
+
+
+def test_tensor_parallel_ranks_get_their_own_share_of_the_cpus_when_openmp_binds(monkeypatch):
+    from pagoda.engine.executor import cpu_affinity
+
+    def share(rank: int, ranks: int) -> frozenset[int]:  # None: the mask the worker inherits
+        return cpu_affinity.worker_cpus(rank, ranks) or frozenset(os.sched_getaffinity(0))
+
+    monkeypatch.setattr(cpu_affinity, "_recorded", frozenset({0, 1, 2, 3, 4}))
+    for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"):
+        monkeypatch.delenv(name, raising=False)
+    assert [share(rank, 2) for rank in range(2)] == [frozenset({0, 1, 2, 3, 4})] * 2  # unbound: shared
+    monkeypatch.setenv("OMP_PLACES", "cores")
+    assert [share(rank, 2) for rank in range(2)] == [frozenset({0, 1}), frozenset({2, 3, 4})]
+    assert share(0, 1) == frozenset({0, 1, 2, 3, 4})
+
+
+def test_cpu_lists_read_back_as_written():
+    from pagoda.engine.executor.cpu_affinity import format_cpus, parse_cpus
+
+    for cpus in ({0}, {0, 1}, {0, 1, 2, 5}, {3, 7, 8, 9, 12}):
+        assert parse_cpus(format_cpus(frozenset(cpus))) == cpus
+    assert format_cpus(frozenset({0, 1, 2, 5})) == "0-2,5"
 
 
 # -- the KV cache sized from the device's memory (a GPU; simulated here) -----------------

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from pagoda.engine.config import compiles_model
+from pagoda.engine.executor.cpu_affinity import WORKER_CPUS_ENV, format_cpus, worker_cpus
 from pagoda.engine.exceptions import WorkerDiedError
 
 #: glibc's allocator for the worker, unless GLIBC_TUNABLES is set already: blocks up to 64 MiB
@@ -114,6 +115,11 @@ class WorkerProcess:
         from pagoda.engine.platform import resolve_device
 
         env = {"GLIBC_TUNABLES": WORKER_MALLOC_TUNABLES, **os.environ, **self._env}
+        init = self._init
+        device_type = resolve_device(init.config.device).type
+        cpus = worker_cpus(init.rank, init.world_size if device_type == "cpu" else 1)
+        if cpus is not None:
+            env[WORKER_CPUS_ENV] = format_cpus(cpus)
         # NOTE: inductor's code beside Pagoda's compiled regions, not in /tmp: they name its
         # libraries, and rebuilding them after /tmp was cleared took 7 s of a (re)start. Where
         # that directory cannot be made (a read-only home), inductor keeps its default.
@@ -123,8 +129,7 @@ class WorkerProcess:
             env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor))
         except OSError:
             pass
-        init = self._init
-        compiles = compiles_model(init.config, resolve_device(init.config.device).type, init.world_size)
+        compiles = compiles_model(init.config, device_type, init.world_size)
         ours, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen(

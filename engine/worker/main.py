@@ -24,6 +24,8 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from pagoda.engine.executor.cpu_affinity import take_worker_cpus
+
 
 def serve(conn: Connection, preloading: threading.Thread | None = None) -> None:
     """Loads the model described by the first message, then runs steps until told to stop.
@@ -191,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preload-compiler", action="store_true",
                         help="with --standby: import what loading the compiled model needs too")
     args = parser.parse_args(argv)
+    # NOTE: before torch is imported (the standby's preload, or the model's load): its OpenMP
+    # binds threads within the mask it finds.
+    take_worker_cpus()
     # NOTE: Ctrl-C reaches the whole process group; the engine process decides when the
     # worker stops (it drains requests first), so the worker leaves SIGINT to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,93 @@
+"""The CPUs a worker process runs on.
+
+With ``OMP_PROC_BIND`` or ``OMP_PLACES`` set (as CPU tuning guides advise), the OpenMP runtime
+that torch loads binds the importing thread to the first place the moment torch is imported. In
+the engine process that narrows the main thread's mask to one CPU, and a worker started from it
+inherited that mask: its OpenMP team was one thread on one CPU (the shared-prefix benchmark ran
+1.8x slower on two cores). So Pagoda records the process's CPUs when it is imported
+(``pagoda/__init__.py``, before anything of Pagoda's loads torch), the executor hands them to each
+worker (:data:`WORKER_CPUS_ENV`), and the worker takes them before it imports torch, so its own
+OpenMP runtime binds its threads within them. The engine's threads keep what they have.
+
+Engine-side functions read only the standard library, so importing this module loads nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+#: The worker's CPUs, as "0-3,8": set by the executor, read by the worker.
+WORKER_CPUS_ENV = "PAGODA_WORKER_CPUS"
+
+_recorded: frozenset[int] | None = None
+
+
+def record_process_cpus() -> None:
+    """Records this process's CPUs, once, if torch (and with it OpenMP's binding) is not
+    loaded yet."""
+    global _recorded
+    if _recorded is None and "torch" not in sys.modules and hasattr(os, "sched_getaffinity"):
+        _recorded = frozenset(os.sched_getaffinity(0))
+
+
+def openmp_binds() -> bool:
+    """Whether the environment asks OpenMP to bind threads to places."""
+    bind = os.environ.get("OMP_PROC_BIND", "").strip().lower()
+    return bind not in ("", "false") or bool(os.environ.get("OMP_PLACES")) or bool(os.environ.get("GOMP_CPU_AFFINITY"))
+
+
+def worker_cpus(rank: int = 0, ranks_sharing: int = 1) -> frozenset[int] | None:
+    """The CPUs a worker should run on; None where it keeps the mask it inherits (no CPU
+    affinity on this system, or nothing narrowed this process's mask since it was recorded).
+
+    Where torch was imported before Pagoda with OpenMP binding asked for, the mask Pagoda
+    found was already narrowed: the worker then gets every CPU of the machine, of which the
+    kernel keeps those the process's cgroup allows (a ``taskset`` around such a script is not
+    seen). With binding asked for and ``ranks_sharing`` ranks on the same CPUs (tensor
+    parallelism on the CPU), rank ``rank`` gets its own contiguous share of them, so that the
+    ranks' OpenMP threads do not bind to the same first places.
+    """
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    current = frozenset(os.sched_getaffinity(0))
+    binds = openmp_binds()
+    cpus = _recorded if _recorded is not None else frozenset(range(os.cpu_count() or 1)) if binds else current
+    if binds and 1 < ranks_sharing <= len(cpus):
+        ordered = sorted(cpus)
+        cpus = frozenset(ordered[len(ordered) * rank // ranks_sharing:len(ordered) * (rank + 1) // ranks_sharing])
+    return None if cpus == current else cpus
+
+
+def format_cpus(cpus: frozenset[int]) -> str:
+    """{0, 1, 2, 5} -> "0-2,5"."""
+    parts, ordered = [], sorted(cpus)
+    start = previous = ordered[0]
+    for cpu in ordered[1:] + [None]:
+        if cpu is not None and cpu == previous + 1:
+            previous = cpu
+            continue
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+        if cpu is not None:
+            start = previous = cpu
+    return ",".join(parts)
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """"0-2,5" -> {0, 1, 2, 5}."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return frozenset(cpus)
+
+
+def take_worker_cpus() -> None:
+    """In the worker, before torch is imported: runs on the CPUs the executor named, if any.
+    A set the kernel refuses (none of them allowed here) leaves the inherited mask."""
+    text = os.environ.get(WORKER_CPUS_ENV)
+    if text and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, parse_cpus(text))
+        except (OSError, ValueError):
+            pass
