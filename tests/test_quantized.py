@@ -231,12 +231,16 @@ def reference_silu_mul(x: torch.Tensor, weight: torch.Tensor, intermediate: int)
 
 @needs_amx
 @pytest.mark.parametrize("packing", ["q8", "q4m"])
-@pytest.mark.parametrize("intermediate", [96, 1536, 80])  # 80: not whole groups of 32, the plain tiles then
-@pytest.mark.parametrize("rows", [13, 64, 4105])  # 4105 x 128: the threads split the rows
-def test_gate_up_on_the_tiles_applies_silu_mul_in_the_epilogue(packing, intermediate, rows):
-    weight = example_weights(2 * intermediate, 128, seed=intermediate)[packing]
+@pytest.mark.parametrize("intermediate,in_features,rows",
+                         [(i, 128, rows) for i in (96, 1536, 80) for rows in (13, 64, 4105)]
+                         + [(1536, 576, 37), (1536, 576, 64), (1536, 576, 96)])
+def test_gate_up_on_the_tiles_applies_silu_mul_in_the_epilogue(packing, intermediate, in_features, rows):
+    # 80: not whole groups of 32, the plain tiles then; 4105 x 128: the threads split the rows;
+    # 1536 x 576: several chunks a thread, each dequantized while the tiles' 32-row blocks pass
+    # over the one before (one, two or three passes)
+    weight = example_weights(2 * intermediate, in_features, seed=intermediate)[packing]
     packed = Q.pack(weight)
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16) * 0.5
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16) * 0.5
     bits, has_min = Q.QUANT_PACKINGS[packing]
     out = cpu_kernels.quant_silu_mul_linear(x, packed, intermediate, bits, has_min, amx_min_rows=1)
     expected = reference_silu_mul(x, bf16_weight(weight), intermediate).float()

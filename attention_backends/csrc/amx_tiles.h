@@ -17,13 +17,17 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-static inline void configure_tiles(void) {
-    struct tile_config config;
-    memset(&config, 0, sizeof(config));
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
-}
+/* NOTE: a constant in memory, not a struct filled on the stack: GCC 12 does not count all 64
+ * bytes as read by ldtilecfg, and with configure_tiles inlined into a larger function (a
+ * reworked quant_linear_tiles, 2026-12-05, not kept) it dropped the stores of rows and colsb;
+ * ldtilecfg then faulted on the stack's garbage. */
+static const struct tile_config TILE_CONFIG __attribute__((aligned(64))) = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+static inline void configure_tiles(void) { _tile_loadconfig(&TILE_CONFIG); }
 
 int pagoda_amx_permitted(void);
 
