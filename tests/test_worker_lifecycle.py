@@ -133,6 +133,77 @@ def test_cpu_lists_read_back_as_written():
     assert format_cpus(frozenset({0, 1, 2, 5})) == "0-2,5"
 
 
+# -- the worker's threads under a container's CPU quota -------------------------------------
+
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize("proc_cgroup,files,expected", [
+    # cgroup v2, the process's own group limited
+    ("0::/docker/abc\n", {"docker/abc/cpu.max": "200000 100000\n", "cpu.max": "max 100000\n"}, 2.0),
+    # v2, a parent's limit is the tighter one
+    ("0::/a/b\n", {"a/b/cpu.max": "max 100000\n", "a/cpu.max": "150000 100000\n"}, 1.5),
+    # v2 inside a namespace: the group is "/", its files at the root
+    ("0::/\n", {"cpu.max": "50000 100000\n"}, 0.5),
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    # v1, the cpu controller mounted with cpuacct
+    ("4:memory:/x\n3:cpu,cpuacct:/x\n", {"cpu,cpuacct/x/cpu.cfs_quota_us": "300000\n",
+                                            "cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ("1:cpu:/x\n", {"cpu/x/cpu.cfs_quota_us": "-1\n", "cpu/x/cpu.cfs_period_us": "100000\n"}, None),
+    ("1:cpu:/x\n", {}, None),  # no files: nothing known
+    # hybrid: v2's line first, its hierarchy without the cpu controller, v1's cpu limited
+    ("0::/\n1:cpu:/x\n", {"cpu/x/cpu.cfs_quota_us": "100000\n", "cpu/x/cpu.cfs_period_us": "100000\n"}, 1.0),
+])
+def test_the_cgroup_cpu_quota_is_read_from_v1_and_v2_files(tmp_path, proc_cgroup, files, expected):
+    from pagoda.engine.worker.cpu_threads import cgroup_cpu_limit
+
+    write_tree(tmp_path / "fs", files)
+    (tmp_path / "fs").mkdir(exist_ok=True)
+    (tmp_path / "cgroup").write_text(proc_cgroup)
+    assert cgroup_cpu_limit(tmp_path / "cgroup", tmp_path / "fs") == expected
+    assert cgroup_cpu_limit(tmp_path / "no-such-file", tmp_path / "fs") is None
+
+
+def test_the_default_threads_follow_the_quota_and_the_ranks():
+    from pagoda.engine.worker.cpu_threads import default_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    assert default_threads(1, "cpu", None) is None  # torch's default
+    assert default_threads(1, "cpu", cpus + 4.0) is None  # a quota above the CPUs changes nothing
+    assert default_threads(1, "cuda", None) is None
+    assert default_threads(2, "cpu", None) == max(1, (os.cpu_count() or 1) // 2)
+    if cpus >= 2:
+        assert default_threads(1, "cpu", 1.0) == 1
+        assert default_threads(1, "cpu", 0.3) == 1
+        assert default_threads(1, "cpu", cpus - 0.5) == cpus  # rounded up
+        assert default_threads(2, "cpu", 1.0) == 1
+
+
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.mark.skipif(not (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists() or not os.access(CGROUP_V1_CPU, os.W_OK)
+                    or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a writable cgroup v1 cpu controller (root) and two CPUs")
+def test_a_worker_in_a_cgroup_with_a_one_cpu_quota_runs_one_thread(tiny_llama_dir, tmp_path):
+    group = CGROUP_V1_CPU / f"pagoda-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_quota_us").write_text(str(int((group / "cpu.cfs_period_us").read_text())))
+        script = (f"import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+                  + SCRIPT.format(model=str(tiny_llama_dir)))
+        result = subprocess.run(["bash", "-c", f'echo $$ > {group}/tasks && exec "$0" -', sys.executable],
+                                input=script, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert "torch threads: 1 (the cgroup's CPU quota: 1 CPUs)" in result.stdout, result.stdout
+        assert len(tokens_printed(result)) == 4
+    finally:
+        group.rmdir()
+
+
 # -- the KV cache sized from the device's memory (a GPU; simulated here) -----------------
 
 MEMORY_SIZED = dict(enforce_eager=True, dtype="float32", max_model_len=256, gpu_memory_utilization=0.5)

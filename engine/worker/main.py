@@ -108,12 +108,17 @@ def build_runner(init, progress=None):
     """
     import torch
 
+    from pagoda.engine.platform import resolve_device
+    from pagoda.engine.worker.cpu_threads import cgroup_cpu_limit, default_threads
     from pagoda.engine.worker.model_runner import ModelRunner
 
     threads = init.config.num_threads
-    if threads is None and init.world_size > 1 and init.config.device != "cuda":
-        # NOTE: the ranks share the machine's cores.
-        threads = max(1, (os.cpu_count() or 1) // init.world_size)
+    if threads is None:
+        # NOTE: tensor-parallel ranks share the machine's cores; a container's CPU quota caps them
+        limit = cgroup_cpu_limit()
+        threads = default_threads(init.world_size, resolve_device(init.config.device).type, limit)
+        if threads is not None and limit is not None and progress is not None:
+            progress(f"torch threads: {threads} (the cgroup's CPU quota: {limit:g} CPUs)")
     if threads is not None:
         torch.set_num_threads(threads)
     torch.manual_seed(init.config.seed)
