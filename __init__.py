@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagoda.engine.executor.cpu_affinity import record_process_cpus
+from pagoda.engine.cpu_affinity import record_process_cpus
 
 # NOTE: before anything of Pagoda's imports torch, whose OpenMP may bind this thread to one CPU
-# (see engine/executor/cpu_affinity.py).
+# (see engine/cpu_affinity.py).
 record_process_cpus()
 
 if TYPE_CHECKING:

@@ -75,6 +75,7 @@ AFFINITY_SCRIPT = """\
 import os
 {before}
 from pagoda import LLM
+{after}
 
 llm = LLM({model!r}, enforce_eager=True, dtype="float32", max_model_len=64, num_kv_blocks=32)
 tasks = f"/proc/{{llm.engine.worker.pid}}/task"
@@ -91,27 +92,36 @@ llm.shutdown()
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell one from all")
-@pytest.mark.parametrize("case", ["openmp-binds", "openmp-binds-torch-first", "taskset-one-cpu"])
+@pytest.mark.parametrize("case", ["openmp-binds", "openmp-binds-torch-first", "taskset-one-cpu",
+                                  "narrowed-after-import"])
 def test_the_worker_runs_on_the_processs_cpus_whatever_openmp_bound(tiny_llama_dir, tmp_path, case):
     """With OMP_PROC_BIND set, torch's OpenMP binds the engine's thread to one CPU on import;
     the worker used to inherit that one CPU (and ran on one thread). Its threads now span the
-    CPUs the process had, or, where the user narrowed them, only those."""
-    before = {"openmp-binds": "", "openmp-binds-torch-first": "import torch",
-              "taskset-one-cpu": "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})"}[case]
+    CPUs the process had, or, where the user narrowed them (before or after importing Pagoda,
+    OpenMP not binding), only those."""
+    from pagoda.engine.cpu_affinity import online_cpus
+
+    mine = os.sched_getaffinity(0)
+    if case == "openmp-binds-torch-first" and mine != online_cpus():
+        pytest.skip("the worker asks for every online CPU there; this process has fewer")
+    narrow = "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})"
+    before, after = {"openmp-binds": ("", ""), "openmp-binds-torch-first": ("import torch", ""),
+                     "taskset-one-cpu": (narrow, ""), "narrowed-after-import": ("import pagoda", narrow)}[case]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")}
+    env["OMP_NUM_THREADS"] = str(len(mine))  # one bound thread a CPU, whatever torch's default
     if case.startswith("openmp-binds"):
         env["OMP_PROC_BIND"] = "close"
-    result = subprocess.run([sys.executable, "-"], input=AFFINITY_SCRIPT.format(before=before, model=str(tiny_llama_dir)),
-                            capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    script = AFFINITY_SCRIPT.format(before=before, after=after, model=str(tiny_llama_dir))
+    result = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=180,
+                            cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("WORKER"))
     worker = set(eval(line.removeprefix("WORKER")))  # noqa: S307 - a list literal we printed
-    mine = os.sched_getaffinity(0)
-    assert worker == ({min(mine)} if case == "taskset-one-cpu" else mine)
+    assert worker == ({min(mine)} if case in ("taskset-one-cpu", "narrowed-after-import") else mine)
 
 
 def test_tensor_parallel_ranks_get_their_own_share_of_the_cpus_when_openmp_binds(monkeypatch):
-    from pagoda.engine.executor import cpu_affinity
+    from pagoda.engine import cpu_affinity
 
     def share(rank: int, ranks: int) -> frozenset[int]:  # None: the mask the worker inherits
         return cpu_affinity.worker_cpus(rank, ranks) or frozenset(os.sched_getaffinity(0))
@@ -119,14 +129,14 @@ def test_tensor_parallel_ranks_get_their_own_share_of_the_cpus_when_openmp_binds
     monkeypatch.setattr(cpu_affinity, "_recorded", frozenset({0, 1, 2, 3, 4}))
     for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"):
         monkeypatch.delenv(name, raising=False)
-    assert [share(rank, 2) for rank in range(2)] == [frozenset({0, 1, 2, 3, 4})] * 2  # unbound: shared
+    assert cpu_affinity.worker_cpus(1, 2) is None  # unbound: the ranks inherit the engine's CPUs
     monkeypatch.setenv("OMP_PLACES", "cores")
     assert [share(rank, 2) for rank in range(2)] == [frozenset({0, 1}), frozenset({2, 3, 4})]
     assert share(0, 1) == frozenset({0, 1, 2, 3, 4})
 
 
 def test_cpu_lists_read_back_as_written():
-    from pagoda.engine.executor.cpu_affinity import format_cpus, parse_cpus
+    from pagoda.engine.cpu_affinity import format_cpus, parse_cpus
 
     for cpus in ({0}, {0, 1}, {0, 1, 2, 5}, {3, 7, 8, 9, 12}):
         assert parse_cpus(format_cpus(frozenset(cpus))) == cpus
@@ -171,15 +181,16 @@ def test_the_default_threads_follow_the_quota_and_the_ranks():
     from pagoda.engine.worker.cpu_threads import default_threads
 
     cpus = len(os.sched_getaffinity(0))
-    assert default_threads(1, "cpu", None) is None  # torch's default
-    assert default_threads(1, "cpu", cpus + 4.0) is None  # a quota above the CPUs changes nothing
-    assert default_threads(1, "cuda", None) is None
-    assert default_threads(2, "cpu", None) == max(1, (os.cpu_count() or 1) // 2)
-    if cpus >= 2:
-        assert default_threads(1, "cpu", 1.0) == 1
-        assert default_threads(1, "cpu", 0.3) == 1
-        assert default_threads(1, "cpu", cpus - 0.5) == cpus  # rounded up
-        assert default_threads(2, "cpu", 1.0) == 1
+    assert default_threads(1, "cpu", None, cpus) == (None, False)  # torch's default
+    assert default_threads(1, "cpu", cpus + 4.0, cpus) == (None, False)  # a quota above it changes nothing
+    assert default_threads(1, "cuda", None, cpus) == (None, False)
+    assert default_threads(2, "cpu", None, cpus) == (max(1, cpus // 2), False)
+    assert default_threads(2, "cpu", None, cpus, own_share=True) == (cpus, False)  # the rank's own CPUs
+    assert default_threads(1, "cpu", 0.3, cpus) == (1, True)
+    assert default_threads(1, "cpu", 3.0, 4) == (3, True)  # below torch's default of 4
+    assert default_threads(1, "cpu", 2.5, 4) == (3, True)  # rounded up
+    assert default_threads(1, "cpu", 2.5, 3) == (None, False)  # torch's 3 is no more than the quota allows
+    assert default_threads(2, "cpu", 1.0, cpus) == (1, max(1, cpus // 2) > 1)
 
 
 CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
@@ -192,16 +203,40 @@ def test_a_worker_in_a_cgroup_with_a_one_cpu_quota_runs_one_thread(tiny_llama_di
     group = CGROUP_V1_CPU / f"pagoda-test-{os.getpid()}"
     group.mkdir()
     try:
-        (group / "cpu.cfs_quota_us").write_text(str(int((group / "cpu.cfs_period_us").read_text())))
-        script = (f"import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        (group / "cpu.cfs_quota_us").write_text((group / "cpu.cfs_period_us").read_text())
+        script = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
                   + SCRIPT.format(model=str(tiny_llama_dir)))
         result = subprocess.run(["bash", "-c", f'echo $$ > {group}/tasks && exec "$0" -', sys.executable],
                                 input=script, capture_output=True, text=True, timeout=180, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
-        assert "torch threads: 1 (the cgroup's CPU quota: 1 CPUs)" in result.stdout, result.stdout
+        assert "torch threads: 1 (the cgroup's CPU quota: 1 CPU)" in result.stdout, result.stdout
         assert len(tokens_printed(result)) == 4
     finally:
+        remove_cgroup(group)
+
+
+def remove_cgroup(group: Path) -> None:
+    """Stops what is left in the group (a worker still exiting, or a timed-out run's), then
+    removes it."""
+    import signal
+    import time
+    import warnings
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pids = [int(pid) for pid in (group / "cgroup.procs").read_text().split()]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    try:
         group.rmdir()
+    except OSError as error:
+        warnings.warn(f"could not remove the test's cgroup {group}: {error}", stacklevel=1)
 
 
 # -- the KV cache sized from the device's memory (a GPU; simulated here) -----------------

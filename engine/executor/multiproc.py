@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from pagoda.engine.config import compiles_model
-from pagoda.engine.executor.cpu_affinity import WORKER_CPUS_ENV, format_cpus, worker_cpus
+from pagoda.engine.cpu_affinity import WORKER_CPUS_ENV, format_cpus, worker_cpus
 from pagoda.engine.exceptions import WorkerDiedError
 
 #: glibc's allocator for the worker, unless GLIBC_TUNABLES is set already: blocks up to 64 MiB
@@ -120,6 +120,8 @@ class WorkerProcess:
         cpus = worker_cpus(init.rank, init.world_size if device_type == "cpu" else 1)
         if cpus is not None:
             env[WORKER_CPUS_ENV] = format_cpus(cpus)
+        else:
+            env.pop(WORKER_CPUS_ENV, None)
         # NOTE: inductor's code beside Pagoda's compiled regions, not in /tmp: they name its
         # libraries, and rebuilding them after /tmp was cleared took 7 s of a (re)start. Where
         # that directory cannot be made (a read-only home), inductor keeps its default.

@@ -27,7 +27,10 @@ def _cgroup_dirs(proc_cgroup: Path, root: Path) -> list[Path]:
         return []
     dirs: list[Path] = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        try:
+            _, controllers, path = line.split(":", 2)
+        except ValueError:
+            continue
         names = controllers.split(",")
         if names == [""]:
             base = root
@@ -51,7 +54,7 @@ def _quota_of(directory: Path) -> float | None:
         fields = (directory / "cpu.max").read_text().split()  # v2: "max 100000" or "200000 100000"
         if len(fields) >= 2:
             return None if fields[0] == "max" else int(fields[0]) / int(fields[1])
-    except (OSError, ValueError):
+    except (OSError, ValueError, ZeroDivisionError):
         pass
     try:
         quota_us = int((directory / "cpu.cfs_quota_us").read_text())  # v1: -1 for none
@@ -69,14 +72,18 @@ def cgroup_cpu_limit(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | 
     return min(limits) if limits else None
 
 
-def default_threads(world_size: int, device_type: str, limit: float | None = None) -> int | None:
-    """Threads for a worker whose config names none: None (torch's default) unless the ranks
-    share the CPUs (tensor parallelism on the CPU: the machine's CPUs / ranks each) or the
-    cgroup's CPU quota (``limit``, cgroup_cpu_limit's) is below this process's CPUs: then at
-    most the quota / ranks, rounded up."""
+def default_threads(world_size: int, device_type: str, limit: float | None, torch_default: int,
+                    own_share: bool = False) -> tuple[int | None, bool]:
+    """Threads for a worker whose config names none, and whether the cgroup's CPU quota decided
+    them: None (torch's default, ``torch_default``) unless the ranks share the CPUs (tensor
+    parallelism on the CPU: this process's CPUs / ranks each, or all of them where they are
+    the rank's own share, ``own_share``) or the quota (``limit``, cgroup_cpu_limit's) is below
+    that: then the quota / ranks, rounded up."""
     ranks = world_size if device_type != "cuda" else 1
-    threads = None if ranks == 1 else max(1, (os.cpu_count() or 1) // ranks)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if limit is not None and limit < cpus:
-        threads = min(threads or cpus, max(1, math.ceil(limit / ranks)))
-    return threads
+    threads = None if ranks == 1 else max(1, cpus if own_share else cpus // ranks)
+    if limit is not None:
+        capped = max(1, math.ceil(limit / ranks))
+        if capped < (threads or torch_default):
+            return capped, True
+    return threads, False

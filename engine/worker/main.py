@@ -24,7 +24,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from pagoda.engine.executor.cpu_affinity import take_worker_cpus
+from pagoda.engine.cpu_affinity import WORKER_CPUS_ENV, openmp_binds, take_worker_cpus
 
 
 def serve(conn: Connection, preloading: threading.Thread | None = None) -> None:
@@ -114,11 +114,14 @@ def build_runner(init, progress=None):
 
     threads = init.config.num_threads
     if threads is None:
-        # NOTE: tensor-parallel ranks share the machine's cores; a container's CPU quota caps them
+        # NOTE: tensor-parallel ranks share the cores (or have their own share, where OpenMP
+        # binds: engine/cpu_affinity.py); a container's CPU quota caps them.
         limit = cgroup_cpu_limit()
-        threads = default_threads(init.world_size, resolve_device(init.config.device).type, limit)
-        if threads is not None and limit is not None and progress is not None:
-            progress(f"torch threads: {threads} (the cgroup's CPU quota: {limit:g} CPUs)")
+        device_type = resolve_device(init.config.device).type
+        own_share = openmp_binds() and os.environ.get(WORKER_CPUS_ENV) is not None
+        threads, by_quota = default_threads(init.world_size, device_type, limit, torch.get_num_threads(), own_share)
+        if by_quota and progress is not None:
+            progress(f"torch threads: {threads} (the cgroup's CPU quota: {limit:g} CPU{'' if limit == 1 else 's'})")
     if threads is not None:
         torch.set_num_threads(threads)
     torch.manual_seed(init.config.seed)

@@ -5,9 +5,11 @@ that torch loads binds the importing thread to the first place the moment torch 
 the engine process that narrows the main thread's mask to one CPU, and a worker started from it
 inherited that mask: its OpenMP team was one thread on one CPU (the shared-prefix benchmark ran
 1.8x slower on two cores). So Pagoda records the process's CPUs when it is imported
-(``pagoda/__init__.py``, before anything of Pagoda's loads torch), the executor hands them to each
-worker (:data:`WORKER_CPUS_ENV`), and the worker takes them before it imports torch, so its own
-OpenMP runtime binds its threads within them. The engine's threads keep what they have.
+(``pagoda/__init__.py``, before anything of Pagoda's loads torch), the multiprocessing executor
+hands them to each worker it starts (:data:`WORKER_CPUS_ENV`; Ray's workers are Ray's), and the
+worker takes them before it imports torch, so its own OpenMP runtime binds its threads within
+them. The engine's threads keep what they have. Without binding asked for, nothing changes: the
+worker inherits the engine's mask, narrowed or not.
 
 Engine-side functions read only the standard library, so importing this module loads nothing.
 """
@@ -32,30 +34,43 @@ def record_process_cpus() -> None:
 
 
 def openmp_binds() -> bool:
-    """Whether the environment asks OpenMP to bind threads to places."""
+    """Whether the environment asks OpenMP (GNU's, which torch's CPU build loads) to bind
+    threads to places."""
     bind = os.environ.get("OMP_PROC_BIND", "").strip().lower()
-    return bind not in ("", "false") or bool(os.environ.get("OMP_PLACES")) or bool(os.environ.get("GOMP_CPU_AFFINITY"))
+    if bind == "false":
+        return False
+    return bool(bind) or bool(os.environ.get("OMP_PLACES")) or bool(os.environ.get("GOMP_CPU_AFFINITY"))
+
+
+def online_cpus() -> frozenset[int]:
+    """The machine's online CPUs (their numbers need not run from 0)."""
+    try:
+        with open("/sys/devices/system/cpu/online") as f:
+            return parse_cpus(f.read())
+    except (OSError, ValueError):
+        return frozenset(range(os.cpu_count() or 1))
 
 
 def worker_cpus(rank: int = 0, ranks_sharing: int = 1) -> frozenset[int] | None:
     """The CPUs a worker should run on; None where it keeps the mask it inherits (no CPU
-    affinity on this system, or nothing narrowed this process's mask since it was recorded).
+    affinity on this system, or nothing narrowed this process's mask since it was recorded;
+    a rank's share is always named, see default_threads in engine/worker/cpu_threads.py).
 
-    Where torch was imported before Pagoda with OpenMP binding asked for, the mask Pagoda
-    found was already narrowed: the worker then gets every CPU of the machine, of which the
-    kernel keeps those the process's cgroup allows (a ``taskset`` around such a script is not
-    seen). With binding asked for and ``ranks_sharing`` ranks on the same CPUs (tensor
-    parallelism on the CPU), rank ``rank`` gets its own contiguous share of them, so that the
-    ranks' OpenMP threads do not bind to the same first places.
+    Only where OpenMP binding is asked for: otherwise the worker inherits this process's mask,
+    as the user left it. Where torch was imported before Pagoda, the mask Pagoda found was
+    already narrowed: the worker then gets the machine's online CPUs, of which the kernel keeps
+    those the process's cpuset allows (a ``taskset`` around such a script is not seen). With
+    ``ranks_sharing`` ranks on the same CPUs (tensor parallelism on the CPU), rank ``rank`` gets
+    its own contiguous share of them, so that the ranks' OpenMP threads do not bind to the same
+    first places.
     """
-    if not hasattr(os, "sched_getaffinity"):
+    if not hasattr(os, "sched_getaffinity") or not openmp_binds():
         return None
     current = frozenset(os.sched_getaffinity(0))
-    binds = openmp_binds()
-    cpus = _recorded if _recorded is not None else frozenset(range(os.cpu_count() or 1)) if binds else current
-    if binds and 1 < ranks_sharing <= len(cpus):
+    cpus = _recorded if _recorded is not None else online_cpus()
+    if 1 < ranks_sharing <= len(cpus):
         ordered = sorted(cpus)
-        cpus = frozenset(ordered[len(ordered) * rank // ranks_sharing:len(ordered) * (rank + 1) // ranks_sharing])
+        return frozenset(ordered[len(ordered) * rank // ranks_sharing:len(ordered) * (rank + 1) // ranks_sharing])
     return None if cpus == current else cpus
 
 
