@@ -1,4 +1,4 @@
-"""The CPUs a worker process runs on.
+"""The CPUs a worker process runs on, and how much of them a cgroup's CPU quota leaves.
 
 With ``OMP_PROC_BIND`` or ``OMP_PLACES`` set (as CPU tuning guides advise), the OpenMP runtime
 that torch loads binds the importing thread to the first place the moment torch is imported. In
@@ -16,8 +16,10 @@ Engine-side functions read only the standard library, so importing this module l
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+from pathlib import Path
 
 #: The worker's CPUs, as "0-3,8": set by the executor, read by the worker.
 WORKER_CPUS_ENV = "PAGODA_WORKER_CPUS"
@@ -106,3 +108,79 @@ def take_worker_cpus() -> None:
             os.sched_setaffinity(0, parse_cpus(text))
         except (OSError, ValueError):
             pass
+
+
+# -- a cgroup's CPU quota ------------------------------------------------------------------
+
+def _cgroup_dirs(proc_cgroup: Path, root: Path) -> list[Path]:
+    """The process's CPU cgroup directories and their ancestors, innermost first: v2's unified
+    hierarchy and v1's cpu controller, both where a hybrid system has both (a namespaced "/"
+    gives the mount's root alone)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return []
+    dirs: list[Path] = []
+    for line in lines:
+        try:
+            _, controllers, path = line.split(":", 2)
+        except ValueError:
+            continue
+        names = controllers.split(",")
+        if names == [""]:
+            base = root
+        elif "cpu" in names:
+            base = next((root / name for name in (controllers, "cpu,cpuacct", "cpu") if (root / name).is_dir()),
+                        root / "cpu")
+        else:
+            continue
+        directory = base / path.lstrip("/")
+        while True:
+            dirs.append(directory)
+            if directory == base or base not in directory.parents:
+                break
+            directory = directory.parent
+    return dirs
+
+
+def _quota_of(directory: Path) -> float | None:
+    """CPUs' worth of time one cgroup directory allows; None for no limit or no such files."""
+    try:
+        fields = (directory / "cpu.max").read_text().split()  # v2: "max 100000" or "200000 100000"
+        if len(fields) >= 2:
+            return None if fields[0] == "max" else int(fields[0]) / int(fields[1])
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    try:
+        quota_us = int((directory / "cpu.cfs_quota_us").read_text())  # v1: -1 for none
+        period_us = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+
+
+def cgroup_cpu_limit(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup") -> float | None:
+    """The CPUs' worth of time this process's cgroup (and its ancestors) allow per period,
+    the smallest along the path; None where there is no quota or no cgroup file says."""
+    limits = [limit for directory in _cgroup_dirs(Path(proc_cgroup), Path(root))
+              if (limit := _quota_of(directory)) is not None]
+    return min(limits) if limits else None
+
+
+def usable_cpus() -> frozenset[int]:
+    """The CPUs this process may use: as recorded at import where OpenMP's binding may have
+    narrowed the thread's mask since, else its mask."""
+    if not hasattr(os, "sched_getaffinity"):
+        return frozenset(range(os.cpu_count() or 1))
+    if openmp_binds():
+        return _recorded if _recorded is not None else online_cpus()
+    return frozenset(os.sched_getaffinity(0))
+
+
+def threads_per_sharer(sharers: int) -> int:
+    """Threads for each of ``sharers`` workers that share this process's CPUs (data-parallel
+    replicas on the CPU, times their tensor-parallel ranks): the CPUs, or the cgroup's CPU quota
+    where it is less (rounded up), divided among them, at least one each."""
+    threads = max(1, len(usable_cpus()) // sharers)
+    limit = cgroup_cpu_limit()
+    return threads if limit is None else min(threads, max(1, math.ceil(limit / sharers)))

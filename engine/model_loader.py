@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -537,8 +538,16 @@ def _quantized_kernel_problem(device: torch.device, tensor_parallel_size: int) -
     return None
 
 
+#: One tokenizer load at a time: data-parallel replicas start together, each loading its tokenizer
+#: in a thread, and transformers' lazily imported names are not safe to import from two threads at
+#: once (in a fresh process the second thread's `from transformers import AutoTokenizer` raised
+#: ImportError while the first was still importing it).
+_TOKENIZER_LOAD = threading.Lock()
+
+
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """Loads the model directory's fast tokenizer (with its chat template)."""
-    from transformers import AutoTokenizer
+    with _TOKENIZER_LOAD:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), use_fast=True)
+        return AutoTokenizer.from_pretrained(str(model_dir), use_fast=True)

@@ -194,3 +194,40 @@ def test_dp2_both_replicas_serve_and_a_shared_prefix_goes_where_it_is_cached(tin
         assert server.engine.replicas[holder].scheduler.stats.prefix_cache_hits - before == 3 * 64
         metrics = http_request(server.url + "/metrics").text
         assert 'engine="0"' in metrics and 'engine="1"' in metrics
+        # on the CPU the replicas share the cores: at most half of them each, not each all of them
+        cpus = len(os.sched_getaffinity(0))
+        assert all(1 <= r.config.num_threads <= max(1, cpus // 2) for r in server.engine.replicas)
+
+
+def test_replica_configs_share_the_cpus_unless_told_otherwise():
+    from pagoda.engine.frontend.data_parallel import replica_config
+
+    half = max(1, len(os.sched_getaffinity(0)) // 2)
+    shared = [replica_config(EngineConfig(device="cpu", data_parallel_size=2), i) for i in range(2)]
+    assert [c.num_threads for c in shared] == [half, half] and all(c.data_parallel_size == 1 for c in shared)
+    # tensor-parallel ranks in each replica: four workers on the same CPUs
+    assert replica_config(EngineConfig(device="cpu", data_parallel_size=2, tensor_parallel_size=2), 0).num_threads \
+        == max(1, len(os.sched_getaffinity(0)) // 4)
+    assert replica_config(EngineConfig(device="cpu", data_parallel_size=2, num_threads=3), 1).num_threads == 3
+
+
+DP_SCRIPT = """\
+from pagoda import LLM, SamplingParams
+
+with LLM(max_model_len=64, data_parallel_size=2) as llm:
+    outputs = llm.generate([[5, 6, 7, 8], [9, 10, 11]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    print("TOKENS", [o.outputs[0].token_ids for o in outputs])
+"""
+
+
+def test_dp2_starts_in_a_fresh_interpreter(tmp_path):
+    """The replicas load their tokenizers in threads at once; in a process that had not imported
+    transformers yet, one of them failed with ImportError (transformers' lazy names). The
+    default model, whose GGUF tokenizer takes long enough to load for the two to meet."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-"], input=DP_SCRIPT,
+                            capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "TOKENS" in result.stdout

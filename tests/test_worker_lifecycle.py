@@ -168,7 +168,7 @@ def write_tree(root: Path, files: dict[str, str]) -> None:
     ("0::/\n1:cpu:/x\n", {"cpu/x/cpu.cfs_quota_us": "100000\n", "cpu/x/cpu.cfs_period_us": "100000\n"}, 1.0),
 ])
 def test_the_cgroup_cpu_quota_is_read_from_v1_and_v2_files(tmp_path, proc_cgroup, files, expected):
-    from pagoda.engine.worker.cpu_threads import cgroup_cpu_limit
+    from pagoda.engine.cpu_affinity import cgroup_cpu_limit
 
     write_tree(tmp_path / "fs", files)
     (tmp_path / "fs").mkdir(exist_ok=True)

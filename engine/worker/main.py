@@ -24,7 +24,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from pagoda.engine.cpu_affinity import WORKER_CPUS_ENV, openmp_binds, take_worker_cpus
+from pagoda.engine.cpu_affinity import WORKER_CPUS_ENV, cgroup_cpu_limit, openmp_binds, take_worker_cpus
 
 
 def serve(conn: Connection, preloading: threading.Thread | None = None) -> None:
@@ -109,7 +109,7 @@ def build_runner(init, progress=None):
     import torch
 
     from pagoda.engine.platform import resolve_device
-    from pagoda.engine.worker.cpu_threads import cgroup_cpu_limit, default_threads
+    from pagoda.engine.worker.cpu_threads import default_threads
     from pagoda.engine.worker.model_runner import ModelRunner
 
     threads = init.config.num_threads
