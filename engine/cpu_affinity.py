@@ -55,8 +55,8 @@ def online_cpus() -> frozenset[int]:
 
 def worker_cpus(rank: int = 0, ranks_sharing: int = 1) -> frozenset[int] | None:
     """The CPUs a worker should run on; None where it keeps the mask it inherits (no CPU
-    affinity on this system, or nothing narrowed this process's mask since it was recorded;
-    a rank's share is always named, see default_threads in engine/worker/cpu_threads.py).
+    affinity on this system, no OpenMP binding asked for, or the mask already right; a rank's
+    share is always named, see default_threads in engine/worker/cpu_threads.py).
 
     Only where OpenMP binding is asked for: otherwise the worker inherits this process's mask,
     as the user left it. Where torch was imported before Pagoda, the mask Pagoda found was
@@ -68,12 +68,11 @@ def worker_cpus(rank: int = 0, ranks_sharing: int = 1) -> frozenset[int] | None:
     """
     if not hasattr(os, "sched_getaffinity") or not openmp_binds():
         return None
-    current = frozenset(os.sched_getaffinity(0))
-    cpus = _recorded if _recorded is not None else online_cpus()
+    cpus = usable_cpus()
     if 1 < ranks_sharing <= len(cpus):
         ordered = sorted(cpus)
         return frozenset(ordered[len(ordered) * rank // ranks_sharing:len(ordered) * (rank + 1) // ranks_sharing])
-    return None if cpus == current else cpus
+    return None if cpus == frozenset(os.sched_getaffinity(0)) else cpus
 
 
 def format_cpus(cpus: frozenset[int]) -> str:
@@ -159,7 +158,8 @@ def _quota_of(directory: Path) -> float | None:
     return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
-def cgroup_cpu_limit(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup") -> float | None:
+def cgroup_cpu_limit(proc_cgroup: str | Path = "/proc/self/cgroup",
+                     root: str | Path = "/sys/fs/cgroup") -> float | None:
     """The CPUs' worth of time this process's cgroup (and its ancestors) allow per period,
     the smallest along the path; None where there is no quota or no cgroup file says."""
     limits = [limit for directory in _cgroup_dirs(Path(proc_cgroup), Path(root))

@@ -193,20 +193,34 @@ def test_the_default_threads_follow_the_quota_and_the_ranks():
     assert default_threads(2, "cpu", 1.0, cpus) == (1, max(1, cpus // 2) > 1)
 
 
-CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+def quota_cgroup_parent() -> tuple[Path, str] | None:
+    """Where this process may make a cgroup with a CPU quota, and the file that takes a
+    process into it: v1's cpu controller or v2's root with the cpu controller enabled below it."""
+    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    if (v1 / "cpu.cfs_quota_us").exists() and os.access(v1, os.W_OK):
+        return v1, "tasks"
+    try:
+        if "cpu" in (v2 / "cgroup.subtree_control").read_text().split() and os.access(v2, os.W_OK):
+            return v2, "cgroup.procs"
+    except OSError:
+        pass
+    return None
 
 
-@pytest.mark.skipif(not (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists() or not os.access(CGROUP_V1_CPU, os.W_OK)
-                    or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs a writable cgroup v1 cpu controller (root) and two CPUs")
+@pytest.mark.skipif(quota_cgroup_parent() is None or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a writable cgroup with the cpu controller (root) and two CPUs")
 def test_a_worker_in_a_cgroup_with_a_one_cpu_quota_runs_one_thread(tiny_llama_dir, tmp_path):
-    group = CGROUP_V1_CPU / f"pagoda-test-{os.getpid()}"
+    parent, procs = quota_cgroup_parent()
+    group = parent / f"pagoda-test-{os.getpid()}"
     group.mkdir()
     try:
-        (group / "cpu.cfs_quota_us").write_text((group / "cpu.cfs_period_us").read_text())
+        if procs == "tasks":
+            (group / "cpu.cfs_quota_us").write_text((group / "cpu.cfs_period_us").read_text())
+        else:
+            (group / "cpu.max").write_text("100000 100000")
         script = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
                   + SCRIPT.format(model=str(tiny_llama_dir)))
-        result = subprocess.run(["bash", "-c", f'echo $$ > {group}/tasks && exec "$0" -', sys.executable],
+        result = subprocess.run(["bash", "-c", f'echo $$ > {group / procs} && exec "$0" -', sys.executable],
                                 input=script, capture_output=True, text=True, timeout=180, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         assert "torch threads: 1 (the cgroup's CPU quota: 1 CPU)" in result.stdout, result.stdout
