@@ -3,8 +3,9 @@
 torch's default is one thread per CPU of the process's affinity mask. A container started with
 a CPU quota (``docker run --cpus 2`` on a 64-core host) keeps all 64 in its mask, and 64 OpenMP
 threads that spin while they wait then share two CPUs' worth of time: each step stalls whenever
-the quota runs out. So the default is capped at the quota of the process's cgroup (engine/cpu_affinity.py's cgroup_cpu_limit; CFS bandwidth:
-``cpu.max`` in cgroup v2, ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` in v1), rounded up:
+the quota runs out. So the default is capped at the quota of the process's cgroup (CFS
+bandwidth, engine/cpu_affinity.py's cgroup_cpu_limit: ``cpu.max`` in cgroup v2,
+``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` in v1), rounded up:
 measured on 2 cores (Intel Xeon with AMX, 2026-12-05, the `shared-prefix` workload in-process,
 the worker in a cgroup v1 with a quota), a quota of 1 CPU ran 4.8-4.9 s with one thread and
 5.9-7.1 s with two; a quota of 1.5 CPUs 3.9-4.0 s with two threads and 4.9-5.0 s with one.
