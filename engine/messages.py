@@ -214,6 +214,7 @@ class WorkerReady:
     weights: str = ""  # their format and resident size, for the start-up line
     one_call_forward: bool = False  # decode steps run in one call (engine/models/one_call_forward.py)
     cuda_graphs: str = ""  # on a GPU: which decode steps replay CUDA graphs, or why none do
+    threads: str = ""  # "2 threads on CPUs 0-1": the worker's torch threads and where they may run
 
 
 @dataclass(frozen=True, slots=True)

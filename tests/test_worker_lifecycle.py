@@ -224,6 +224,7 @@ def test_a_worker_in_a_cgroup_with_a_one_cpu_quota_runs_one_thread(tiny_llama_di
                                 input=script, capture_output=True, text=True, timeout=180, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         assert "torch threads: 1 (the cgroup's CPU quota: 1 CPU)" in result.stdout, result.stdout
+        assert "worker ready: cpu (1 thread on CPUs " in result.stdout, result.stdout  # what the worker runs
         assert len(tokens_printed(result)) == 4
     finally:
         remove_cgroup(group)

@@ -130,8 +130,10 @@ class AsyncEngine:
             self._use_kv_cache(kv, kv_dtype)
         logger.info("starting the worker process")
         ready = await self.core.start(size_kv if from_memory else None)
-        logger.info("worker ready: %s, %s, %s, attention backend %s, %.2f GiB of KV cache%s%s; async scheduling %s",
-                    ready.device, ready.dtype, ready.weights, ready.attention_backend, ready.kv_cache_bytes / 1024**3,
+        threads = f" ({ready.threads})" if ready.threads and ready.device == "cpu" else ""
+        logger.info("worker ready: %s%s, %s, %s, attention backend %s, %.2f GiB of KV cache%s%s; async scheduling %s",
+                    ready.device, threads, ready.dtype, ready.weights, ready.attention_backend,
+                    ready.kv_cache_bytes / 1024**3,
                     f", model compiled in {ready.compile_seconds:.1f} s ({ready.compiled})" if ready.compile_seconds
                     else f", {ready.compiled}" if ready.compiled else "",
                     f", {ready.cuda_graphs}" if ready.cuda_graphs else "", "on" if self.core.async_scheduling else "off")

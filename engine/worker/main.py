@@ -24,7 +24,13 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from pagoda.engine.cpu_affinity import WORKER_CPUS_ENV, cgroup_cpu_limit, openmp_binds, take_worker_cpus
+from pagoda.engine.cpu_affinity import (
+    WORKER_CPUS_ENV,
+    cgroup_cpu_limit,
+    format_cpus,
+    openmp_binds,
+    take_worker_cpus,
+)
 
 
 def serve(conn: Connection, preloading: threading.Thread | None = None) -> None:
@@ -128,6 +134,15 @@ def build_runner(init, progress=None):
     return ModelRunner(init, progress)
 
 
+def describe_threads() -> str:
+    """"2 threads on CPUs 0-1": this worker's torch threads and the CPUs it may run on."""
+    import torch
+
+    threads = torch.get_num_threads()
+    where = f" on CPUs {format_cpus(frozenset(os.sched_getaffinity(0)))}" if hasattr(os, "sched_getaffinity") else ""
+    return f"{threads} thread{'' if threads == 1 else 's'}{where}"
+
+
 def ready_message(runner):
     from pagoda.engine.messages import WorkerReady
 
@@ -136,7 +151,7 @@ def ready_message(runner):
                        pid=os.getpid(), compile_seconds=runner.compile_seconds,
                        compiled=runner.compile_description,
                        weights=runner.weights_description, one_call_forward=runner.one_call_forward,
-                       cuda_graphs=runner.graphs_description)
+                       cuda_graphs=runner.graphs_description, threads=describe_threads())
 
 
 def lead(runner, receive, send) -> None:
