@@ -177,10 +177,17 @@ def usable_cpus() -> frozenset[int]:
     return frozenset(os.sched_getaffinity(0))
 
 
+def quota_threads(limit: float, sharers: int = 1) -> int:
+    """Threads for each of ``sharers`` workers under a CPU quota of ``limit`` CPUs: their share
+    of it rounded up (a quota of 1.5 CPUs ran faster with two threads than with one), at least
+    one."""
+    return max(1, math.ceil(limit / sharers))
+
+
 def threads_per_sharer(sharers: int) -> int:
     """Threads for each of ``sharers`` workers that share this process's CPUs (data-parallel
     replicas on the CPU, times their tensor-parallel ranks): the CPUs, or the cgroup's CPU quota
-    where it is less (rounded up), divided among them, at least one each."""
+    where it is less, divided among them, at least one each."""
     threads = max(1, len(usable_cpus()) // sharers)
     limit = cgroup_cpu_limit()
-    return threads if limit is None else min(threads, max(1, math.ceil(limit / sharers)))
+    return threads if limit is None else min(threads, quota_threads(limit, sharers))

@@ -13,8 +13,9 @@ the worker in a cgroup v1 with a quota), a quota of 1 CPU ran 4.8-4.9 s with one
 
 from __future__ import annotations
 
-import math
 import os
+
+from pagoda.engine.cpu_affinity import quota_threads
 
 
 def default_threads(world_size: int, device_type: str, limit: float | None, torch_default: int,
@@ -28,7 +29,7 @@ def default_threads(world_size: int, device_type: str, limit: float | None, torc
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = None if ranks == 1 else max(1, cpus if own_share else cpus // ranks)
     if limit is not None:
-        capped = max(1, math.ceil(limit / ranks))
+        capped = quota_threads(limit, ranks)
         if capped < (threads or torch_default):
             return capped, True
     return threads, False
