@@ -38,7 +38,7 @@ from pagoda.engine.models import quantized
 def _variants(args: argparse.Namespace, weights: dict[str, torch.Tensor]) -> dict:
     """name -> (pack a [N, K] weight, pack the [2I, K] gate/up weight, one layer's products).
 
-    Each layer is one compiled function, as in the model (engine/models/llama.py), so that
+    Each layer is one compiled function, as in the model (engine/models/decoder.py), so that
     SiLU(gate) * up is fused into one element-wise pass where it is not in the kernel and
     every variant pays the same per-call costs. ``weights``: one layer's, to calibrate "amx" on.
     """

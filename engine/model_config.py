@@ -14,13 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: ``architectures`` entries we can run, mapped to our architecture name.
+from pagoda.engine.families import BY_ARCHITECTURE, FAMILIES
+
+#: ``architectures`` entries we can run, mapped to our architecture name (engine/families).
 #: NOTE: the SmolLM / SmolLM2 checkpoints are ``LlamaForCausalLM``.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+SUPPORTED_ARCHITECTURES: dict[str, str] = {arch: family.name for arch, family in BY_ARCHITECTURE.items()}
 
 #: RoPE variants implemented by `engine.models.rope.compute_inv_freq`.
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -28,19 +26,18 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3
 # Types whose parameters need the pretraining context length.
 _ROPE_TYPES_WITH_ORIGINAL_MAX = ("llama3", "yarn")
 
-# Defaults of the transformers config classes for keys a config.json may omit.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
-
 
 @dataclass(slots=True)
 class ModelConfig:
     """Architecture hyperparameters of a supported decoder-only model.
 
     Attributes:
-        architecture: ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+        architecture: The family's name (engine/families: ``"llama"``, ``"qwen3"``,
+            ``"mixtral"``, ...).
         vocab_size: Rows of the embedding and LM head.
         hidden_size: Residual stream width.
-        intermediate_size: Width of the SwiGLU MLP.
+        intermediate_size: Width of the SwiGLU MLP (of the dense layers, in a
+            mixture-of-experts model).
         num_hidden_layers: Number of decoder layers.
         num_attention_heads: Query heads.
         num_key_value_heads: Key/value heads (grouped-query attention).
@@ -61,6 +58,13 @@ class ModelConfig:
         sliding_window: Sliding attention window, ``None`` when attention is
             global. NOTE: only set when the checkpoint really uses it (Mistral
             v0.1, Qwen2 with ``use_sliding_window``), so callers can reject it.
+        qk_norm: Whether each query and key head goes through an RMS norm of its
+            own (``q_norm``, ``k_norm``) before RoPE (Qwen3).
+        num_experts: Experts of each sparse layer's MLP; 0 for a dense model.
+        num_experts_per_tok: Experts each token is routed to (top k).
+        moe_intermediate_size: Width of each expert's SwiGLU MLP.
+        norm_topk_prob: Whether the top k routing weights are renormalized to sum to 1.
+        dense_mlp_layers: Layers of a mixture-of-experts model that keep a dense MLP.
     """
 
     architecture: str
@@ -80,12 +84,17 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_mlp_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES.values():
+        if self.architecture not in FAMILIES:
             raise ValueError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"expected one of {sorted(set(SUPPORTED_ARCHITECTURES.values()))}"
+                f"unsupported architecture {self.architecture!r}; expected one of {sorted(FAMILIES)}"
             )
         for name in (
             "vocab_size",
@@ -109,12 +118,27 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, "
+                                 f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(
                     f"unsupported rope_type {rope_type!r}; expected one of {SUPPORTED_ROPE_TYPES}"
                 )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layers' MLP is a mixture of experts."""
+        return self.num_experts > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     @property
     def rope_type(self) -> str:
@@ -169,6 +193,7 @@ class ModelConfig:
             ValueError: As for `from_dir`.
         """
         architecture = _architecture(raw, source)
+        family = FAMILIES[architecture]
         if raw.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=true is not supported")
         hidden_act = raw.get("hidden_act", "silu")
@@ -177,21 +202,14 @@ class ModelConfig:
 
         num_heads = int(raw["num_attention_heads"])
         hidden_size = int(raw["hidden_size"])
-        max_positions = int(
-            raw.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[architecture])
-        )
+        max_positions = int(raw.get("max_position_embeddings") or family.default_max_positions)
         rope_theta, rope_scaling = _rope(raw, max_positions, source)
-
-        if architecture == "qwen2":
-            # NOTE: Qwen2 always has q/k/v biases; its config has no key for it.
-            attention_bias = bool(raw.get("attention_bias", True))
-            sliding_window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
-        elif architecture == "mistral":
-            attention_bias = False
-            sliding_window = raw.get("sliding_window")
-        else:
-            attention_bias = bool(raw.get("attention_bias", False))
-            sliding_window = None
+        try:
+            extra = family.read_config(raw)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: a {architecture} config needs {exc}") from None
+        if extra.get("sliding_window") is not None:
+            extra["sliding_window"] = int(extra["sliding_window"])
 
         eos_ids: list[int] = []
         for value in (raw.get("eos_token_id"), (generation or {}).get("eos_token_id")):
@@ -216,10 +234,9 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
-            sliding_window=None if sliding_window is None else int(sliding_window),
+            **{"attention_bias": False, **extra},
         )
 
 
@@ -227,7 +244,7 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
     """Maps ``architectures`` / ``model_type`` to our architecture name."""
     architectures = raw.get("architectures") or []
     model_type = raw.get("model_type")
-    supported_types = sorted(set(SUPPORTED_ARCHITECTURES.values()))
+    supported_types = sorted(FAMILIES)
     if architectures:
         unknown = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
         if unknown:
@@ -257,6 +274,10 @@ def _rope(raw: dict[str, Any], max_positions: int, source: str) -> tuple[float, 
     if params and any(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"{source}: per-layer-type rope_parameters are not supported")
     scaling = dict(params or raw.get("rope_scaling") or {})
+    partial = scaling.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
+    if float(partial) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor {partial} (RoPE over part of each head) is not "
+                         "supported")
     theta = scaling.pop("rope_theta", None)
     if theta is None:
         theta = raw.get("rope_theta", 10000.0)

@@ -54,6 +54,16 @@ _ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
     "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 16}),
+    # NOTE: 4 experts, 2 a token, on both layers (decoder_sparse_step 1), renormalized as the
+    # Qwen3-MoE checkpoints people serve are.
+    "qwen3_moe": ("Qwen3MoeConfig", {"tie_word_embeddings": False, "head_dim": 16, "num_experts": 4,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "sliding_window": None}),
+    "phi3": ("Phi3Config", {"tie_word_embeddings": False, "sliding_window": None,
+                            "original_max_position_embeddings": 1024}),
 }
 
 # Files of a model directory that are not tokenizer files (besides weights).
@@ -73,7 +83,8 @@ def make_tiny_model_dir(
 
     Args:
         path: Output directory (created if needed).
-        arch: ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+        arch: A key of ``_ARCHS``: ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``,
+            ``"qwen3_moe"``, ``"mixtral"`` or ``"phi3"``.
         seed: Seed for the random weights; equal seeds give equal weights.
             Norm weights are ``1 + 0.1 * randn`` and biases ``0.02 * randn``
             (not transformers' 1 and 0) so that parity tests see them.

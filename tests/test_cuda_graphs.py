@@ -11,7 +11,7 @@ import torch
 from pagoda.attention_backends import AttentionMetadata, get_attention_backend
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_weights
-from pagoda.engine.models.llama import LlamaForCausalLM
+from pagoda.engine.models.decoder import DecoderForCausalLM
 from pagoda.engine.worker.cuda_graphs import DecodeGraphs, bucket_sizes
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_LEN = 4, 24, 64
@@ -30,7 +30,7 @@ def triton_model(tiny_llama_dir, triton_interpreter):
     config = ModelConfig.from_dir(tiny_llama_dir)
     backend = get_attention_backend("triton", torch.device("cpu"))(
         config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.head_dim**-0.5)
-    model = LlamaForCausalLM(config, backend, MAX_LEN).float()
+    model = DecoderForCausalLM(config, backend, MAX_LEN).float()
     model.load_weights(load_weights(tiny_llama_dir))
     shapes = backend.kv_cache_shapes(NUM_BLOCKS + 1, BLOCK_SIZE)  # + the scratch block
     caches = [tuple(torch.zeros(shape) for shape in shapes) for _ in range(config.num_hidden_layers)]

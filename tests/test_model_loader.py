@@ -203,7 +203,8 @@ def test_model_config_default_rope_parameters_is_none(tmp_path: Path) -> None:
     ("changes", "message"),
     [
         ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
-        ({"architectures": [], "model_type": "phi3"}, "phi3"),
+        ({"architectures": [], "model_type": "gpt_neox"}, "gpt_neox"),
+        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}}, "partial_rotary_factor"),
         ({"model_type": "qwen2"}, "does not match"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "gelu"),

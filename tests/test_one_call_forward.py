@@ -16,9 +16,9 @@ from pagoda.attention_backends import AttentionMetadata, cpu_kernels
 from pagoda.attention_backends.cpu_paged import CpuPagedAttentionBackend
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_weights
-from pagoda.engine.models import llama
+from pagoda.engine.models import decoder
 from pagoda.engine.models.linear import BLOCKED_LAYOUT, GateUpLinear, Linear, choose_packing, packing_available
-from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
+from pagoda.engine.models.decoder import DecoderForCausalLM, RotaryEmbedding
 from pagoda.engine.models.one_call_forward import ENV
 from pagoda.engine.models.quantized import quantize_int8
 from conftest import TINY_INIT
@@ -29,14 +29,14 @@ needs_vector = pytest.mark.skipif(not cpu_kernels.quant_linear_vector(),
 BLOCK_SIZE = 16
 
 
-def tiny_model(model_dir, weights: str, max_positions: int = 128) -> LlamaForCausalLM:
+def tiny_model(model_dir, weights: str, max_positions: int = 128) -> DecoderForCausalLM:
     """The tiny model in bfloat16 with every linear layer in int8 (``weights`` "int8") or
     bfloat16 packed for this CPU ("bf16"), built as the worker builds it."""
     config = ModelConfig.from_dir(model_dir)
     backend = CpuPagedAttentionBackend(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                        config.head_dim**-0.5)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions)
+        model = DecoderForCausalLM(config, backend, max_positions)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype))
     model.rotary = RotaryEmbedding(config, max_positions)
     model.load_weights(load_weights(model_dir))
@@ -72,7 +72,7 @@ def rounded_once(monkeypatch):
     """The eager model's RoPE and (quantized) SiLU-mul rounded to bfloat16 once, from float32
     sums, as the compiled regions' code and the one call round them (eager bfloat16 rounds
     after every op)."""
-    rope, gate_up = llama.apply_rope, GateUpLinear.forward
+    rope, gate_up = decoder.apply_rope, GateUpLinear.forward
 
     def rope_once(x, cos, sin):
         return rope(x.float(), cos.float(), sin.float()).to(x.dtype)
@@ -83,7 +83,7 @@ def rounded_once(monkeypatch):
         gate, up = Linear.forward(self, x).float().split(self.out_features // 2, dim=-1)
         return (F.silu(gate) * up).to(x.dtype)
 
-    monkeypatch.setattr(llama, "apply_rope", rope_once)
+    monkeypatch.setattr(decoder, "apply_rope", rope_once)
     monkeypatch.setattr(GateUpLinear, "forward", gate_up_once)
 
 
@@ -505,7 +505,7 @@ def test_not_taken_in_float32_with_onednn_products_or_batch_invariance(tiny_llam
 
 @torch.inference_mode()
 def test_greedy_tokens_are_the_first_largest_logits_of_the_quantized_lm_head(tiny_llama_dir):
-    """LlamaForCausalLM.greedy_tokens with the tied LM head in int8: each row's first largest
+    """DecoderForCausalLM.greedy_tokens with the tied LM head in int8: each row's first largest
     of compute_logits, with no logits written; with a bfloat16 head, None (the worker then
     takes the logits and the sampler)."""
     model = tiny_model(tiny_llama_dir, "int8")

@@ -30,7 +30,7 @@ def modules(seed: int) -> tuple[nn.Module, nn.Module]:
 
 @pytest.fixture(autouse=True)
 def floats_specialized():
-    """As the model compiles them (LlamaForCausalLM.compile_regions): LayerNorm's eps a constant."""
+    """As the model compiles them (DecoderForCausalLM.compile_regions): LayerNorm's eps a constant."""
     with torch._dynamo.config.patch(specialize_float=True):
         yield
 

@@ -268,7 +268,7 @@ def test_property_sampled_tokens_respect_filters(data, num_reqs, vocab):
 
 
 def test_bfloat16_ties_at_the_top_are_broken_by_the_float32_sums():
-    from pagoda.engine.models.llama import break_bfloat16_ties
+    from pagoda.engine.models.decoder import break_bfloat16_ties
 
     torch.manual_seed(0)
     vocab, size = 4000, 64

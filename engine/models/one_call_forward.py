@@ -37,8 +37,18 @@ from pagoda.engine.models.quantized import QUANT_PACKINGS
 ENV = "PAGODA_ONE_CALL_FORWARD"
 
 
+def architecture_reason(config) -> str | None:
+    """The part of a family's layers (ModelConfig) that the one call does not have, or None: such
+    a model runs its steps layer by layer, on the same matrix and attention kernels."""
+    if config.qk_norm:
+        return "per-head q/k norms"
+    if config.is_moe:
+        return "a mixture of experts"
+    return None
+
+
 def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
-    """Why ``model`` (a LlamaForCausalLM) cannot take the one-call path over ``kv_caches``, or None."""
+    """Why ``model`` (a DecoderForCausalLM) cannot take the one-call path over ``kv_caches``, or None."""
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
     if model.tp.is_parallel:

@@ -31,7 +31,7 @@ from pagoda.engine.model_loader import (compressed_tensors_config, default_cache
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
 from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
-from pagoda.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
+from pagoda.engine.models.decoder import DecoderForCausalLM, RotaryEmbedding
 from pagoda.engine.models.precompiled import WARM_UP_PREFILL_TOKENS, cache_key
 from pagoda.engine.models.quantized import GroupQuantized, quantize_int8, quantized_weights
 from pagoda.engine.platform import attention_shape, resolve_device, resolve_kv_cache_dtype
@@ -105,6 +105,9 @@ class ModelRunner:
             self.kv_cache_bytes += sum(k.nbytes + v.nbytes for k, v in self.draft_kv_caches)
         # Whole steps in one C call where the model allows (engine/models/one_call_forward.py).
         self.one_call_forward = self.model.prepare_one_call_forward(self.kv_caches)
+        if self.model.layer_by_layer_reason and self.device.type == "cpu":
+            progress(f"steps run layer by layer: the one-call forward has no {self.model.layer_by_layer_reason} "
+                     f"({model_config.architecture})")
         if self.draft is not None:
             self.draft.prepare_one_call_forward(self.draft_kv_caches)
         # NOTE: the engine's seed drives unseeded sampling, so a run is reproducible as a whole.
@@ -204,7 +207,7 @@ class ModelRunner:
                                    f"({len(graphs.sizes)} sizes, captured in {graphs.capture_seconds:.1f} s)")
 
     def _load_model(self, model_dir, model_config, backend_cls, init: WorkerInit,
-                    progress: Callable[[str], None]) -> tuple[LlamaForCausalLM, object]:
+                    progress: Callable[[str], None]) -> tuple[DecoderForCausalLM, object]:
         """Builds a model and its attention backend and loads (and packs) its weights."""
         config, tp = init.config, self.tp
         heads = head_share(model_config.num_attention_heads, model_config.num_key_value_heads, tp.rank,
@@ -216,7 +219,7 @@ class ModelRunner:
         # NOTE: built on the meta device so that no time goes into random init of weights
         # that the checkpoint overwrites anyway.
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, backend, init.max_model_len, tp)
+            model = DecoderForCausalLM(model_config, backend, init.max_model_len, tp)
         # NOTE: not to_empty(): empty_like() of a meta tensor imports sympy (0.3-0.8 s of a start).
         model = model._apply(lambda t: torch.empty(t.shape, device=self.device,
                                                    dtype=self.dtype if t.is_floating_point() else t.dtype))
@@ -244,7 +247,7 @@ class ModelRunner:
                     else ""))
         return model.eval(), backend
 
-    def _quantize(self, model: LlamaForCausalLM, model_dir, mode: str | None,
+    def _quantize(self, model: DecoderForCausalLM, model_dir, mode: str | None,
                   compressed: CompressedTensorsCheckpoint | None) -> str:
         """Quantizes the model's linear layers as ``mode`` says (model_loader.plan_quantization
         of EngineConfig.quantization); returns what was done, for the start-up line."""

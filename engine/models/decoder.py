@@ -1,4 +1,9 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flattened token batch.
+"""The decoder every model family is built from, over a flattened token batch.
+
+A family (engine/families) says which parts its layers take: q/k/v with or without bias, an
+RMS norm per query and key head (Qwen3), a gated MLP or a mixture of experts
+(engine/models/moe.py: Mixtral, Qwen3-MoE), RoPE and its scaling, a tied or untied head; and how
+its checkpoint names its tensors. Nothing here branches on a family's name.
 
 Every step runs all scheduled tokens of every request as one [num_tokens, hidden]
 batch: no padding, no loop over requests. Attention goes through the backend, which
@@ -33,12 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.attention_backends.base import AttentionBackend, AttentionMetadata
+from pagoda.engine.families import FAMILIES
 from pagoda.engine.tensor_parallel import even_split, head_share
 from pagoda.engine.worker.distributed import TensorParallelGroup
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.models import one_call_forward
 from pagoda.engine.models.linear import (BLOCKED_LAYOUT, QUANT_PACKINGS, GateUpLinear, Linear, amx_min_rows,
                                           greedy_linear, logits_linear, pack_weight, quant_tile_rows)
+from pagoda.engine.models.moe import RouterLinear, SparseMoE
 from pagoda.engine.models.precompiled import PrecompiledRegion
 from pagoda.engine.models.quantized import GroupQuantized
 from pagoda.engine.models.quantized import pack as pack_quantized
@@ -107,13 +114,18 @@ class Attention(nn.Module):
         # NOTE: q, k and v are one fused matrix product; weights are concatenated at load.
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        # Qwen3: an RMS norm over each query and key head, before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend = backend
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(-1, self.num_kv_heads, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -129,13 +141,21 @@ class MLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x))
 
 
+def sparse_moe(config: ModelConfig, tp: TensorParallelGroup) -> SparseMoE:
+    """A mixture-of-experts MLP with this rank's share of every expert."""
+    start, end = even_split(config.moe_intermediate_size, tp.rank, tp.world_size)
+    return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok, end - start,
+                     config.norm_topk_prob)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup,
+                 index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = sparse_moe(config, tp) if config.layer_is_moe(index) else MLP(config, tp)
         self.tp = tp
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -228,8 +248,8 @@ def break_bfloat16_ties(logits: torch.Tensor, hidden: torch.Tensor, weight: torc
     return logits
 
 
-class LlamaForCausalLM(nn.Module):
-    """The model. ``forward`` returns hidden states; ``compute_logits`` runs the LM head
+class DecoderForCausalLM(nn.Module):
+    """The model (of any family in engine/families). ``forward`` returns hidden states; ``compute_logits`` runs the LM head
     only on the rows that sample.
 
     Args:
@@ -245,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp = tp or TensorParallelGroup()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         if config.tie_word_embeddings:
@@ -262,6 +282,8 @@ class LlamaForCausalLM(nn.Module):
         # The one-call path of whole steps over the KV caches it was built for
         # (prepare_one_call_forward; None: not for this model).
         self._one_call: one_call_forward.OneCallForward | None = None
+        # The part of this family that the one call lacks (prepare_one_call_forward), if any.
+        self.layer_by_layer_reason: str | None = None
 
     def compile_regions(self, directory: Path | None = None) -> None:
         """Compiles the three regions with torch.compile (inductor, dynamic shapes), ahead of
@@ -304,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
         fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
         packings = []
         for name, module in self.named_modules():
-            if not isinstance(module, Linear):
+            if not isinstance(module, Linear) or isinstance(module, RouterLinear):
                 continue
             prefix, _, last = name.rpartition(".")
             parts = fused.get(last, (last,))
@@ -370,8 +392,10 @@ class LlamaForCausalLM(nn.Module):
     def prepare_one_call_forward(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Has steps over ``kv_caches`` run in one call where the model allows
         (engine/models/one_call_forward.py); returns whether they will. Call it again after the
-        weights change (loading, packing and quantizing undo it)."""
-        reason = one_call_forward.unsupported_reason(self, kv_caches)
+        weights change (loading, packing and quantizing undo it). Where the family has a part
+        the call lacks, :attr:`layer_by_layer_reason` says which."""
+        self.layer_by_layer_reason = one_call_forward.architecture_reason(self.config)
+        reason = self.layer_by_layer_reason or one_call_forward.unsupported_reason(self, kv_caches)
         if reason is not None:
             logger.debug("steps run layer by layer: %s", reason)
         self._one_call = None if reason is not None else one_call_forward.OneCallForward(self, kv_caches)
@@ -424,7 +448,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight if self._unpacked_lm_head is None else self._unpacked_lm_head
 
     def _share_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a checkpoint tensor (Hugging Face name, "model." stripped)."""
+        """This rank's slice of a checkpoint tensor (the decoder's name, "model." stripped)."""
         tp = self.tp
         if not tp.is_parallel:
             return tensor
@@ -442,13 +466,35 @@ class LlamaForCausalLM(nn.Module):
                 return tensor[:, share.q_start * dim : share.q_end * dim]
             return tensor[share.kv_start * dim : share.kv_end * dim]
         if kind in ("gate_proj", "up_proj", "down_proj"):
-            start, end = even_split(self.config.intermediate_size, tp.rank, tp.world_size)
+            width = self.config.moe_intermediate_size if ".experts." in name else self.config.intermediate_size
+            start, end = even_split(width, tp.rank, tp.world_size)
             return tensor[:, start:end] if kind == "down_proj" else tensor[start:end]
         return tensor
 
+    def _checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """The checkpoint's tensors under the decoder's names (the family's renames; fused ones
+        cut into their parts), "model." stripped, rotary tables and a tied head's copy left out."""
+        family = FAMILIES[self.config.architecture]
+        config = self.config
+        rows = {"q": config.num_attention_heads * config.head_dim, "kv": config.num_key_value_heads * config.head_dim,
+                "intermediate": config.intermediate_size}
+        for name, tensor in weights:
+            name = family.checkpoint_name(name.removeprefix("model."))
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue  # NOTE: tied: some checkpoints store the copy anyway
+            split = family.split_fused(name, rows)
+            if split is None:
+                yield name, tensor
+                continue
+            if tensor.shape[0] != sum(size for _, size in split):
+                raise ValueError(f"weight {name!r} has {tensor.shape[0]} rows, expected "
+                                 f"{' + '.join(str(size) for _, size in split)}")
+            yield from zip((part for part, _ in split), tensor.split([size for _, size in split]))
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads Hugging Face-named tensors, fusing q/k/v and gate/up as they come.
+        """Loads a checkpoint's tensors, fusing q/k/v and gate/up as they come and stacking each
+        layer's experts.
 
         Raises:
             ValueError: A tensor is missing, unexpected or of the wrong shape.
@@ -460,15 +506,18 @@ class LlamaForCausalLM(nn.Module):
         fused = {"q_proj": ("qkv_proj", 3), "k_proj": ("qkv_proj", 3), "v_proj": ("qkv_proj", 3),
                  "gate_proj": ("gate_up_proj", 2), "up_proj": ("gate_up_proj", 2)}
         order = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
-        for name, tensor in weights:
-            if name.startswith("model."):
-                name = name[len("model."):]
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: some checkpoints store the copy anyway
+        experts_seen: dict[str, set[tuple[int, str]]] = {}
+        for name, tensor in self._checkpoint_tensors(weights):
             tensor = self._share_of(name, tensor)
             parts = name.split(".")
+            if len(parts) == 7 and parts[3] == "experts" and parts[0] == "layers":  # layers.N.mlp.experts.E.part.weight
+                moe = self.layers[int(parts[1])].mlp
+                expert = int(parts[4])
+                if not isinstance(moe, SparseMoE) or expert >= moe.num_experts or parts[6] != "weight":
+                    raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+                moe.load_expert(expert, parts[5], tensor)
+                experts_seen.setdefault(".".join(parts[:3]), set()).add((expert, parts[5]))
+                continue
             if len(parts) >= 2 and parts[-2] in fused:
                 target, num_parts = fused[parts[-2]]
                 target_name = ".".join(parts[:-2] + [target, parts[-1]])
@@ -486,6 +535,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
             param.copy_(tensor)
             loaded.add(name)
+        for prefix, module in self.named_modules():
+            if isinstance(module, SparseMoE):
+                complete = len(experts_seen.get(prefix, ())) == 3 * module.num_experts
+                loaded.update({f"{prefix}.gate_up", f"{prefix}.down"} if complete else ())
         missing = sorted(set(params) - loaded)
         if pending or missing:
             raise ValueError(f"weights missing from the checkpoint: {', '.join(missing + sorted(pending))}")

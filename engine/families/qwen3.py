@@ -1,0 +1,37 @@
+"""Qwen3, dense and mixture-of-experts: the Llama block with an RMS norm over each query and key
+head before RoPE (q_norm, k_norm) and no q/k/v bias; Qwen3-MoE replaces the MLP of its sparse
+layers by a router over experts (softmax, top k, renormalized where ``norm_topk_prob``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda.engine.families.family import Family
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    return raw.get("sliding_window") if raw.get("use_sliding_window") else None
+
+
+def _qwen3(raw: dict[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": bool(raw.get("attention_bias", False)), "qk_norm": True,
+            "sliding_window": _sliding_window(raw)}
+
+
+def _qwen3_moe(raw: dict[str, Any]) -> dict[str, Any]:
+    num_layers = int(raw["num_hidden_layers"])
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    dense = set(raw.get("mlp_only_layers") or ())
+    # NOTE: transformers' rule: layer i is sparse when (i + 1) % step == 0 and it is not listed.
+    dense |= {i for i in range(num_layers) if (i + 1) % step}
+    return {**_qwen3(raw),
+            "num_experts": int(raw.get("num_experts") or raw.get("num_local_experts") or 0),
+            "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+            "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "dense_mlp_layers": tuple(sorted(dense))}
+
+
+QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), 32768, _qwen3, gguf_architecture="qwen3")
+QWEN3_MOE = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), 32768, _qwen3_moe, gguf_architecture="qwen3moe")
+FAMILIES = (QWEN3, QWEN3_MOE)

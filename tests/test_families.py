@@ -1,0 +1,122 @@
+"""Every model family against transformers on a small random-weight model of its architecture
+(built offline by transformers' own config and model classes): greedy output token for token in
+float32 under chunked prefill, prefix-cache hits, preemption and tensor parallelism; bfloat16
+prompt logprobs within the stated tolerance; the mixture-of-experts op against a token-by-token
+reference, with an expert that gets no token.
+
+Llama and Qwen2 have their own, older tests (test_llm_parity.py, test_distributed.py); a new
+family adds its name to FAMILIES here (docs/model-families.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda import LLM, SamplingParams
+from pagoda.engine.model_config import ModelConfig
+from helpers import GREEDY, NUM_NEW, hf_greedy, make_hf_model, make_tiny_model_dir
+
+FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "phi3"]
+
+# Two prompts share a 20-token prefix (five blocks of 4): the second finds it in the cache.
+PREFIX = [3000 + 11 * i for i in range(20)]
+PROMPTS = [PREFIX + [5, 6], PREFIX + [7], [9, 1200, 41, 7, 7, 300, 12, 5000, 77, 2], list(range(400, 430))]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(name, model directory, transformers model, the oracle's greedy tokens per prompt)."""
+    model_dir = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param, seed=3)
+    hf = make_hf_model(model_dir)
+    return request.param, model_dir, hf, [hf_greedy(hf, p, NUM_NEW) for p in PROMPTS]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_config_names_the_family(family):
+    name, model_dir, hf, _ = family
+    config = ModelConfig.from_dir(model_dir)
+    assert config.architecture == name
+    assert config.qk_norm == name.startswith("qwen3")
+    experts = getattr(hf.config, "num_experts", None) or getattr(hf.config, "num_local_experts", None) or 0
+    assert config.num_experts == experts and config.is_moe == (name in ("qwen3_moe", "mixtral"))
+
+
+def test_greedy_matches_transformers_chunked_with_prefix_hits_and_preemption(family):
+    name, model_dir, _, expected = family
+    # Chunks of 8 tokens in blocks of 4, and a pool that holds every prompt at admission but
+    # not the growth that follows: recompute preemption is forced.
+    num_blocks = sum(-(-len(p) // 4) for p in PROMPTS) - 2
+    with LLM(str(model_dir), dtype="float32", enforce_eager=True, block_size=4, max_num_batched_tokens=8,
+             num_kv_blocks=num_blocks, max_model_len=48, swap_space_bytes=0) as llm:
+        first = llm.generate(PROMPTS[:1], GREEDY)
+        outputs = llm.generate(PROMPTS[1:], GREEDY)
+        stats = llm.engine.scheduler.stats
+        assert stats.prefix_cache_hits >= len(PREFIX)
+        assert stats.num_preemptions > 0
+        kv = llm.engine.scheduler.kv_cache_manager
+        assert kv.get_num_free_blocks() == kv.num_blocks
+    assert token_ids(first + outputs) == expected
+
+
+# NOTE: two of the families: Mixtral's and Phi-3's layers compile to the same code as Qwen3-MoE's
+# and Llama's.
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"], indirect=True)
+def test_greedy_matches_transformers_compiled(family):
+    # The default path: the model's regions compiled (q/k norms inside them, the MoE op opaque
+    # to the compiler).
+    name, model_dir, _, expected = family
+    with LLM(str(model_dir), dtype="float32", max_model_len=64) as llm:
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+
+
+def test_tp2_matches_transformers(family):
+    name, model_dir, _, expected = family
+    with LLM(str(model_dir), dtype="float32", enforce_eager=True, tensor_parallel_size=2, max_model_len=64) as llm:
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+
+
+def test_bfloat16_prompt_logprobs_within_tolerance(family):
+    # As for Llama (test_prompt_scoring.py): against float32 transformers, within 1.5x the error
+    # of transformers' own bfloat16, never half a nat; the packed CPU kernels run where they can.
+    name, model_dir, hf, _ = family
+    prompt = PROMPTS[3]
+    with LLM(str(model_dir), dtype="bfloat16", enforce_eager=True, block_size=4, max_num_batched_tokens=8) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    positions, targets = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
+
+    def reference(model):
+        with torch.no_grad():
+            return model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)[positions, targets]
+
+    want = reference(hf)
+    theirs = reference(make_hf_model(model_dir).to(torch.bfloat16))
+    error = (torch.tensor([e.logprob for e in out.prompt_logprobs[1:]]) - want).abs()
+    assert error.max().item() < 0.5
+    assert error.mean().item() <= 1.5 * (theirs - want).abs().mean().item()
+
+
+def test_moe_experts_op_matches_a_token_by_token_reference():
+    from pagoda.engine.models.moe import moe_experts
+
+    torch.manual_seed(0)
+    tokens, hidden, intermediate, num_experts = 7, 32, 24, 5
+    x = torch.randn(tokens, hidden)
+    gate_up = torch.randn(num_experts, 2 * intermediate, hidden) / hidden**0.5
+    down = torch.randn(num_experts, hidden, intermediate) / intermediate**0.5
+    # Two experts a token; expert 3 gets none, expert 0 gets most.
+    experts = torch.tensor([[0, 1], [2, 0], [0, 4], [1, 2], [4, 0], [0, 2], [1, 4]])
+    weights = torch.rand(tokens, 2)
+    got = moe_experts(x, experts, weights, gate_up, down)
+    want = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(2):
+            e = int(experts[t, j])
+            gate, up = (gate_up[e] @ x[t]).split(intermediate)
+            want[t] += weights[t, j] * (down[e] @ (F.silu(gate) * up))
+    assert 3 not in experts
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
