@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pagoda.engine.families import BY_GGUF_ARCHITECTURE, Family
 from pagoda.engine.platform import resolve_dtype
 
 if TYPE_CHECKING:
@@ -48,13 +49,7 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUANTIZED_FILE = "gguf/blocks.safetensors"
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 # Bump when the converted layout changes so stale cache entries are ignored.
-_CONVERTER_VERSION = 3  # 2: the quantized blocks; 3: in gguf/
-
-# GGUF architecture -> (HF architecture, HF model_type).
-_GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-}
+_CONVERTER_VERSION = 4  # 2: the quantized blocks; 3: in gguf/; 4: the families' names
 
 _GGUF_TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -208,9 +203,10 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         if not name.startswith("tokenizer.ggml.") or name.endswith("_id")
     }
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-    config = _hf_config(fields, shapes, gguf_path)
+    family = _gguf_family(fields, gguf_path)
+    config = _hf_config(fields, shapes, gguf_path, family)
 
-    permute = config["model_type"] == "llama"
+    permute = family.gguf_permutes_qk
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, torch.Tensor] = {}
     types: dict[str, list] = {}
@@ -224,10 +220,14 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
     # NOTE: a bar on a terminal only (disable=None); logs get the stage lines around it.
     for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=None, leave=False):
-        name = _hf_tensor_name(tensor.name, gguf_path)
+        name = _hf_tensor_name(tensor.name, gguf_path, family)
         shape = shapes[tensor.name]
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        tensors[name] = unpermute(name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape)))
+        data = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
+                                         dtype=np.float32).reshape(shape))
+        if "{}" in name:  # a layer's experts stacked in one tensor: one tensor an expert
+            tensors.update((name.format(expert), part.contiguous()) for expert, part in enumerate(data.unbind(0)))
+            continue
+        tensors[name] = unpermute(name, data)
         if tensor.tensor_type.name not in FLOAT_GGUF_TYPES and len(shape) == 2:
             # NOTE: a quantized row's blocks cover its inputs only, so rows permute as the floats do.
             rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1))
@@ -272,29 +272,38 @@ def _unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def _hf_tensor_name(name: str, gguf_path: Path) -> str:
-    """Maps a GGUF tensor name (``blk.3.attn_q.weight``) to its HF name."""
+def _hf_tensor_name(name: str, gguf_path: Path, family: Family) -> str:
+    """Maps a GGUF tensor name (``blk.3.attn_q.weight``) to its HF name in ``family``'s
+    checkpoints ("{}" standing for the expert in a tensor of stacked experts)."""
     if name in _GGUF_TOP_LEVEL_NAMES:
         return _GGUF_TOP_LEVEL_NAMES[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    layer_names = {**_GGUF_LAYER_NAMES, **dict(family.gguf_names)}
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if name == "rope_freqs.weight":
         raise ValueError(f"{gguf_path}: per-dimension rope_freqs (llama3 RoPE) is not supported")
-    raise ValueError(f"{gguf_path}: unsupported GGUF tensor {name!r}")
+    raise ValueError(f"{gguf_path}: unsupported GGUF tensor {name!r} for the {family.name} family")
+
+
+def _gguf_family(fields: dict[str, Any], gguf_path: Path) -> Family:
+    """The family of a GGUF file, by its architecture and whether it has experts."""
+    arch = fields.get("general.architecture")
+    has_experts = bool(fields.get(f"{arch}.expert_count"))
+    family = BY_GGUF_ARCHITECTURE.get((arch, has_experts))
+    if family is None:
+        supported = sorted(f"{a}{' with experts' if moe else ''}" for a, moe in BY_GGUF_ARCHITECTURE)
+        raise ValueError(f"{gguf_path}: unsupported GGUF architecture {arch!r}"
+                         f"{' with experts' if has_experts else ''}; supported: {supported}")
+    return family
 
 
 def _hf_config(
-    fields: dict[str, Any], shapes: dict[str, tuple[int, ...]], gguf_path: Path
+    fields: dict[str, Any], shapes: dict[str, tuple[int, ...]], gguf_path: Path, family: Family
 ) -> dict[str, Any]:
     """Builds a Hugging Face ``config.json`` dict from GGUF metadata and tensor shapes."""
     arch = fields.get("general.architecture")
-    if arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{gguf_path}: unsupported GGUF architecture {arch!r}; "
-            f"supported: {sorted(_GGUF_ARCHITECTURES)}"
-        )
-    hf_arch, model_type = _GGUF_ARCHITECTURES[arch]
+    hf_arch, model_type = family.architectures[0], family.name
 
     def meta(key: str, default: Any = None) -> Any:
         value = fields.get(f"{arch}.{key}", default)
@@ -321,7 +330,8 @@ def _hf_config(
         "num_hidden_layers": num_blocks,
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(meta("attention.head_count_kv", num_heads)),
-        "head_dim": int(fields.get(f"{arch}.rope.dimension_count") or hidden // num_heads),
+        "head_dim": int(fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count")
+                        or hidden // num_heads),
         "hidden_act": "silu",
         # NOTE: GGUF stores float32; str() of the float32 gives back e.g. 1e-05.
         "rms_norm_eps": _round_f32(meta("attention.layer_norm_rms_epsilon")),
@@ -333,6 +343,13 @@ def _hf_config(
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
         "pad_token_id": fields.get("tokenizer.ggml.padding_token_id"),
     }
+    if family.moe:
+        config["num_local_experts"] = int(meta("expert_count"))
+        config["num_experts_per_tok"] = int(meta("expert_used_count"))
+        # NOTE: Mixtral's experts are as wide as its feed_forward_length; Qwen3-MoE's have a
+        # width of their own, and llama.cpp renormalizes their top k weights.
+        config["moe_intermediate_size"] = int(meta("expert_feed_forward_length", config["intermediate_size"]))
+        config["norm_topk_prob"] = True
     scaling_type = fields.get(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
         if scaling_type not in ("linear", "yarn"):

@@ -120,3 +120,19 @@ def test_moe_experts_op_matches_a_token_by_token_reference():
             want[t] += weights[t, j] * (down[e] @ (F.silu(gate) * up))
     assert 3 not in experts
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gguf_file_of_the_family_loads_and_matches(name, tmp_path):
+    # The file as llama.cpp's converter lays it out for the family, in float32: converted to a
+    # directory of the family's own checkpoint names (engine/model_loader.py), then loaded.
+    from helpers import GGUF_TEST_VOCAB_SIZE, write_gguf
+
+    model_dir = make_tiny_model_dir(tmp_path / "hf", name, seed=4, vocab_size=GGUF_TEST_VOCAB_SIZE)
+    prompts = [[3 + (5 * i + 7 * j) % 250 for j in range(6 + 11 * i)] for i in range(3)]
+    hf = make_hf_model(model_dir)
+    expected = [hf_greedy(hf, p, NUM_NEW) for p in prompts]
+    path = write_gguf(model_dir, tmp_path / f"{name}.gguf")
+    with LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=64) as llm:
+        assert llm.engine.model_config.architecture == name
+        assert token_ids(llm.generate(prompts, GREEDY)) == expected

@@ -17,8 +17,9 @@ FAMILIES: dict[str, Family] = {family.name: family for module in _MODULES for fa
 #: Hugging Face ``architectures`` entries -> family.
 BY_ARCHITECTURE: dict[str, Family] = {arch: family for family in FAMILIES.values()
                                       for arch in family.architectures}
-#: llama.cpp's ``general.architecture`` -> family, for the GGUF files Pagoda reads.
-BY_GGUF_ARCHITECTURE: dict[str, Family] = {family.gguf_architecture: family for family in FAMILIES.values()
-                                           if family.gguf_architecture}
+#: (llama.cpp's ``general.architecture``, whether the file has experts) -> family, for the GGUF
+#: files Pagoda reads.
+BY_GGUF_ARCHITECTURE: dict[tuple[str, bool], Family] = {(family.gguf_architecture, family.moe): family
+                                                        for family in FAMILIES.values() if family.gguf_architecture}
 
 __all__ = ["BY_ARCHITECTURE", "BY_GGUF_ARCHITECTURE", "FAMILIES", "Family"]

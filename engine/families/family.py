@@ -40,10 +40,15 @@ class Family:
         fused: Checkpoint tensors holding several of the decoder's parts along their first
             dimension (Phi-3's qkv_proj and gate_up_proj), with the config fields that give
             each part's rows.
+        moe: Whether its layers' MLPs are mixtures of experts (a GGUF file says so by its
+            ``<arch>.expert_count``: llama.cpp writes Mixtral as a "llama" file with experts).
         gguf_architecture: llama.cpp's ``general.architecture`` for this family's GGUF files,
             or None where Pagoda does not read them.
         gguf_permutes_qk: Whether llama.cpp's converter permuted q and k's rows (its Llama
             converter does, for the interleaved RoPE; Qwen's do not).
+        gguf_names: llama.cpp's names of a layer's tensors (``blk.N.<name>.weight``) -> this
+            family's Hugging Face names, where they differ from the Llama ones; "{}" in a name
+            stands for the expert (llama.cpp stacks a layer's experts in one 3-D tensor).
     """
 
     name: str
@@ -52,8 +57,10 @@ class Family:
     read_config: Callable[[dict[str, Any]], dict[str, Any]] = lambda raw: {}
     renames: tuple[tuple[str, str], ...] = ()
     fused: tuple[FusedTensor, ...] = ()
+    moe: bool = False
     gguf_architecture: str | None = None
     gguf_permutes_qk: bool = False
+    gguf_names: tuple[tuple[str, str], ...] = ()
 
     def checkpoint_name(self, name: str) -> str:
         """The decoder's name of a checkpoint tensor (``model.`` already stripped)."""

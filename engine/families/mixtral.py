@@ -18,7 +18,10 @@ def _mixtral(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 MIXTRAL = Family(
-    "mixtral", ("MixtralForCausalLM",), 4096 * 32, _mixtral,
+    "mixtral", ("MixtralForCausalLM",), 4096 * 32, _mixtral, moe=True, gguf_architecture="llama",
+    gguf_permutes_qk=True,
+    gguf_names=(("ffn_gate_inp", "block_sparse_moe.gate"), ("ffn_gate_exps", "block_sparse_moe.experts.{}.w1"),
+                ("ffn_up_exps", "block_sparse_moe.experts.{}.w3"), ("ffn_down_exps", "block_sparse_moe.experts.{}.w2")),
     renames=((r"\.block_sparse_moe\.", ".mlp."),
              (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
              (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),

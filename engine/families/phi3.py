@@ -14,7 +14,8 @@ def _phi3(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 PHI3 = Family(
-    "phi3", ("Phi3ForCausalLM",), 4096, _phi3,
+    "phi3", ("Phi3ForCausalLM",), 4096, _phi3, gguf_architecture="phi3",
+    gguf_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
     fused=(("self_attn.qkv_proj.weight", (("q_proj", "q"), ("k_proj", "kv"), ("v_proj", "kv"))),
            ("mlp.gate_up_proj.weight", (("gate_proj", "intermediate"), ("up_proj", "intermediate")))))
 FAMILIES = (PHI3,)

@@ -32,6 +32,11 @@ def _qwen3_moe(raw: dict[str, Any]) -> dict[str, Any]:
             "dense_mlp_layers": tuple(sorted(dense))}
 
 
-QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), 32768, _qwen3, gguf_architecture="qwen3")
-QWEN3_MOE = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), 32768, _qwen3_moe, gguf_architecture="qwen3moe")
+_QK_NORMS = (("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"))
+
+QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), 32768, _qwen3, gguf_architecture="qwen3", gguf_names=_QK_NORMS)
+QWEN3_MOE = Family(
+    "qwen3_moe", ("Qwen3MoeForCausalLM",), 32768, _qwen3_moe, moe=True, gguf_architecture="qwen3moe",
+    gguf_names=(*_QK_NORMS, ("ffn_gate_inp", "mlp.gate"), ("ffn_gate_exps", "mlp.experts.{}.gate_proj"),
+                ("ffn_up_exps", "mlp.experts.{}.up_proj"), ("ffn_down_exps", "mlp.experts.{}.down_proj")))
 FAMILIES = (QWEN3, QWEN3_MOE)
