@@ -12,6 +12,7 @@ def add_bench_parser(sub) -> None:
     from pagoda.benchmarks.linear import add_linear_bench_parser
     from pagoda.benchmarks.overhead import add_overhead_parser
     from pagoda.benchmarks.plugins import add_plugins_bench_parser
+    from pagoda.benchmarks.random_model import add_random_model_parser
     from pagoda.benchmarks.scoring import add_scoring_bench_parser
     from pagoda.benchmarks.serve import add_serve_bench_parser
     from pagoda.benchmarks.speculative import add_speculative_bench_parser
@@ -33,3 +34,4 @@ def add_bench_parser(sub) -> None:
     add_serve_bench_parser(bench_sub)
     add_speculative_bench_parser(bench_sub)
     add_step_time_bench_parser(bench_sub)
+    add_random_model_parser(bench_sub)

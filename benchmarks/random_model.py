@@ -1,0 +1,89 @@
+"""`pagoda bench random-model`: a random-weight model of a real shape, for measuring speed where
+the default model (135M parameters, inside these machines' L3 cache) says little.
+
+The model is built offline with transformers' own config and model classes, in bfloat16, with
+the default model's tokenizer (SmolLM2's vocabulary of 49,152 tokens, so any shape runs with
+the same prompts), and saved as a Hugging Face directory that Pagoda and vLLM both load:
+
+    pagoda bench random-model llama-1b --output /tmp/llama-1b
+    pagoda bench compare --model /tmp/llama-1b --peer vllm --vllm-python ... --workloads single,random
+
+Random weights give arbitrary tokens: the figures are for speed, not for output.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_VOCAB = 49152  # SmolLM2's, whose tokenizer the directory gets
+
+#: name -> (transformers config class, its fields, what the shape is).
+SHAPES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "llama-1b": ("LlamaConfig", dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, rope_theta=500000.0, tie_word_embeddings=True,
+        max_position_embeddings=8192, rms_norm_eps=1e-5),
+        "Llama-3.2-1B's shape (16 layers, 2048 wide, GQA 32/8), 1.07B parameters"),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=8,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1000000.0),
+        "Qwen3-30B-A3B's layer (2048 wide, 8 of the experts a token, each 768 wide, GQA 32/4) with 64 "
+        "experts and 8 layers instead of 128 and 48, 2.7B parameters (0.5B active a token)"),
+}
+
+
+def make_random_model(shape: str, output: Path, seed: int = 0) -> Path:
+    """Builds and saves the random-weight model ``shape`` (a key of SHAPES) in ``output``."""
+    import torch
+    import transformers
+
+    from pagoda.engine.model_loader import resolve_model
+
+    class_name, fields, _ = SHAPES[shape]
+    config = getattr(transformers, class_name)(vocab_size=_VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                                               **fields)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    logger.info("building %s with random weights (bfloat16)", shape)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    logger.info("%.2fB parameters in %.0f s; saving to %s", params / 1e9, time.perf_counter() - start, output)
+    output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(output))
+    tokenizer = resolve_model(None)
+    for file in tokenizer.iterdir():
+        if file.is_file() and file.name not in ("config.json", "generation_config.json") and \
+                ".safetensors" not in file.name:
+            shutil.copy2(file, output / file.name)
+    return output
+
+
+def run_random_model(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    output = Path(args.output)
+    if (output / "config.json").exists() and not args.force:
+        print(f"error: {output} already holds a model (--force replaces it)", file=sys.stderr)
+        return 2
+    make_random_model(args.shape, output, args.seed)
+    print(f"{output}: {SHAPES[args.shape][2]}")
+    return 0
+
+
+def add_random_model_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("random-model", help="save a random-weight model of a real shape (for speed "
+                                                  "measurements)",
+                             description="\n".join(f"{name}: {about}" for name, (_, _, about) in SHAPES.items()))
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("--output", required=True, help="the directory to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace a model already there")
+    p.set_defaults(func=run_random_model)
