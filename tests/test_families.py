@@ -136,3 +136,31 @@ def test_gguf_file_of_the_family_loads_and_matches(name, tmp_path):
     with LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=64) as llm:
         assert llm.engine.model_config.architecture == name
         assert token_ids(llm.generate(prompts, GREEDY)) == expected
+
+
+@pytest.mark.parametrize("packing", ["amx", "blocked"])
+def test_packed_experts_match_the_experts_as_loaded(packing):
+    # bfloat16 experts on Pagoda's packed kernel (as a CPU with AVX512-BF16 runs them) against
+    # torch's products on the same weights, with 1 row (decode) and 40 rows (the tiles' range).
+    from pagoda.engine.models.linear import packing_available
+    from pagoda.engine.models.moe import SparseMoE
+
+    if not packing_available(packing):
+        pytest.skip(f"this CPU has no {packing} kernel")
+    torch.manual_seed(1)
+    moe = SparseMoE(hidden_size=64, num_experts=6, top_k=2, intermediate_size=96, norm_topk_prob=True)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.3)
+        moe.gate_up.normal_(0, 64**-0.5)
+        moe.down.normal_(0, 96**-0.5)
+    moe = moe.to(torch.bfloat16)
+    for rows in (1, 40):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        experts, weights = moe.route(x)
+        want = torch.ops.pagoda.moe_experts(x, experts, weights, moe.gate_up, moe.down)
+        packed = SparseMoE(64, 6, 2, 96, True).to(torch.bfloat16)
+        packed.load_state_dict(moe.state_dict())
+        packed.pack(packing)
+        assert packed.packing == packing and packed.gate_up.shape != moe.gate_up.shape
+        got = packed(x)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

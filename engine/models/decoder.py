@@ -305,8 +305,8 @@ class DecoderForCausalLM(nn.Module):
         """What the compiled regions' code depends on beyond the sources and the CPU: the
         configuration, the dtype and each linear layer's packing (see precompiled.cache_key)."""
         return (self.config, self.embed_tokens.weight.dtype,
-                sorted({(type(m).__name__, m.packing, getattr(m, "amx_min_rows", None))
-                        for m in self.modules() if isinstance(m, Linear)}, key=repr))
+                sorted({(type(m).__name__, m.packing, getattr(m, "amx_min_rows", None), getattr(m, "tile_rows", None))
+                        for m in self.modules() if isinstance(m, (Linear, SparseMoE))}, key=repr))
 
     def quantize_weights(self, pick: Callable[[tuple[str, ...], torch.Tensor], GroupQuantized | None]) -> list[str]:
         """Quantizes the linear layers and the LM head that ``pick`` gives a weight for.
@@ -353,7 +353,9 @@ class DecoderForCausalLM(nn.Module):
             # NOTE: kept for break_bfloat16_ties (Pagoda's kernel gives float32 logits instead).
             self._unpacked_lm_head = self.lm_head.weight
         for module in self.modules():
-            if isinstance(module, Linear) and module.packing is None:
+            if isinstance(module, SparseMoE):
+                module.pack(packing, batch_invariant)
+            elif isinstance(module, Linear) and module.packing is None:
                 module.pack(packing, batch_invariant)
             elif isinstance(module, Linear) and packing == "amx" and not batch_invariant:
                 module.tile_quantized()

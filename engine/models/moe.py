@@ -9,8 +9,12 @@ for down); under tensor parallelism each rank holds every expert's share of the 
 width, so the layer's output is a partial sum that the decoder layer all-reduces as it does a
 dense MLP's.
 
-The grouped product is one opaque op, ``pagoda::moe_experts``, to torch.compile: its loop
-depends on the routing (data), which would break the compiled region's graph.
+The grouped product is one opaque op to torch.compile (its loop depends on the routing, data,
+which would break the compiled region's graph): ``pagoda::moe_experts`` with the experts as
+loaded (torch's products), ``pagoda::moe_experts_blocked`` with each expert packed for Pagoda's
+bfloat16 kernel (csrc/packed_linear.c: gate and up in one product with SiLU(gate) * up in its
+epilogue, on AMX tiles from the measured row count), as every other linear layer of the model is
+on a CPU with AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -19,10 +23,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.engine.models.linear import Linear
+from pagoda.attention_backends import cpu_kernels
+from pagoda.engine.models.linear import BLOCKED_LAYOUT, Linear, amx_min_rows
 
 _library = torch.library.Library("pagoda", "FRAGMENT")
 _library.define("moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down) -> Tensor")
+_library.define("moe_experts_blocked(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down, "
+                "int intermediate, int gate_up_tile_rows, int down_tile_rows) -> Tensor")
+
+
+def _grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_experts: int, expert) -> torch.Tensor:
+    """sum_j weights[t, j] * expert(e, x[rows of e]) over each token t's experts e = experts[t, j],
+    each expert that got tokens called once on all of its rows."""
+    out = torch.zeros_like(x)
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)  # NOTE: stable, so each expert's tokens stay in order
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one read-back a layer
+    tokens = order // k
+    pair_weights = weights.reshape(-1)[order].unsqueeze(1)
+    start = 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        rows = tokens[start:start + count]
+        out.index_add_(0, rows, expert(e, x.index_select(0, rows)) * pair_weights[start:start + count])
+        start += count
+    return out
 
 
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -36,31 +63,41 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
         gate_up: [num_experts, 2 * intermediate, hidden], gate's rows then up's.
         down: [num_experts, hidden, intermediate].
     """
-    out = torch.zeros_like(x)
-    k = experts.shape[1]
-    flat = experts.reshape(-1)
-    order = flat.argsort(stable=True)  # NOTE: stable, so each expert's tokens stay in order
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # one read-back a layer
-    tokens = order // k
-    pair_weights = weights.reshape(-1)[order].unsqueeze(1)
     intermediate = down.shape[2]
-    start = 0
-    for expert, count in enumerate(counts):
-        if not count:
-            continue
-        rows = tokens[start:start + count]
-        gate, up = F.linear(x.index_select(0, rows), gate_up[expert]).split(intermediate, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert])
-        out.index_add_(0, rows, y * pair_weights[start:start + count])
-        start += count
-    return out
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, gate_up[e]).split(intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, down[e])
+
+    return _grouped(x, experts, weights, gate_up.shape[0], expert)
+
+
+def moe_experts_blocked(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                        down: torch.Tensor, intermediate: int, gate_up_tile_rows: int,
+                        down_tile_rows: int) -> torch.Tensor:
+    """moe_experts with bfloat16 experts packed for csrc/packed_linear.c (SparseMoE.pack): ``gate_up``
+    [experts, ...] each from pack_silu_mul_weight, ``down`` [experts, ...] each from
+    pack_linear_weight; an expert's rows go on AMX tiles from ``*_tile_rows`` (0: never)."""
+    hidden = x.shape[1]
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        act = cpu_kernels.packed_silu_mul_linear(rows, gate_up[e], intermediate, gate_up_tile_rows)
+        return cpu_kernels.packed_linear(act, down[e], None, hidden, down_tile_rows)
+
+    return _grouped(x, experts, weights, gate_up.shape[0], expert)
 
 
 _library.impl("moe_experts", moe_experts, "CompositeExplicitAutograd")
+_library.impl("moe_experts_blocked", moe_experts_blocked, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pagoda::moe_experts")
 def _(x, experts, weights, gate_up, down):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("pagoda::moe_experts_blocked")
+def _(x, experts, weights, gate_up, down, intermediate, gate_up_tile_rows, down_tile_rows):
     return torch.empty_like(x)
 
 
@@ -89,6 +126,26 @@ class SparseMoE(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.intermediate_size = intermediate_size
+        self.packing: str | None = None  # "amx"/"blocked" once pack() ran: the packed experts
+        self.tile_rows = (0, 0)  # gate/up's and down's rows from which the tiles run
+
+    def pack(self, packing: str, batch_invariant: bool = False) -> None:
+        """Packs every expert for Pagoda's bfloat16 kernel where ``packing`` is one of its layouts
+        ("amx" measures where the tiles take over, as Linear.pack does); other packings keep the
+        experts as loaded. The router is a Linear, packed with the model's others."""
+        if packing not in BLOCKED_LAYOUT or self.packing is not None:
+            return
+        with torch.no_grad():
+            gate_up = torch.stack([cpu_kernels.pack_silu_mul_weight(w) for w in self.gate_up])
+            down = torch.stack([cpu_kernels.pack_linear_weight(w) for w in self.down])
+        self.gate_up = nn.Parameter(gate_up, requires_grad=False)
+        self.down = nn.Parameter(down, requires_grad=False)
+        self.packing = packing
+        if packing == "amx":
+            hidden = self.gate.in_features
+            self.tile_rows = (1, 1) if batch_invariant else (
+                amx_min_rows(gate_up[0], 2 * self.intermediate_size, fused_silu_mul=True),
+                amx_min_rows(down[0], hidden))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and routing weights ([tokens, k] each): a softmax over the router's
@@ -101,11 +158,14 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
+        if self.packing is not None:
+            return torch.ops.pagoda.moe_experts_blocked(x, experts, weights, self.gate_up, self.down,
+                                                        self.intermediate_size, *self.tile_rows)
         return torch.ops.pagoda.moe_experts(x, experts, weights, self.gate_up, self.down)
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """Copies one expert's ``gate_proj``, ``up_proj`` or ``down_proj`` weight (this rank's
-        share) into the stacked tensors."""
+        share) into the stacked tensors (before pack())."""
         size = self.intermediate_size
         if part == "down_proj":
             target = self.down[expert]
