@@ -1,7 +1,7 @@
 """The cpu_paged backend: attention by a CPU kernel that reads the KV blocks in place.
 
 Every query row of a step, prefill chunks and decodes alike, goes to the C kernel in
-csrc/paged_attention.c (built on first use for this CPU, see cpu_kernels.py): each
+native/csrc/paged_attention.c (built on first use for this CPU, see native/library.py): each
 request reads only its own blocks, with no gather into a padded copy, so one long request
 among short ones costs only its own length; a prefill chunk is cut into tiles of a few
 query tokens, and each tile reads its context once. The step's new keys and values are
@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.attention_backends import cpu_kernels
+from pagoda.native import library as kernel_library
+from pagoda.native import linear as linear_kernels
 from pagoda.attention_backends.base import FP8_DTYPES, AttentionMetadata, to_cache_dtype
 from pagoda.attention_backends.torch_sdpa import SdpaStepData, TorchSdpaAttentionBackend
 
@@ -71,7 +73,7 @@ CASCADE_MIN_TOKENS = _env_int("PAGODA_CASCADE_MIN_TOKENS")
 def cascade_by_torch_pays(amx_runs: bool) -> bool:
     """Whether the shared part of a cascade by torch's flash attention paid on CPUs like this
     one (measured: where the AMX tiles run, and on CPUs without AVX-512)."""
-    return amx_runs or "avx512f" not in cpu_kernels.cpu_flags().split()
+    return amx_runs or "avx512f" not in kernel_library.cpu_flags().split()
 
 
 def cascade_thresholds(shared_on: str | None, torch_pays: bool) -> tuple[int, int]:
@@ -264,8 +266,8 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         # ones (for float32 too); else the kernel and torch's flash attention.
         # NOTE: the tiles take head_dim 64 and 128 only; with others a step plans for the kernel.
         self.tiles = cpu_kernels.attention_tiles() if head_dim in (64, 128) else None
-        self.amx_tiles = cpu_kernels.available() and cpu_kernels.packed_linear_amx_available()
-        self.torch_cascade_pays = cpu_kernels.available() and cascade_by_torch_pays(self.amx_tiles)
+        self.amx_tiles = kernel_library.available() and linear_kernels.packed_linear_amx_available()
+        self.torch_cascade_pays = kernel_library.available() and cascade_by_torch_pays(self.amx_tiles)
 
     def tiles_for(self, dtype: torch.dtype) -> str | None:
         """The tiles that take prefill chunks and a cascade's shared part in ``dtype``, or None:
@@ -276,7 +278,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
-        return device.type == "cpu" and cpu_kernels.available()
+        return device.type == "cpu" and kernel_library.available()
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str:

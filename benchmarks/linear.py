@@ -6,11 +6,11 @@ packing this machine has:
 
 - ``onednn``: oneDNN's blocked layout and matrix products, the MLP's SiLU(gate) * up as an
   element-wise pass after the gate/up product;
-- ``blocked``: Pagoda's kernel (attention_backends/csrc/packed_linear.c) with AVX512-BF16,
+- ``blocked``: Pagoda's kernel (native/csrc/packed_linear.c) with AVX512-BF16,
   SiLU(gate) * up in the gate/up product's epilogue (what the model runs);
 - ``amx``: the same kernel and layout, on AMX tiles from the number of rows calibrated per
   shape (engine/models/linear.py: amx_min_rows; the calibration runs before the timing);
-- ``q8``, ``q4m``: the quantized kernel (attention_backends/csrc/quant_linear.c) on the
+- ``q8``, ``q4m``: the quantized kernel (native/csrc/quant_linear.c) on the
   weights quantized to int8 (``--quantization int8``) and to GGUF's Q4_1 (the default
   model's file), activations quantized per row; SiLU(gate) * up element-wise. Where AMX
   tiles run, from the calibrated number of rows on them (quant_amx_min_rows), the weight
@@ -30,7 +30,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention_backends import cpu_kernels
+from pagoda.native import library as kernel_library
+from pagoda.native import linear as linear_kernels
 from pagoda.engine.models import linear  # the packings, and the pagoda:: ops they run
 from pagoda.engine.models import quantized
 
@@ -66,7 +67,7 @@ def _variants(args: argparse.Namespace, weights: dict[str, torch.Tensor]) -> dic
     variants = {}
     for packing in filter(linear.packing_available, linear.PACKINGS):
         pack = functools.partial(linear.pack_weight, packing=packing)
-        pack_mlp = cpu_kernels.pack_silu_mul_weight if packing in linear.BLOCKED_LAYOUT else pack
+        pack_mlp = linear_kernels.pack_silu_mul_weight if packing in linear.BLOCKED_LAYOUT else pack
         rows = dict.fromkeys(out_features, 0)
         if packing == "amx":
             rows = {name: linear.amx_min_rows((pack_mlp if name == "gate_up" else pack)(w), out_features[name],
@@ -74,7 +75,7 @@ def _variants(args: argparse.Namespace, weights: dict[str, torch.Tensor]) -> dic
                     for name, w in weights.items()}
             print(f"amx: the tiles from {rows} rows")
         variants[packing] = (pack, pack_mlp, layer_of(packing, rows))
-    if cpu_kernels.available() and hidden % 32 == inter % 32 == 0:
+    if kernel_library.available() and hidden % 32 == inter % 32 == 0:
         # the quantized kernel (inputs in groups of 32): int8 from the weights, and Q4_1 as in a GGUF file
         for packing, quantize in (("q8", quantized.quantize_int8), ("q4m", _q4_1)):
             pack = functools.partial(_pack_quantized, quantize=quantize)

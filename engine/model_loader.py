@@ -541,15 +541,16 @@ def plan_quantization(quantization: str, model_dir: Path, device: torch.device,
 
 def _quantized_kernel_problem(device: torch.device, tensor_parallel_size: int) -> str | None:
     """Why the quantized kernel (csrc/quant_linear.c) cannot run here; None where it can."""
-    from pagoda.attention_backends import cpu_kernels
+    from pagoda.native import library as kernel_library
+    from pagoda.native import linear as linear_kernels
 
     if device.type != "cpu":
         return f"the quantized kernel runs on the CPU, this is {device}"
     if tensor_parallel_size > 1:
         return "it does not run under tensor parallelism yet"
-    if not cpu_kernels.available():
+    if not kernel_library.available():
         return "Pagoda's CPU kernels could not be built here (a C compiler; see the log)"
-    if not cpu_kernels.quant_linear_vector():
+    if not linear_kernels.quant_linear_vector():
         return ("neither AVX512-VNNI nor AVX2: the quantized kernel is a plain loop there, many times slower "
                 "than the float kernels")
     return None

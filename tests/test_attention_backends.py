@@ -34,8 +34,9 @@ def test_unknown_backend_lists_the_known_ones():
 
 def test_loading_the_cpu_kernels_keeps_subnormal_floats():
     from pagoda.attention_backends import cpu_kernels
+    from pagoda.native import library as kernel_library
 
-    if not cpu_kernels.available():
+    if not kernel_library.available():
         pytest.skip("no C compiler for the CPU kernels")
     # NOTE: a library linked with -ffast-math turns on flush-to-zero for the whole process.
     assert (torch.tensor(1e-40, dtype=torch.float32) * 1).item() != 0.0
@@ -46,8 +47,9 @@ def test_cpu_kv_write_reads_keys_and_values_in_place_from_the_qkv_product(dtype)
     """Keys and values as views of a qkv product's rows (tokens qkv_size apart) land in their
     slots as contiguous copies would, a negative slot is skipped, and nothing else is written."""
     from pagoda.attention_backends import cpu_kernels
+    from pagoda.native import library as kernel_library
 
-    if not cpu_kernels.available():
+    if not kernel_library.available():
         pytest.skip("no C compiler for the CPU kernels")
     tokens, kv_heads, head_dim, block_size, q_size = 7, 3, 16, 4, 96
     qkv = torch.randn(tokens, q_size + 2 * kv_heads * head_dim).to(dtype)
@@ -72,8 +74,9 @@ def test_cpu_kv_write_reads_keys_and_values_in_place_from_the_qkv_product(dtype)
 
 def test_auto_picks_the_cpu_kernel_backend_on_the_cpu():
     from pagoda.attention_backends import cpu_kernels
+    from pagoda.native import library as kernel_library
 
-    expected = "cpu_paged" if cpu_kernels.available() else "torch_sdpa"
+    expected = "cpu_paged" if kernel_library.available() else "torch_sdpa"
     assert get_attention_backend("auto", torch.device("cpu")).name == expected
 
 
@@ -275,6 +278,7 @@ def test_selection_checks_the_models_dtype_head_size_and_group(monkeypatch):
 def _tile_kinds() -> list[tuple[str, torch.dtype]]:
     """Each kind of tiles that runs here with bfloat16, and the float32 tiles with float32."""
     from pagoda.attention_backends import cpu_kernels
+    from pagoda.native import library as kernel_library
 
     kinds = cpu_kernels.attention_tile_kinds()
     return ([(kind, torch.bfloat16) for kind in kinds] + [("avx2", torch.float32)] * ("avx2" in kinds)
@@ -292,6 +296,7 @@ def test_prefill_on_tiles_matches_naive(monkeypatch, tiles, dtype, block_size, g
     # tiles. Each kind of tiles that runs here (AMX, AVX512-BF16 vectors, AVX2's float32; those
     # in float32 too).
     from pagoda.attention_backends import cpu_kernels, cpu_paged
+    from pagoda.native import library as kernel_library
 
     monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: tiles)
     monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", min_tokens)
@@ -309,11 +314,12 @@ def kernel_built_for(source: str, march: str, directory, *defines: str):
     import subprocess
 
     from pagoda.attention_backends import cpu_kernels
+    from pagoda.native import library as kernel_library
 
     target = directory / f"{source}-{march}-{len(defines)}.so"
-    flags = [flag for flag in cpu_kernels._flags() if not flag.startswith("-march=")]
-    subprocess.run([cpu_kernels._compiler(), f"-march={march}", *flags, *(f"-D{d}" for d in defines),
-                    f"-I{cpu_kernels._CSRC}", "-o", str(target), str(cpu_kernels._CSRC / source), "-lm"], check=True,
+    flags = [flag for flag in kernel_library._flags() if not flag.startswith("-march=")]
+    subprocess.run([kernel_library._compiler(), f"-march={march}", *flags, *(f"-D{d}" for d in defines),
+                    f"-I{kernel_library._CSRC}", "-o", str(target), str(kernel_library._CSRC / source), "-lm"], check=True,
                    capture_output=True, timeout=300)
     return ctypes.CDLL(str(target))
 
@@ -338,8 +344,9 @@ def test_avx2_and_portable_builds_of_the_paged_kernel_match_this_ones(tmp_path, 
     sizes 16 and 32, 3 query heads per KV head, a float32, a bfloat16 and an fp8 cache, scores
     spread wide enough that exp sees large negative inputs."""
     from pagoda.attention_backends import cpu_kernels
+    from pagoda.native import library as kernel_library
 
-    if not cpu_kernels.available():
+    if not kernel_library.available():
         pytest.skip("the CPU kernels cannot be built here")
     lib = paged_kernel_for(march, tmp_path)
     gen = torch.Generator().manual_seed(7)
@@ -399,11 +406,12 @@ def test_avx2_and_portable_builds_of_the_tiles(tmp_path, march, budget, dtype):
     import ctypes
 
     from pagoda.attention_backends import cpu_kernels
+    from pagoda.native import library as kernel_library
 
     if "avx2" not in cpu_kernels.attention_tile_kinds():
         pytest.skip("this CPU runs no AVX2 build")
     lib = kernel_built_for("tile_attention.c", march, tmp_path, *([f"PACK_BUDGET={budget}"] if budget else []))
-    native, suffix = cpu_kernels.load(), {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+    native, suffix = kernel_library.load(), {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
     prefill, shared = getattr(lib, f"prefill_attention_{suffix}"), getattr(lib, f"shared_prefix_attention_{suffix}")
     for fn, name in ((prefill, "prefill_attention_bf16"), (shared, "shared_prefix_attention_bf16")):
         fn.argtypes, fn.restype = getattr(native, name).argtypes, ctypes.c_int

@@ -58,13 +58,14 @@ def test_compare_workloads_draw_fresh_prompts_of_their_shape():
 
 def test_linear_bench_times_every_packing_this_machine_has(capsys):
     from pagoda.attention_backends import cpu_kernels
+    from pagoda.native import library as kernel_library
     from pagoda.engine.models import linear
 
     status = main(["bench", "linear", "--rows", "1,7", "--layers", "2", "--repeats", "1", "--hidden-size", "64",
                    "--intermediate-size", "96", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8"])
     out = capsys.readouterr().out
     available = {packing for packing in linear.PACKINGS if linear.packing_available(packing)}
-    if cpu_kernels.available():
+    if kernel_library.available():
         available |= {"q8", "q4m"}
     if not available:  # no C compiler and no bfloat16 kernels: nothing to time, and it says so
         assert status == 1 and "no packing is available" in out
@@ -125,8 +126,9 @@ def test_kv_cache_dtype_bench_times_each_cache_dtype(capsys):
 
 def test_cascade_bench_times_the_kernel_against_the_cascade(capsys):
     from pagoda.attention_backends import cpu_kernels, cpu_paged
+    from pagoda.native import library as kernel_library
 
-    if not cpu_kernels.available():
+    if not kernel_library.available():
         pytest.skip("no C compiler for the CPU kernels")
     thresholds = cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS
     assert main(["bench", "cascade", "--cases", "2x32,9x256", "--own", "8", "--layers", "2", "--repeats", "1"]) == 0

@@ -10,10 +10,11 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.attention_backends import cpu_kernels, cpu_paged
+from pagoda.native import library as kernel_library
 from pagoda.attention_backends.base import AttentionMetadata
 from helpers import run_step
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs the CPU kernels (a C compiler)")
+pytestmark = pytest.mark.skipif(not kernel_library.available(), reason="needs the CPU kernels (a C compiler)")
 
 
 @pytest.fixture
@@ -229,10 +230,10 @@ def test_a_step_takes_the_cascade_only_past_its_thresholds():
 
 
 def test_the_cascade_by_torch_pays_with_amx_and_on_cpus_without_avx512(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : fpu sse2 avx2 fma f16c avx512f avx512bw\n")
+    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: "flags : fpu sse2 avx2 fma f16c avx512f avx512bw\n")
     assert cpu_paged.cascade_by_torch_pays(amx_runs=True)
     assert not cpu_paged.cascade_by_torch_pays(amx_runs=False)  # AMD Zen 5: lost
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : fpu sse2 avx2 fma f16c\n")
+    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: "flags : fpu sse2 avx2 fma f16c\n")
     assert cpu_paged.cascade_by_torch_pays(amx_runs=False)  # AVX2 only (AMD Zen 3): paid
 
 

@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from pagoda import LLM, SamplingParams
-from pagoda.attention_backends import cpu_kernels
+from pagoda.native import linear as linear_kernels
 from pagoda.engine.model_loader import check_compressed_tensors_scheme as check_scheme
 from pagoda.engine.model_loader import plan_quantization
 from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
 from helpers import LINEARS, compress, hf_dequantized, hf_greedy, scheme
 
 PROMPTS = [[1, 5, 9, 2, 7, 11, 4], [3, 3, 8], [20, 40, 60, 80, 100, 120]]
-needs_vector = pytest.mark.skipif(not cpu_kernels.quant_linear_vector(),
+needs_vector = pytest.mark.skipif(not linear_kernels.quant_linear_vector(),
                                   reason="needs the quantized kernel's vector path (AVX512-VNNI or AVX2)")
 
 
@@ -129,7 +129,7 @@ def test_where_the_kernel_cannot_run_the_weights_are_dequantized(compressed_dir)
     assert plan_quantization("auto", compressed_dir, cpu, tensor_parallel_size=2) is None
     with pytest.raises(ValueError, match="int8 cannot run here: the quantized kernel runs on the CPU"):
         plan_quantization("int8", compressed_dir, torch.device("cuda"))
-    if cpu_kernels.quant_linear_vector():  # AMX machines too: their products of many rows run on the tiles
+    if linear_kernels.quant_linear_vector():  # AMX machines too: their products of many rows run on the tiles
         assert plan_quantization("auto", compressed_dir, cpu) == "compressed-tensors"
-    if cpu_kernels.quant_linear_vector():
+    if linear_kernels.quant_linear_vector():
         assert plan_quantization("int8", compressed_dir, cpu) == "compressed-tensors"

@@ -1,20 +1,21 @@
-"""The bfloat16 linear layer's CPU kernel (attention_backends/csrc/packed_linear.c) and the
+"""The bfloat16 linear layer's CPU kernel (native/csrc/packed_linear.c) and the
 choice of weight packing (engine/models/linear.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention_backends import cpu_kernels
+from pagoda.native import library as kernel_library
+from pagoda.native import linear as linear_kernels
 from pagoda import LLM, SamplingParams
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import PACKING_ENV, GateUpLinear, Linear, choose_packing
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.packed_linear_available(),
+needs_kernel = pytest.mark.skipif(not linear_kernels.packed_linear_available(),
                                   reason="needs the CPU kernels and a CPU with AVX512-BF16")
 # NOTE: the AMX path runs where a tile product ran (Intel Xeon from Sapphire Rapids); on
 # AMD Zen these tests skip and the AVX512 path's tests above cover the kernel.
-needs_amx = pytest.mark.skipif(not cpu_kernels.packed_linear_amx_available(),
+needs_amx = pytest.mark.skipif(not linear_kernels.packed_linear_amx_available(),
                                reason="needs a CPU whose AMX tiles run")
 
 
@@ -35,7 +36,7 @@ def test_packed_linear_matches_float32_within_rounding(out_features, in_features
     weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
-    out = cpu_kernels.packed_linear(x, cpu_kernels.pack_linear_weight(weight), bias, out_features)
+    out = linear_kernels.packed_linear(x, linear_kernels.pack_linear_weight(weight), bias, out_features)
     expected, bound = reference(x, weight, bias)
     assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
     assert ((out.float() - expected).abs() <= bound).all()
@@ -46,9 +47,9 @@ def test_packed_linear_reads_strided_rows():
     weight = torch.randn(96, 40).to(torch.bfloat16)
     wide = torch.randn(9, 70).to(torch.bfloat16)
     x = wide[:, 10:50]  # rows 70 apart
-    packed = cpu_kernels.pack_linear_weight(weight)
-    assert torch.equal(cpu_kernels.packed_linear(x, packed, None, 96),
-                       cpu_kernels.packed_linear(x.contiguous(), packed, None, 96))
+    packed = linear_kernels.pack_linear_weight(weight)
+    assert torch.equal(linear_kernels.packed_linear(x, packed, None, 96),
+                       linear_kernels.packed_linear(x.contiguous(), packed, None, 96))
 
 
 @needs_kernel
@@ -56,10 +57,10 @@ def test_a_rows_result_does_not_depend_on_its_batch():
     # Every output is one sequential sum over K, whatever the batch size or thread split.
     weight = torch.randn(3072, 576).to(torch.bfloat16)
     x = torch.randn(29, 576).to(torch.bfloat16)
-    packed = cpu_kernels.pack_linear_weight(weight)
-    batched = cpu_kernels.packed_linear(x, packed, None, 3072)
+    packed = linear_kernels.pack_linear_weight(weight)
+    batched = linear_kernels.packed_linear(x, packed, None, 3072)
     for i in (0, 5, 6, 28):
-        assert torch.equal(cpu_kernels.packed_linear(x[i : i + 1], packed, None, 3072), batched[i : i + 1])
+        assert torch.equal(linear_kernels.packed_linear(x[i : i + 1], packed, None, 3072), batched[i : i + 1])
 
 
 @needs_kernel
@@ -81,7 +82,7 @@ def test_packing_choice_and_its_override(monkeypatch):
     assert choose_packing(torch.device("cuda"), torch.bfloat16) is None
     automatic = choose_packing(cpu, torch.bfloat16)
     assert automatic in ("amx", "blocked", "onednn", None)
-    if cpu_kernels.packed_linear_available() and " amx_bf16" not in cpu_kernels.cpu_flags():
+    if linear_kernels.packed_linear_available() and " amx_bf16" not in kernel_library.cpu_flags():
         assert automatic == "blocked"
     monkeypatch.setenv(PACKING_ENV, "none")
     assert choose_packing(cpu, torch.bfloat16) is None
@@ -89,7 +90,7 @@ def test_packing_choice_and_its_override(monkeypatch):
     with pytest.raises(ValueError, match="amx, blocked, onednn or none"):
         choose_packing(cpu, torch.bfloat16)
     monkeypatch.setenv(PACKING_ENV, "amx")
-    if cpu_kernels.packed_linear_amx_available():
+    if linear_kernels.packed_linear_amx_available():
         assert choose_packing(cpu, torch.bfloat16) == "amx"
     else:
         with pytest.raises(ValueError, match="not available"):
@@ -99,10 +100,10 @@ def test_packing_choice_and_its_override(monkeypatch):
 def test_the_tiles_are_chosen_where_they_run_and_never_for_batch_invariance(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(PACKING_ENV, raising=False)
-    if cpu_kernels.packed_linear_amx_available():
+    if linear_kernels.packed_linear_amx_available():
         assert choose_packing(cpu, torch.bfloat16) == "amx"
-    if cpu_kernels.packed_linear_available():
-        invariant = "amx" if cpu_kernels.packed_linear_amx_available() else "blocked"
+    if linear_kernels.packed_linear_available():
+        invariant = "amx" if linear_kernels.packed_linear_amx_available() else "blocked"
         assert choose_packing(cpu, torch.bfloat16, batch_invariant=True) == invariant
         monkeypatch.setenv(PACKING_ENV, "onednn")  # not invariant: not taken
         assert choose_packing(cpu, torch.bfloat16, batch_invariant=True) == invariant
@@ -121,7 +122,7 @@ def test_bfloat16_generation_with_the_kernel_matches_unpacked_weights(tiny_qwen2
     prompts = [[3, 17, 99, 5, 42, 8], [7, 7, 300, 12]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = {}
-    packings = ["blocked", "none"] + (["amx"] if cpu_kernels.packed_linear_amx_available() else [])
+    packings = ["blocked", "none"] + (["amx"] if linear_kernels.packed_linear_amx_available() else [])
     for packing in packings:
         monkeypatch.setenv(PACKING_ENV, packing)
         with LLM(str(tiny_qwen2_dir), dtype="bfloat16", max_model_len=64, num_kv_blocks=32,
@@ -137,10 +138,10 @@ def test_fused_silu_mul_matches_the_product_then_torch_silu_mul(intermediate, in
     gen = torch.Generator().manual_seed(rows * 1000 + intermediate + in_features)
     weight = torch.randn(2 * intermediate, in_features, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    out = cpu_kernels.packed_silu_mul_linear(x, cpu_kernels.pack_silu_mul_weight(weight), intermediate)
+    out = linear_kernels.packed_silu_mul_linear(x, linear_kernels.pack_silu_mul_weight(weight), intermediate)
     # The same products by the plain kernel (the same sums over K, rounded the same), then
     # torch's bfloat16 SiLU and product: only exp's last float32 bit may differ.
-    gate, up = cpu_kernels.packed_linear(x, cpu_kernels.pack_linear_weight(weight), None,
+    gate, up = linear_kernels.packed_linear(x, linear_kernels.pack_linear_weight(weight), None,
                                          2 * intermediate).split(intermediate, dim=-1)
     expected = (F.silu(gate) * up).float()
     assert out.shape == (rows, intermediate) and out.dtype == torch.bfloat16
@@ -155,7 +156,7 @@ def test_fused_silu_mul_keeps_nan_and_saturates():
     x = torch.zeros(2, 64)
     x[0, 0] = float("nan")  # poisons every sum of its row
     x[1, :4] = torch.tensor([200.0, -200.0, 0.0, 1.0])
-    out = cpu_kernels.packed_silu_mul_linear(x.to(torch.bfloat16), cpu_kernels.pack_silu_mul_weight(weight),
+    out = linear_kernels.packed_silu_mul_linear(x.to(torch.bfloat16), linear_kernels.pack_silu_mul_weight(weight),
                                              64).float()
     assert out[0].isnan().all()
     assert out[1, 0] == torch.tensor(200.0 * 200.0).to(torch.bfloat16).float()  # SiLU(200) = 200
@@ -189,7 +190,7 @@ def test_amx_path_matches_float32_within_rounding(out_features, in_features, row
     weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
-    out = cpu_kernels.packed_linear(x, cpu_kernels.pack_linear_weight(weight), bias, out_features, amx_min_rows=1)
+    out = linear_kernels.packed_linear(x, linear_kernels.pack_linear_weight(weight), bias, out_features, amx_min_rows=1)
     expected, bound = reference(x, weight, bias)
     assert out.shape == (rows, out_features)
     assert ((out.float() - expected).abs() <= bound).all()
@@ -202,10 +203,10 @@ def test_amx_path_reads_strided_rows_and_leaves_other_k_to_the_vectors(in_featur
     weight = torch.randn(96, in_features).to(torch.bfloat16)
     wide = torch.randn(40, 130).to(torch.bfloat16)
     x = wide[:, 10 : 10 + in_features]
-    packed = cpu_kernels.pack_linear_weight(weight)
-    tiles = cpu_kernels.packed_linear(x, packed, None, 96, amx_min_rows=1)
-    assert torch.equal(tiles, cpu_kernels.packed_linear(x.contiguous(), packed, None, 96, amx_min_rows=1))
-    vectors = cpu_kernels.packed_linear(x, packed, None, 96)
+    packed = linear_kernels.pack_linear_weight(weight)
+    tiles = linear_kernels.packed_linear(x, packed, None, 96, amx_min_rows=1)
+    assert torch.equal(tiles, linear_kernels.packed_linear(x.contiguous(), packed, None, 96, amx_min_rows=1))
+    vectors = linear_kernels.packed_linear(x, packed, None, 96)
     if in_features % 32:
         assert torch.equal(tiles, vectors)
     torch.testing.assert_close(tiles.float(), vectors.float(), rtol=2**-7, atol=1e-2)
@@ -218,9 +219,9 @@ def test_amx_fused_silu_mul_matches_the_amx_product_then_torch_silu_mul(intermed
     gen = torch.Generator().manual_seed(rows * 1000 + intermediate + in_features)
     weight = torch.randn(2 * intermediate, in_features, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    out = cpu_kernels.packed_silu_mul_linear(x, cpu_kernels.pack_silu_mul_weight(weight), intermediate,
+    out = linear_kernels.packed_silu_mul_linear(x, linear_kernels.pack_silu_mul_weight(weight), intermediate,
                                              amx_min_rows=1)
-    gate, up = cpu_kernels.packed_linear(x, cpu_kernels.pack_linear_weight(weight), None, 2 * intermediate,
+    gate, up = linear_kernels.packed_linear(x, linear_kernels.pack_linear_weight(weight), None, 2 * intermediate,
                                          amx_min_rows=1).split(intermediate, dim=-1)
     expected = (F.silu(gate) * up).float()
     assert ((out.float() - expected).abs() <= expected.abs() * 2.0**-7).all()
@@ -233,14 +234,14 @@ def test_on_the_tiles_a_rows_result_does_not_depend_on_its_batch():
     # products over K in 16-row tiles or 32-row blocks, whatever rows share them.
     weight = torch.randn(3072, 576).to(torch.bfloat16)
     x = torch.randn(140, 576).to(torch.bfloat16)  # 32-row blocks (2 x 2 tiles) at this size
-    packed = cpu_kernels.pack_linear_weight(weight)
-    fused = cpu_kernels.pack_silu_mul_weight(weight)
-    batched = cpu_kernels.packed_linear(x, packed, None, 3072, amx_min_rows=1)
-    batched_mlp = cpu_kernels.packed_silu_mul_linear(x, fused, 1536, amx_min_rows=1)
+    packed = linear_kernels.pack_linear_weight(weight)
+    fused = linear_kernels.pack_silu_mul_weight(weight)
+    batched = linear_kernels.packed_linear(x, packed, None, 3072, amx_min_rows=1)
+    batched_mlp = linear_kernels.packed_silu_mul_linear(x, fused, 1536, amx_min_rows=1)
     # 16-row tiles (1 x 4) from 48 to 127 rows, 32-row blocks below and above, padded tails
     for rows in (slice(0, 1), slice(5, 6), slice(16, 33), slice(40, 110), slice(69, 70), slice(2, 140)):
-        assert torch.equal(cpu_kernels.packed_linear(x[rows], packed, None, 3072, amx_min_rows=1), batched[rows])
-        assert torch.equal(cpu_kernels.packed_silu_mul_linear(x[rows], fused, 1536, amx_min_rows=1),
+        assert torch.equal(linear_kernels.packed_linear(x[rows], packed, None, 3072, amx_min_rows=1), batched[rows])
+        assert torch.equal(linear_kernels.packed_silu_mul_linear(x[rows], fused, 1536, amx_min_rows=1),
                            batched_mlp[rows])
 
 
@@ -248,7 +249,7 @@ def test_on_the_tiles_a_rows_result_does_not_depend_on_its_batch():
 def test_amx_threshold_is_measured_once_per_shape_and_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(linear, "_calibration_file", lambda: str(tmp_path / "rows.json"))
     monkeypatch.setattr(linear, "_amx_rows", {})
-    packed = cpu_kernels.pack_linear_weight(torch.randn(256, 128).to(torch.bfloat16))
+    packed = linear_kernels.pack_linear_weight(torch.randn(256, 128).to(torch.bfloat16))
     rows = linear.amx_min_rows(packed, 256)
     assert rows in linear.CALIBRATION_ROWS
     assert (tmp_path / "rows.json").exists()
@@ -279,16 +280,16 @@ def test_modules_packed_for_amx_match_the_unpacked_ones():
 def test_float32_output_is_the_sums_before_rounding(rows, tiles):
     # The LM head's logits (engine/models/linear.py: logits_linear): the very sums that the
     # bfloat16 output rounds, so two candidates a bfloat16 step apart no longer tie.
-    if tiles and not cpu_kernels.packed_linear_amx_available():
+    if tiles and not linear_kernels.packed_linear_amx_available():
         pytest.skip("needs a CPU whose AMX tiles run")
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(1000, 576, generator=gen).to(torch.bfloat16)
     bias = torch.randn(1000, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
-    packed = cpu_kernels.pack_linear_weight(weight)
+    packed = linear_kernels.pack_linear_weight(weight)
     amx = 1 if tiles else 0
-    sums = cpu_kernels.packed_linear(x, packed, bias, 1000, amx, out_dtype=torch.float32)
-    rounded = cpu_kernels.packed_linear(x, packed, bias, 1000, amx)
+    sums = linear_kernels.packed_linear(x, packed, bias, 1000, amx, out_dtype=torch.float32)
+    rounded = linear_kernels.packed_linear(x, packed, bias, 1000, amx)
     assert sums.dtype == torch.float32 and torch.equal(sums.to(torch.bfloat16), rounded)
     expected, _ = reference(x, weight, bias)
     torch.testing.assert_close(sums, expected, rtol=1e-5, atol=1e-4)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_FOLDERS = ("engine", "plugins", "attention_backends", "server", "cli", "benchmarks", "simulator")
+PACKAGE_FOLDERS = ("engine", "plugins", "attention_backends", "native", "server", "cli", "benchmarks", "simulator")
 
 
 def _module_name(path: Path) -> str:
@@ -86,7 +86,10 @@ RULES = [
      "the modules both processes read are leaves of the engine"),
     (["pagoda.plugins", "pagoda.attention_backends"], [E, "pagoda.server", "pagoda.cli", "pagoda.benchmarks"],
      "plugins and attention backends depend on nothing of ours above them"),
-    ([f"{E}.families"], ["torch", f"{E}.core", f"{E}.frontend", f"{E}.executor", f"{E}.worker", f"{E}.models",
+    (["pagoda.native"], [E, "pagoda.attention_backends", "pagoda.plugins", "pagoda.server", "pagoda.cli",
+                          "pagoda.benchmarks", "pagoda.simulator"],
+     "the CPU kernels are the floor: they import nothing of Pagoda's above them"),
+    ([f"{E}.families"], ["torch", "pagoda.native", f"{E}.core", f"{E}.frontend", f"{E}.executor", f"{E}.worker", f"{E}.models",
                          "pagoda.attention_backends", "pagoda.plugins"],
      "model families are descriptions both processes read: no torch, no kernels, nothing of the engine"),
     ([E], ["pagoda.server", "pagoda.cli", "pagoda.benchmarks", "pagoda.simulator"],

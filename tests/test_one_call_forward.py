@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from pagoda import LLM, SamplingParams
 from pagoda.attention_backends import AttentionMetadata, cpu_kernels
+from pagoda.native import library as kernel_library
+from pagoda.native import linear as linear_kernels
 from pagoda.attention_backends.cpu_paged import CpuPagedAttentionBackend
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_weights
@@ -24,7 +26,7 @@ from pagoda.engine.models.quantized import quantize_int8
 from conftest import TINY_INIT
 from helpers import compress, hf_dequantized, make_tiny_model_dir
 
-needs_vector = pytest.mark.skipif(not cpu_kernels.quant_linear_vector(),
+needs_vector = pytest.mark.skipif(not linear_kernels.quant_linear_vector(),
                                   reason="int8 needs the quantized kernel's vector path (AVX512-VNNI or AVX2)")
 BLOCK_SIZE = 16
 
@@ -41,7 +43,7 @@ def tiny_model(model_dir, weights: str, max_positions: int = 128) -> DecoderForC
     model.rotary = RotaryEmbedding(config, max_positions)
     model.load_weights(load_weights(model_dir))
     if weights == "int8":
-        if not cpu_kernels.quant_linear_vector():
+        if not linear_kernels.quant_linear_vector():
             pytest.skip("the quantized kernel has no vector path here (neither AVX512-VNNI nor AVX2)")
         model.quantize_weights(lambda names, weight: quantize_int8(weight))
     else:
@@ -92,16 +94,16 @@ def silu_exp(request):
     """The exp of the one call's SiLU (after a quantized gate/up product; a bfloat16 one has
     SiLU in its epilogue, None here): torch's own vector exp, handed over where torch's kernels
     are AVX-512 ones, or the C library's expf (the path elsewhere)."""
-    if not cpu_kernels.available():
+    if not kernel_library.available():
         pytest.skip("no C compiler for the CPU kernels")
-    lib = cpu_kernels.load()
+    lib = kernel_library.load()
     if request.param == "expf":
         lib.one_call_forward_set_exp16(None)
-    elif request.param == "torch's" and not (cpu_kernels._torch_exp16() and lib.one_call_forward_set_exp16(
-            cpu_kernels._torch_exp16())):
+    elif request.param == "torch's" and not (kernel_library._torch_exp16() and lib.one_call_forward_set_exp16(
+            kernel_library._torch_exp16())):
         pytest.skip("torch's kernels or this build of the library are not AVX-512 ones")
     yield request.param
-    lib.one_call_forward_set_exp16(cpu_kernels._torch_exp16())
+    lib.one_call_forward_set_exp16(kernel_library._torch_exp16())
 
 
 @pytest.mark.parametrize("silu_exp", ["torch's", "expf"], indirect=True)
@@ -117,7 +119,7 @@ def test_silu_mul_gives_torchs_result(silu_exp):
     gate[0, :8] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, -88.0, 88.0, -104.0])
     gate[1] = torch.rand(2050, generator=generator) * 4e-38  # products below float32's smallest normal
     gate, up = gate.bfloat16(), torch.randn(512, 2050, generator=generator).bfloat16()
-    act = cpu_kernels.silu_mul(torch.cat([gate, up], dim=1))
+    act = linear_kernels.silu_mul(torch.cat([gate, up], dim=1))
     # NOTE: row by row, 2048 elements of each through torch's vector loop (its tail elements take
     # std::exp); the last two of a row are compared one bfloat16 rounding apart below.
     expected = torch.stack([(F.silu(g.float()) * u.float()).bfloat16() for g, u in zip(gate, up)])
@@ -224,7 +226,7 @@ def cascade_model(tmp_path, monkeypatch, tiles: str, min_requests: int):
     return model, backend, caches, calls
 
 
-TILE_KINDS_HERE = list(cpu_kernels.attention_tile_kinds() if cpu_kernels.available() else ()) or [
+TILE_KINDS_HERE = list(cpu_kernels.attention_tile_kinds() if kernel_library.available() else ()) or [
     pytest.param(None, marks=pytest.mark.skip(reason="no attention tiles here"))]
 
 
@@ -490,7 +492,7 @@ def test_not_taken_in_float32_with_onednn_products_or_batch_invariance(tiny_llam
                                     (tiny_llama_dir, dict(dtype="bfloat16"), "onednn"),
                                     (compressed_dir, dict(dtype="bfloat16", quantization="int8", batch_invariant=True),
                                      None)):
-        if options.get("batch_invariant") and not cpu_kernels.packed_linear_available():
+        if options.get("batch_invariant") and not linear_kernels.packed_linear_available():
             continue  # batch invariance needs the blocked kernel (AVX512-BF16); elsewhere a clear error
         if packing is not None:
             if not packing_available(packing):

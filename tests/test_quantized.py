@@ -1,5 +1,5 @@
 """Quantized weights: GGUF blocks read exactly (engine/models/quantized.py), the quantized
-kernel (attention_backends/csrc/quant_linear.c) against dequantize-then-multiply, the
+kernel (native/csrc/quant_linear.c) against dequantize-then-multiply, the
 engine's --quantization, and what the formats cost in perplexity on the default model."""
 
 import json
@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.attention_backends import cpu_kernels
+from pagoda.native import library as kernel_library
+from pagoda.native import linear as linear_kernels
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.model_loader import QUANTIZED_FILE, default_gguf_path, plan_quantization, resolve_model
 from pagoda.engine.models import linear
 from pagoda.engine.models import quantized as Q
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs the CPU kernels (a C compiler)")
-needs_vector = pytest.mark.skipif(not cpu_kernels.quant_linear_vector(),
+needs_kernels = pytest.mark.skipif(not kernel_library.available(), reason="needs the CPU kernels (a C compiler)")
+needs_vector = pytest.mark.skipif(not linear_kernels.quant_linear_vector(),
                                   reason="the engine quantizes only where the kernel has a vector path "
                                   "(AVX512-VNNI or AVX2; every CPU of this project has both)")
 
@@ -120,7 +121,7 @@ def test_kernel_matches_dequantize_then_multiply(packing, out_features, in_featu
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
     bits, has_min = Q.QUANT_PACKINGS[packing]
-    out = cpu_kernels.quant_linear(x, Q.pack(weight), None, out_features, bits, has_min, out_f32=True)
+    out = linear_kernels.quant_linear(x, Q.pack(weight), None, out_features, bits, has_min, out_f32=True)
     assert out.shape == (rows, out_features) and out.dtype == torch.float32
     if not rows:
         return
@@ -139,11 +140,11 @@ def test_kernel_bias_bfloat16_output_and_float32_input():
     packed = Q.pack(weight)
     x = torch.randn(5, 96)
     bias = torch.randn(50)
-    plain = cpu_kernels.quant_linear(x.bfloat16(), packed, None, 50, 4, True, out_f32=True)
-    with_bias = cpu_kernels.quant_linear(x.bfloat16(), packed, bias, 50, 4, True)
+    plain = linear_kernels.quant_linear(x.bfloat16(), packed, None, 50, 4, True, out_f32=True)
+    with_bias = linear_kernels.quant_linear(x.bfloat16(), packed, bias, 50, 4, True)
     assert with_bias.dtype == torch.bfloat16
     assert torch.equal(with_bias, (plain + bias).bfloat16())
-    from_f32 = cpu_kernels.quant_linear(x, packed, bias, 50, 4, True)
+    from_f32 = linear_kernels.quant_linear(x, packed, bias, 50, 4, True)
     assert from_f32.dtype == torch.float32
     expected = quantize_activations(x).double() @ weight.dequantize().double().T + bias.double()
     assert ((from_f32.double() - expected).abs() <= 4e-3 * expected.abs().max()).all()
@@ -160,7 +161,7 @@ def test_4bit_sums_at_their_largest_are_exact(sign):
                               torch.full((n, k // 32), -0.25), 4)
     x = torch.full((6, k), sign).to(torch.bfloat16)
     x[1] *= 3.0  # a different scale per row, still +-127 after quantization
-    out = cpu_kernels.quant_linear(x, Q.pack(weight), None, n, 4, True, out_f32=True)
+    out = linear_kernels.quant_linear(x, Q.pack(weight), None, n, 4, True, out_f32=True)
     expected = quantize_activations(x).double() @ weight.dequantize().double().T
     assert torch.allclose(out.double(), expected, rtol=1e-6, atol=0)
 
@@ -170,14 +171,14 @@ def test_a_rows_result_does_not_depend_on_its_batch():
     weight = example_weights(3072, 576, seed=9)["q4m"]
     packed = Q.pack(weight)
     x = torch.randn(29, 576).to(torch.bfloat16)
-    batched = cpu_kernels.quant_linear(x, packed, None, 3072, 4, True)
+    batched = linear_kernels.quant_linear(x, packed, None, 3072, 4, True)
     for i in (0, 5, 28):
-        assert torch.equal(cpu_kernels.quant_linear(x[i : i + 1], packed, None, 3072, 4, True), batched[i : i + 1])
+        assert torch.equal(linear_kernels.quant_linear(x[i : i + 1], packed, None, 3072, 4, True), batched[i : i + 1])
 
 
 # -- the tile path (quant_linear.c's quant_linear_tiles: the weight dequantized to bfloat16) ---
 
-needs_amx = pytest.mark.skipif(not cpu_kernels.packed_linear_amx_available(),
+needs_amx = pytest.mark.skipif(not linear_kernels.packed_linear_amx_available(),
                                reason="needs AMX tiles that run (Intel Xeon Sapphire Rapids or later)")
 
 
@@ -201,13 +202,13 @@ def test_tiles_match_the_bfloat16_weight_times_x(packing, out_features, in_featu
     packed = Q.pack(weight)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     bits, has_min = Q.QUANT_PACKINGS[packing]
-    sums = cpu_kernels.quant_linear(x, packed, None, out_features, bits, has_min, out_f32=True, amx_min_rows=1)
-    rounded = cpu_kernels.quant_linear(x, packed, None, out_features, bits, has_min, amx_min_rows=1)
+    sums = linear_kernels.quant_linear(x, packed, None, out_features, bits, has_min, out_f32=True, amx_min_rows=1)
+    rounded = linear_kernels.quant_linear(x, packed, None, out_features, bits, has_min, amx_min_rows=1)
     expected = x.double() @ bf16_weight(weight).T
     scale = expected.abs().max()
     assert ((sums.double() - expected).abs() <= 1e-5 * scale).all()  # float32 sums of exact products
     assert torch.equal(rounded, sums.bfloat16())  # the bfloat16 output: those sums, rounded once
-    vectors = cpu_kernels.quant_linear(x, packed, None, out_features, bits, has_min, amx_min_rows=rows + 1)
+    vectors = linear_kernels.quant_linear(x, packed, None, out_features, bits, has_min, amx_min_rows=rows + 1)
     assert ((vectors.double() - expected).abs() <= 0.03 * scale).all()  # below the rows: the int8 vectors
     assert not torch.equal(vectors, rounded)
 
@@ -218,8 +219,8 @@ def test_tiles_leave_float32_x_and_a_bias_to_the_vectors():
     packed = Q.pack(weight)
     x, bias = torch.randn(40, 96), torch.randn(64)
     for args in ((x, packed, None), (x.bfloat16(), packed, bias)):
-        assert torch.equal(cpu_kernels.quant_linear(*args, 64, 4, True, amx_min_rows=1),
-                           cpu_kernels.quant_linear(*args, 64, 4, True))
+        assert torch.equal(linear_kernels.quant_linear(*args, 64, 4, True, amx_min_rows=1),
+                           linear_kernels.quant_linear(*args, 64, 4, True))
 
 
 def reference_silu_mul(x: torch.Tensor, weight: torch.Tensor, intermediate: int) -> torch.Tensor:
@@ -242,14 +243,14 @@ def test_gate_up_on_the_tiles_applies_silu_mul_in_the_epilogue(packing, intermed
     packed = Q.pack(weight)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16) * 0.5
     bits, has_min = Q.QUANT_PACKINGS[packing]
-    out = cpu_kernels.quant_silu_mul_linear(x, packed, intermediate, bits, has_min, amx_min_rows=1)
+    out = linear_kernels.quant_silu_mul_linear(x, packed, intermediate, bits, has_min, amx_min_rows=1)
     expected = reference_silu_mul(x, bf16_weight(weight), intermediate).float()
     # the same roundings; a sum on the other side of a bfloat16 tie moves an output by an ulp or two
     assert ((out.float() - expected).abs() <= 2 ** -6 * expected.abs() + 1e-3 * expected.abs().max()).all()
     # below the rows: quant_linear and silu_mul, as without the tiles
-    gate_up = cpu_kernels.quant_linear(x, packed, None, 2 * intermediate, bits, has_min)
-    assert torch.equal(cpu_kernels.quant_silu_mul_linear(x, packed, intermediate, bits, has_min,
-                                                         amx_min_rows=rows + 1), cpu_kernels.silu_mul(gate_up))
+    gate_up = linear_kernels.quant_linear(x, packed, None, 2 * intermediate, bits, has_min)
+    assert torch.equal(linear_kernels.quant_silu_mul_linear(x, packed, intermediate, bits, has_min,
+                                                         amx_min_rows=rows + 1), linear_kernels.silu_mul(gate_up))
 
 
 @needs_amx
@@ -271,7 +272,7 @@ def test_quantized_layers_take_the_tiles_from_a_measured_row_count(monkeypatch, 
     monkeypatch.setenv(linear.QUANT_TILES_ENV, "0")  # the override: never (or from the rows it gives)
     gate_up.tile_quantized()
     assert gate_up.amx_min_rows == 0
-    gate, up = cpu_kernels.quant_linear(x, gate_up.weight, None, 192, 4, True).split(96, dim=-1)
+    gate, up = linear_kernels.quant_linear(x, gate_up.weight, None, 192, 4, True).split(96, dim=-1)
     assert torch.equal(gate_up(x), torch.nn.functional.silu(gate) * up)  # as on CPUs without the tiles
 
 
@@ -294,28 +295,28 @@ def test_greedy_argmax_is_the_first_largest_of_the_kernels_float32_sums(packing,
     bits, has_min = Q.QUANT_PACKINGS[packing]
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(1, k, generator=gen).expand(rows, k)  # every row the same input: the same ties
-    top = int(cpu_kernels.quant_linear(x.bfloat16(), Q.pack(weight), None, n, bits, has_min, out_f32=True)[0].argmax())
+    top = int(linear_kernels.quant_linear(x.bfloat16(), Q.pack(weight), None, n, bits, has_min, out_f32=True)[0].argmax())
     for col in (811, 301, 900):  # the largest output's feature again, 4 times larger (exactly: a power of 2)
         weight.values[col], weight.scales[col] = weight.values[top], weight.scales[top] * 4
         if weight.mins is not None:
             weight.mins[col] = weight.mins[top] * 4
     packed = Q.pack(weight)
-    out = cpu_kernels.quant_linear(x.bfloat16(), packed, None, n, bits, has_min, out_f32=True)
+    out = linear_kernels.quant_linear(x.bfloat16(), packed, None, n, bits, has_min, out_f32=True)
     assert (out[:, 301] == out[:, 811]).all() and (out[:, 301] == out[:, 900]).all()
     assert (out[:, 301] == out.max(dim=1).values).all()
     threads = torch.get_num_threads()
     try:
         for count in {1, threads}:  # one range, and the threads' ranges merged (301 in the first)
             torch.set_num_threads(count)
-            got = cpu_kernels.quant_linear_argmax(x.bfloat16(), packed, None, n, bits, has_min)
+            got = linear_kernels.quant_linear_argmax(x.bfloat16(), packed, None, n, bits, has_min)
             assert got.tolist() == [301] * rows, count
     finally:
         torch.set_num_threads(threads)
     for nans in ((900,), (700, 900, 20)):  # a NaN output beats every number, the first NaN all others
         broken = Q.GroupQuantized(weight.values, weight.scales.clone(), weight.mins, weight.bits)
         broken.scales[list(nans)] = float("nan")
-        out = cpu_kernels.quant_linear(x.bfloat16(), Q.pack(broken), None, n, bits, has_min, out_f32=True)
-        got = cpu_kernels.quant_linear_argmax(x.bfloat16(), Q.pack(broken), None, n, bits, has_min)
+        out = linear_kernels.quant_linear(x.bfloat16(), Q.pack(broken), None, n, bits, has_min, out_f32=True)
+        got = linear_kernels.quant_linear_argmax(x.bfloat16(), Q.pack(broken), None, n, bits, has_min)
         assert got.tolist() == [min(nans)] * rows == out.max(dim=1).indices.tolist()
     x = torch.randn(rows, k, generator=gen)
     bias = torch.randn(n, generator=gen)
@@ -323,8 +324,8 @@ def test_greedy_argmax_is_the_first_largest_of_the_kernels_float32_sums(packing,
         for width in (n, 17, 40):
             sub = Q.pack(Q.GroupQuantized(weight.values[:width], weight.scales[:width],
                                           None if weight.mins is None else weight.mins[:width], weight.bits))
-            out = cpu_kernels.quant_linear(inputs, sub, bias[:width], width, bits, has_min, out_f32=True)
-            got = cpu_kernels.quant_linear_argmax(inputs, sub, bias[:width], width, bits, has_min)
+            out = linear_kernels.quant_linear(inputs, sub, bias[:width], width, bits, has_min, out_f32=True)
+            got = linear_kernels.quant_linear_argmax(inputs, sub, bias[:width], width, bits, has_min)
             assert torch.equal(got, first_largest(out)), (width, inputs.dtype)
 
 
@@ -342,34 +343,34 @@ def test_greedy_argmax_on_the_tiles_picks_from_the_tiles_sums(packing, out_featu
     bits, has_min = Q.QUANT_PACKINGS[packing]
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(1, k, generator=gen).expand(rows, k).bfloat16()
-    top = int(cpu_kernels.quant_linear(x, Q.pack(weight), None, n, bits, has_min, out_f32=True,
+    top = int(linear_kernels.quant_linear(x, Q.pack(weight), None, n, bits, has_min, out_f32=True,
                                        amx_min_rows=1)[0].argmax())
     for col in (n - 1, n // 3, n // 2):  # the largest output's feature again, 4 times larger
         weight.values[col], weight.scales[col] = weight.values[top], weight.scales[top] * 4
         if weight.mins is not None:
             weight.mins[col] = weight.mins[top] * 4
     packed = Q.pack(weight)
-    out = cpu_kernels.quant_linear(x, packed, None, n, bits, has_min, out_f32=True, amx_min_rows=1)
+    out = linear_kernels.quant_linear(x, packed, None, n, bits, has_min, out_f32=True, amx_min_rows=1)
     assert (out[:, n // 3] == out[:, n - 1]).all() and (out[:, n // 3] == out.max(dim=1).values).all()
     threads = torch.get_num_threads()
     try:
         for count in {1, threads}:
             torch.set_num_threads(count)
-            got = cpu_kernels.quant_linear_argmax(x, packed, None, n, bits, has_min, amx_min_rows=1)
+            got = linear_kernels.quant_linear_argmax(x, packed, None, n, bits, has_min, amx_min_rows=1)
             assert got.tolist() == [n // 3] * rows, count
     finally:
         torch.set_num_threads(threads)
     broken = Q.GroupQuantized(weight.values, weight.scales.clone(), weight.mins, weight.bits)
     broken.scales[[n - 2, 5]] = float("nan")
-    got = cpu_kernels.quant_linear_argmax(x, Q.pack(broken), None, n, bits, has_min, amx_min_rows=1)
+    got = linear_kernels.quant_linear_argmax(x, Q.pack(broken), None, n, bits, has_min, amx_min_rows=1)
     assert got.tolist() == [5] * rows
     x = torch.randn(rows, k, generator=gen).bfloat16()
-    tiles = cpu_kernels.quant_linear(x, packed, None, n, bits, has_min, out_f32=True, amx_min_rows=rows)
-    vectors = cpu_kernels.quant_linear(x, packed, None, n, bits, has_min, out_f32=True)
+    tiles = linear_kernels.quant_linear(x, packed, None, n, bits, has_min, out_f32=True, amx_min_rows=rows)
+    vectors = linear_kernels.quant_linear(x, packed, None, n, bits, has_min, out_f32=True)
     assert not torch.equal(tiles, vectors)
-    assert torch.equal(cpu_kernels.quant_linear_argmax(x, packed, None, n, bits, has_min, amx_min_rows=rows),
+    assert torch.equal(linear_kernels.quant_linear_argmax(x, packed, None, n, bits, has_min, amx_min_rows=rows),
                        first_largest(tiles))
-    assert torch.equal(cpu_kernels.quant_linear_argmax(x, packed, None, n, bits, has_min, amx_min_rows=rows + 1),
+    assert torch.equal(linear_kernels.quant_linear_argmax(x, packed, None, n, bits, has_min, amx_min_rows=rows + 1),
                        first_largest(vectors))
 
 
@@ -380,9 +381,9 @@ def quant_kernel_for(march: str, directory: Path):
     import ctypes
 
     target = directory / f"quant_linear-{march}.so"
-    flags = [flag for flag in cpu_kernels._flags() if not flag.startswith("-march=")]
-    subprocess.run([cpu_kernels._compiler(), f"-march={march}", *flags, "-o", str(target),
-                    str(cpu_kernels._CSRC / "quant_linear.c"), "-lm"], check=True, capture_output=True, timeout=120)
+    flags = [flag for flag in kernel_library._flags() if not flag.startswith("-march=")]
+    subprocess.run([kernel_library._compiler(), f"-march={march}", *flags, "-o", str(target),
+                    str(kernel_library._CSRC / "quant_linear.c"), "-lm"], check=True, capture_output=True, timeout=120)
     lib = ctypes.CDLL(str(target))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.quant_linear.argtypes = [p, i64, i64, i32, i64, p, i32, i32, i64, p, p, i64, i32, i64]
@@ -412,7 +413,7 @@ def test_avx2_and_portable_paths_give_the_vnni_paths_results(tmp_path, march, ve
                 out = torch.empty(rows, 37, dtype=torch.float32 if out_f32 else torch.bfloat16)
                 assert lib.quant_linear(x.data_ptr(), rows, 128, 0, 128, packed.data_ptr(), bits, int(has_min), 37,
                                         bias.data_ptr(), out.data_ptr(), 37, int(out_f32), 0) == 0
-                native = cpu_kernels.quant_linear(x, packed, bias, 37, bits, has_min, out_f32=out_f32)
+                native = linear_kernels.quant_linear(x, packed, bias, 37, bits, has_min, out_f32=out_f32)
                 scale = native.float().abs().max().item()
                 tolerance = 1e-4 * scale if out_f32 else 1e-2 * scale  # bfloat16 outputs: a rounding apart at most
                 assert torch.allclose(out.float(), native.float(), rtol=1e-5, atol=tolerance), (name, rows, out_f32)
@@ -426,8 +427,8 @@ def test_avx2_and_portable_paths_give_the_vnni_paths_results(tmp_path, march, ve
 def test_without_a_vector_quantized_kernel_gguf_is_dequantized_and_int8_refused(monkeypatch):
     """Where only the plain C loop runs (neither AVX512-VNNI nor AVX2), the engine does not
     choose it: a GGUF file is dequantized, int8 an error that says why."""
-    monkeypatch.setattr(cpu_kernels, "quant_linear_vector", lambda: False)
-    monkeypatch.setattr(cpu_kernels, "packed_linear_amx_available", lambda: False)
+    monkeypatch.setattr(linear_kernels, "quant_linear_vector", lambda: False)
+    monkeypatch.setattr(linear_kernels, "packed_linear_amx_available", lambda: False)
     assert plan_quantization("auto", resolve_model(None), torch.device("cpu")) is None
     with pytest.raises(ValueError, match="neither AVX512-VNNI nor AVX2"):
         plan_quantization("int8", resolve_model(None), torch.device("cpu"))
@@ -463,7 +464,7 @@ def test_auto_dtype_is_bfloat16_where_the_quantized_kernel_runs_the_weights(tiny
     # NOTE: on AVX2-only CPUs too: the kernel takes bf16 activations, the one-call forward step is bf16 only
     quantized = plan_quantization("auto", resolve_model(None), cpu) is not None
     assert resolve_model_dtype("auto", "auto", resolve_model(None), cpu) == (torch.bfloat16 if quantized else dense)
-    if cpu_kernels.quant_linear_vector():
+    if linear_kernels.quant_linear_vector():
         assert resolve_model_dtype("auto", "int8", tiny_llama_dir, cpu) == torch.bfloat16
     assert resolve_model_dtype("float32", "auto", resolve_model(None), cpu) == torch.float32  # asked for, kept
 
@@ -472,11 +473,11 @@ def test_quantization_choice_and_its_errors(tiny_llama_dir, tmp_path):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert plan_quantization("auto", tiny_llama_dir, cpu) is None  # a float checkpoint stays in floats
     assert plan_quantization("none", resolve_model(None), cpu) is None
-    if cpu_kernels.quant_linear_vector():
+    if linear_kernels.quant_linear_vector():
         assert plan_quantization("int8", tiny_llama_dir, cpu) == "int8"
     # the portable loop is there for correctness, not chosen for speed; AMX machines quantize
     # too (their products of many rows run on the tiles)
-    auto_quantizes = cpu_kernels.quant_linear_vector()
+    auto_quantizes = linear_kernels.quant_linear_vector()
     assert plan_quantization("auto", resolve_model(None), cpu) == ("gguf" if auto_quantizes else None)
     assert plan_quantization("auto", resolve_model(None), cuda) is None  # dequantized on CUDA
     with pytest.raises(ValueError, match="int8 cannot run here: the quantized kernel runs on the CPU, this is cuda"):

@@ -2,7 +2,7 @@
 
 Three packings, chosen per machine by :func:`choose_packing`:
 
-- ``"amx"``: Pagoda's own kernel (attention_backends/csrc/packed_linear.c) with AMX tiles
+- ``"amx"``: Pagoda's own kernel (native/csrc/packed_linear.c) with AMX tiles
   (TDPBF16PS) for products of many rows and AVX512-BF16 for few, on CPUs where a tile
   product runs (proved by running one, not by the CPU's flags). The number of rows from
   which the tiles win is measured per weight shape when the weights are packed
@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.attention_backends import cpu_kernels
+from pagoda.native import library as kernel_library
+from pagoda.native import linear as linear_kernels
 from pagoda.engine.models.quantized import QUANT_PACKINGS, GroupQuantized
 from pagoda.engine.models.quantized import pack as pack_quantized
 
@@ -69,11 +70,11 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-_library.impl("blocked_linear", cpu_kernels.packed_linear, "CompositeExplicitAutograd")
+_library.impl("blocked_linear", linear_kernels.packed_linear, "CompositeExplicitAutograd")
 _library.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
-_library.impl("blocked_silu_mul_linear", cpu_kernels.packed_silu_mul_linear, "CompositeExplicitAutograd")
-_library.impl("quant_linear", cpu_kernels.quant_linear, "CompositeExplicitAutograd")
-_library.impl("quant_silu_mul_linear", cpu_kernels.quant_silu_mul_linear, "CompositeExplicitAutograd")
+_library.impl("blocked_silu_mul_linear", linear_kernels.packed_silu_mul_linear, "CompositeExplicitAutograd")
+_library.impl("quant_linear", linear_kernels.quant_linear, "CompositeExplicitAutograd")
+_library.impl("quant_silu_mul_linear", linear_kernels.quant_silu_mul_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pagoda::blocked_linear")
@@ -103,15 +104,15 @@ def _(x, weight, intermediate_size, bits, has_min, amx_min_rows):
 
 @functools.cache
 def _has_amx() -> bool:
-    return " amx_bf16" in cpu_kernels.cpu_flags()
+    return " amx_bf16" in kernel_library.cpu_flags()
 
 
 def packing_available(packing: str) -> bool:
     """Whether this machine can run ``packing`` (one of PACKINGS)."""
     if packing == "blocked":
-        return cpu_kernels.packed_linear_available()
+        return linear_kernels.packed_linear_available()
     if packing == "amx":
-        return cpu_kernels.packed_linear_amx_available()
+        return linear_kernels.packed_linear_amx_available()
     # NOTE: oneDNN's bfloat16 products need AVX512-BW/VL/DQ or AVX-NE-CONVERT, as oneDNN
     # itself reports them (ONEDNN_MAX_CPU_ISA lowers it); without them the reorder raises.
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -163,7 +164,7 @@ def pack_weight(weight: torch.Tensor, packing: str) -> torch.Tensor:
     """A [out, in] weight repacked for ``packing``."""
     with torch.no_grad():
         if packing in BLOCKED_LAYOUT:
-            return cpu_kernels.pack_linear_weight(weight.detach())
+            return linear_kernels.pack_linear_weight(weight.detach())
         # NOTE: 64 is oneDNN's batch-size hint; the layout it picks was the same for 1 and 64.
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
@@ -189,10 +190,10 @@ def logits_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     oneDNN, in x's dtype (the caller then breaks bfloat16 ties, llama.break_bfloat16_ties).
     """
     if packing in BLOCKED_LAYOUT:
-        return cpu_kernels.packed_linear(x if x.is_contiguous() else x.contiguous(), weight, bias, out_features,
+        return linear_kernels.packed_linear(x if x.is_contiguous() else x.contiguous(), weight, bias, out_features,
                                          amx_min_rows, out_dtype=torch.float32)
     if packing in QUANT_PACKINGS:
-        return cpu_kernels.quant_linear(x, weight, bias, out_features, *QUANT_PACKINGS[packing], out_f32=True,
+        return linear_kernels.quant_linear(x, weight, bias, out_features, *QUANT_PACKINGS[packing], out_f32=True,
                                         amx_min_rows=amx_min_rows)
     return packed_linear(x, weight, bias, packing, out_features, amx_min_rows)
 
@@ -204,7 +205,7 @@ def greedy_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ties), where the quantized kernel runs the head; None for other packings (the caller takes
     the logits then)."""
     if packing in QUANT_PACKINGS:
-        return cpu_kernels.quant_linear_argmax(x, weight, bias, out_features, *QUANT_PACKINGS[packing],
+        return linear_kernels.quant_linear_argmax(x, weight, bias, out_features, *QUANT_PACKINGS[packing],
                                                amx_min_rows=amx_min_rows)
     return None
 
@@ -220,7 +221,7 @@ calibration_seconds = 0.0  # spent measuring in this process (reported at start-
 def _calibration_file() -> str:
     """Where measured thresholds are kept: beside the kernel library they were measured with
     (its name is a hash of the source, the compiler and the CPU's flags)."""
-    return str(cpu_kernels.library_path().with_suffix(".amx_rows.json"))
+    return str(kernel_library.library_path().with_suffix(".amx_rows.json"))
 
 
 def _time(fn, repeats: int = 5) -> float:
@@ -256,10 +257,10 @@ def quant_amx_min_rows(weight: torch.Tensor, packing: str, out_features: int, in
     bits, has_min = QUANT_PACKINGS[packing]
     if fused_silu_mul:
         def product(x, rows):
-            return cpu_kernels.quant_silu_mul_linear(x, weight, out_features // 2, bits, has_min, rows)
+            return linear_kernels.quant_silu_mul_linear(x, weight, out_features // 2, bits, has_min, rows)
     else:
         def product(x, rows):
-            return cpu_kernels.quant_linear(x, weight, None, out_features, bits, has_min, amx_min_rows=rows)
+            return linear_kernels.quant_linear(x, weight, None, out_features, bits, has_min, amx_min_rows=rows)
     key = f"{out_features}x{in_features}+{packing}" + ("+silu_mul" if fused_silu_mul else "")
     return _calibrated(key, in_features, QUANT_CALIBRATION_ROWS, product)
 
@@ -380,7 +381,7 @@ class GateUpLinear(Linear):
             return super().pack(packing, batch_invariant)
         assert self.bias is None, "the fused kernel has no bias"
         with torch.no_grad():
-            self.weight = nn.Parameter(cpu_kernels.pack_silu_mul_weight(self.weight.detach()), requires_grad=False)
+            self.weight = nn.Parameter(linear_kernels.pack_silu_mul_weight(self.weight.detach()), requires_grad=False)
         self.packing = packing
         if packing == "amx":
             self.amx_min_rows = 1 if batch_invariant else amx_min_rows(self.weight, self.out_features,

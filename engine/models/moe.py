@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.attention_backends import cpu_kernels
+from pagoda.native import linear as linear_kernels
 from pagoda.engine.models.linear import BLOCKED_LAYOUT, Linear, amx_min_rows
 
 _library = torch.library.Library("pagoda", "FRAGMENT")
@@ -81,8 +81,8 @@ def moe_experts_blocked(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
     hidden = x.shape[1]
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        act = cpu_kernels.packed_silu_mul_linear(rows, gate_up[e], intermediate, gate_up_tile_rows)
-        return cpu_kernels.packed_linear(act, down[e], None, hidden, down_tile_rows)
+        act = linear_kernels.packed_silu_mul_linear(rows, gate_up[e], intermediate, gate_up_tile_rows)
+        return linear_kernels.packed_linear(act, down[e], None, hidden, down_tile_rows)
 
     return _grouped(x, experts, weights, gate_up.shape[0], expert)
 
@@ -136,8 +136,8 @@ class SparseMoE(nn.Module):
         if packing not in BLOCKED_LAYOUT or self.packing is not None:
             return
         with torch.no_grad():
-            gate_up = torch.stack([cpu_kernels.pack_silu_mul_weight(w) for w in self.gate_up])
-            down = torch.stack([cpu_kernels.pack_linear_weight(w) for w in self.down])
+            gate_up = torch.stack([linear_kernels.pack_silu_mul_weight(w) for w in self.gate_up])
+            down = torch.stack([linear_kernels.pack_linear_weight(w) for w in self.down])
         self.gate_up = nn.Parameter(gate_up, requires_grad=False)
         self.down = nn.Parameter(down, requires_grad=False)
         self.packing = packing

@@ -6,7 +6,7 @@ while the first runs that Python). In a decode step the products are small and t
 as much or more: a Q8_0 decode step of the default model took about 15.7 ms, of which the
 products about 4.6. In a 2048-token prefill step it was about a tenth of the step (Intel Xeon
 with AMX, 2026-12-04). :class:`OneCallForward` runs any step, decodes, prefill chunks or both,
-as attention_backends/csrc/one_call_forward.c: the same operations in the same order, the
+as native/csrc/one_call_forward.c: the same operations in the same order, the
 products, the KV write and the attention by the same kernels as the backend's plan for the
 step (prefill chunks on the attention tiles, a cascade's shared part), the element-wise steps
 rounded once from float32 as the compiled code rounds them (tests/test_one_call_forward.py:
@@ -30,6 +30,8 @@ import os
 import torch
 
 from pagoda.attention_backends import cpu_kernels
+from pagoda.native import library as kernel_library
+from pagoda.native import linear as linear_kernels
 from pagoda.attention_backends.base import AttentionMetadata
 from pagoda.engine.models.linear import BLOCKED_LAYOUT
 from pagoda.engine.models.quantized import QUANT_PACKINGS
@@ -61,7 +63,7 @@ def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.shape[-1] != model.config.head_dim
            for t in (rotary.cos, rotary.sin)):
         return "RoPE's tables are not float32 [positions, head_dim]"
-    if not cpu_kernels.available():
+    if not kernel_library.available():
         return "no CPU kernels"
     backend = model.layers[0].self_attn.backend
     if getattr(backend, "name", None) != "cpu_paged" or backend.batch_invariant:
@@ -71,7 +73,7 @@ def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
         products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(p.packing not in QUANT_PACKINGS and p.packing not in BLOCKED_LAYOUT for p in products):
             return "a linear layer does not run Pagoda's kernels"
-        if any(p.packing in QUANT_PACKINGS for p in products) and not cpu_kernels.quant_linear_vector():
+        if any(p.packing in QUANT_PACKINGS for p in products) and not linear_kernels.quant_linear_vector():
             return "no vector quantized kernel"
         if any(p.bias is not None for p in products[1:]):
             return "a bias beside q/k/v's"
@@ -112,7 +114,7 @@ class OneCallForward:
         first = model.layers[0]
         attention = first.self_attn
         config = model.config
-        self.fn = cpu_kernels.load().one_call_forward
+        self.fn = kernel_library.load().one_call_forward
         # Arguments after the step's own: everything fixed for the model.
         self.fixed = (ctypes.c_float(config.rms_norm_eps), ctypes.c_float(attention.backend.scale))
         self.model = model

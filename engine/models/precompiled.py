@@ -55,7 +55,7 @@ def cache_key(*parts: object) -> str:
     """A digest of ``parts`` (anything that shapes the compiled code, by repr) with the
     sources the regions trace, the versions of torch and Python, the CPU's flags, the
     threads, and the environment variables that change inductor's code."""
-    from pagoda.attention_backends.cpu_kernels import MARCH_ENV, cpu_flags
+    from pagoda.native.library import MARCH_ENV, cpu_flags
 
     # NOTE: ATEN_CPU_CAPABILITY caps inductor's vector code (inductor's own cache does not key on
     # it); inductor writes the thread count into its code unless it is the CPU count.

@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagoda.attention_backends import cpu_kernels
+from pagoda.native import linear as linear_kernels
 from pagoda.engine.model_loader import QUANTIZED_FILE
 
-GROUP = cpu_kernels.QUANT_GROUP
-BLOCK = cpu_kernels.QUANT_BLOCK
+GROUP = linear_kernels.QUANT_GROUP
+BLOCK = linear_kernels.QUANT_BLOCK
 #: The packings of quantized weights (the names linear.py dispatches on): bits, with minimums.
 QUANT_PACKINGS = {"q8": (8, False), "q8m": (8, True), "q4": (4, False), "q4m": (4, True)}
 #: GGUF types read exactly (the rest are dequantized and quantized again to 8 bits).

@@ -23,38 +23,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pagoda_kernels.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 #include "vector_lanes.h"
-
-int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
-                 int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32, int64_t amx_min_rows);
-void paged_write_kv_bf16(const uint16_t *key, const uint16_t *value, const int64_t *slot_mapping,
-                         uint16_t *key_cache, uint16_t *value_cache, int64_t num_tokens, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t block_size, int64_t key_stride, int64_t value_stride);
-void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
-                        const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t amx_min_rows, int64_t out_f32);
-int quant_silu_mul_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
-                         int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows);
-void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
-                                 uint16_t *y, int64_t ldy, int64_t amx_min_rows);
-void paged_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                          const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
-                          const int32_t *query_start, uint16_t *out, float *lse, const uint8_t *skip,
-                          int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, float scale, float value_scale);
-int prefill_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                           const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
-                           const int32_t *query_start, const int32_t *requests, int64_t num_listed,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                           uint16_t *out, int kind);
-int shared_prefix_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                                 const int32_t *blocks, int64_t num_blocks, int64_t block_size, int64_t num_tokens,
-                                 const int32_t *members, int64_t num_members, const int32_t *query_start,
-                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                                 const uint16_t *own_out, const float *own_lse, uint16_t *out, int kind);
 
 /* A product's packed weight: QUANTIZED (a: bits, b: with minimums + 2 x the rows from which
  * AMX tiles run) or BLOCKED bfloat16 (a: the rows from which AMX tiles run; gate/up packed

@@ -38,6 +38,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pagoda_kernels.h"
+
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>

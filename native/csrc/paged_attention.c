@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pagoda_kernels.h"
+
 #include <omp.h>
 
 #define MIN_SCORE (-1e30f)

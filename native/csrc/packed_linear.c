@@ -47,6 +47,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pagoda_kernels.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>

@@ -49,6 +49,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pagoda_kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define HAVE_FLOAT_TILES 1
 #include <immintrin.h>
