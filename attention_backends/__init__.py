@@ -68,6 +68,9 @@ class AttentionShape:
     head_dim: int
     num_heads: int
     num_kv_heads: int
+    # Layers with a window of their own beside global ones, or soft-capped scores (Gemma):
+    # only backends that support_window_and_softcap run them.
+    window_or_softcap: bool = False
 
 
 def get_attention_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | None = None,
@@ -84,8 +87,12 @@ def get_attention_backend(name: str, device: torch.device, kv_cache_dtype: torch
         return kv_cache_dtype is None or kv_cache_dtype in backend.fp8_kv_cache
 
     def shape_problem(backend: type[AttentionBackend]) -> str | None:
-        return None if shape is None else backend.shape_problem(shape.dtype, shape.head_dim, shape.num_heads,
-                                                               shape.num_kv_heads)
+        if shape is None:
+            return None
+        if shape.window_or_softcap and not backend.supports_window_and_softcap:
+            return ("its layers have sliding windows beside global attention, or soft-capped scores, which this "
+                    "backend does not run (naive does)")
+        return backend.shape_problem(shape.dtype, shape.head_dim, shape.num_heads, shape.num_kv_heads)
 
     if name == "auto":
         for candidate in AUTO_ORDER.get(device.type, ("torch_sdpa", "naive")):

@@ -125,6 +125,10 @@ class AttentionBackend(ABC):
         """Why the backend cannot attend in ``dtype`` with these heads, or None if it can."""
         return None
 
+    # Whether forward() takes ``window`` (keys within the last ``window`` positions of each
+    # query's) and ``softcap`` (scores s become softcap * tanh(s / softcap)), per layer.
+    supports_window_and_softcap: bool = False
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's key (and value) cache tensor."""
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -183,6 +187,8 @@ class AttentionBackend(ABC):
             value: [num_tokens, num_kv_heads, head_dim].
             kv_cache: This layer's (key_cache, value_cache).
             metadata: The step's batch description.
+            window, softcap: Keyword arguments, only to backends that
+                ``supports_window_and_softcap``, only for the layers that have them.
 
         Returns:
             [num_tokens, num_heads, head_dim].

@@ -65,6 +65,18 @@ class ModelConfig:
         moe_intermediate_size: Width of each expert's SwiGLU MLP.
         norm_topk_prob: Whether the top k routing weights are renormalized to sum to 1.
         dense_mlp_layers: Layers of a mixture-of-experts model that keep a dense MLP.
+        sliding_layers: The layers that attend within ``sliding_window`` where only some
+            do (Gemma); None where the window, if any, applies to every layer.
+        hidden_act: The MLP's gate activation: ``"silu"`` or ``"gelu_pytorch_tanh"`` (GeGLU).
+        norm_unit_offset: Whether every RMS norm multiplies by ``1 + weight``, in float32
+            (Gemma), rather than by ``weight`` after casting back (Llama).
+        sandwich_norms: Whether each layer also norms the attention's and the MLP's outputs
+            before their residual adds (Gemma's post-attention and post-feedforward norms).
+        embedding_multiplier: What the embeddings are multiplied by (Gemma: sqrt(hidden)).
+        query_pre_attn_scalar: Attention's softmax scale is its -1/2 power (None: head_dim's).
+        attn_logit_softcapping: Attention scores s become cap * tanh(s / cap) (None: not).
+        final_logit_softcapping: The same for the LM head's logits.
+        local_rope_theta: The RoPE base of the sliding layers where it differs (Gemma 3).
     """
 
     architecture: str
@@ -90,6 +102,15 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_mlp_layers: tuple[int, ...] = ()
+    sliding_layers: tuple[int, ...] | None = None
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    embedding_multiplier: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILIES:
@@ -130,6 +151,23 @@ class ModelConfig:
                 raise ValueError(
                     f"unsupported rope_type {rope_type!r}; expected one of {SUPPORTED_ROPE_TYPES}"
                 )
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of attention."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def windowed_everywhere(self) -> bool:
+        """Whether every layer attends within ``sliding_window`` (then no request needs more than
+        the window's keys; where only some layers do, the others need every key)."""
+        return self.sliding_window is not None and self.sliding_layers is None
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window (None: it sees every earlier token)."""
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
 
     @property
     def is_moe(self) -> bool:
@@ -196,9 +234,10 @@ class ModelConfig:
         family = FAMILIES[architecture]
         if raw.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=true is not supported")
-        hidden_act = raw.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+        hidden_act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
+        if hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu' and "
+                             "'gelu_pytorch_tanh')")
 
         num_heads = int(raw["num_attention_heads"])
         hidden_size = int(raw["hidden_size"])
@@ -236,6 +275,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
+            hidden_act=hidden_act,
             **{"attention_bias": False, **extra},
         )
 
@@ -272,7 +312,11 @@ def _rope(raw: dict[str, Any], max_positions: int, source: str) -> tuple[float, 
     if params is not None and not isinstance(params, dict):
         raise ValueError(f"{source}: rope_parameters must be an object")
     if params and any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"{source}: per-layer-type rope_parameters are not supported")
+        # NOTE: one entry per layer type (Gemma 3 in transformers 5): the full-attention layers'
+        # is the model's; the sliding layers' base is read by the family (local_rope_theta).
+        params = params.get("full_attention")
+        if not isinstance(params, dict):
+            raise ValueError(f"{source}: per-layer-type rope_parameters without a full_attention entry")
     scaling = dict(params or raw.get("rope_scaling") or {})
     partial = scaling.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
     if float(partial) != 1.0:

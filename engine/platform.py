@@ -54,7 +54,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str) -> torch.dtype | None:
 def attention_shape(model_config, dtype: torch.dtype) -> AttentionShape:
     """What the attention backend must handle for this model (a ModelConfig) in ``dtype``."""
     return AttentionShape(dtype, model_config.head_dim, model_config.num_attention_heads,
-                          model_config.num_key_value_heads)
+                          model_config.num_key_value_heads,
+                          window_or_softcap=model_config.sliding_layers is not None
+                          or model_config.attn_logit_softcapping is not None)
 
 
 def resolve_dtype(dtype: str, device: torch.device, quantized_weights: bool = False) -> torch.dtype:

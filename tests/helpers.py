@@ -64,6 +64,12 @@ _ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                   "sliding_window": None}),
     "phi3": ("Phi3Config", {"tie_word_embeddings": False, "sliding_window": None,
                             "original_max_position_embeddings": 1024}),
+    # NOTE: a window of 8 tokens on the first layer, global attention on the second: the parity
+    # tests' prompts are longer than the window.
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                                "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                                         "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 # Files of a model directory that are not tokenizer files (besides weights).
@@ -84,7 +90,7 @@ def make_tiny_model_dir(
     Args:
         path: Output directory (created if needed).
         arch: A key of ``_ARCHS``: ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``,
-            ``"qwen3_moe"``, ``"mixtral"`` or ``"phi3"``.
+            ``"qwen3_moe"``, ``"mixtral"``, ``"phi3"``, ``"gemma2"`` or ``"gemma3_text"``.
         seed: Seed for the random weights; equal seeds give equal weights.
             Norm weights are ``1 + 0.1 * randn`` and biases ``0.02 * randn``
             (not transformers' 1 and 0) so that parity tests see them.

@@ -18,7 +18,9 @@ from pagoda import LLM, SamplingParams
 from pagoda.engine.model_config import ModelConfig
 from helpers import GREEDY, NUM_NEW, hf_greedy, make_hf_model, make_tiny_model_dir
 
-FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "phi3"]
+FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3_text"]
+#: The families whose GGUF files Pagoda reads (llama.cpp writes Gemma's norms as 1 + weight: not yet).
+GGUF_FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "phi3"]
 
 # Two prompts share a 20-token prefix (five blocks of 4): the second finds it in the cache.
 PREFIX = [3000 + 11 * i for i in range(20)]
@@ -41,7 +43,7 @@ def test_config_names_the_family(family):
     name, model_dir, hf, _ = family
     config = ModelConfig.from_dir(model_dir)
     assert config.architecture == name
-    assert config.qk_norm == name.startswith("qwen3")
+    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3_text"))
     experts = getattr(hf.config, "num_experts", None) or getattr(hf.config, "num_local_experts", None) or 0
     assert config.num_experts == experts and config.is_moe == (name in ("qwen3_moe", "mixtral"))
 
@@ -122,7 +124,7 @@ def test_moe_experts_op_matches_a_token_by_token_reference():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", GGUF_FAMILIES)
 def test_gguf_file_of_the_family_loads_and_matches(name, tmp_path):
     # The file as llama.cpp's converter lays it out for the family, in float32: converted to a
     # directory of the family's own checkpoint names (engine/model_loader.py), then loaded.
@@ -164,3 +166,18 @@ def test_packed_experts_match_the_experts_as_loaded(packing):
         assert packed.packing == packing and packed.gate_up.shape != moe.gate_up.shape
         got = packed(x)
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"], indirect=True)
+def test_gemma_layers_keep_their_windows_past_the_window(family):
+    # The first layer attends within 8 tokens, the second globally: prompts of 22-30 tokens are
+    # past the window, the context is not capped at it, and the backend that runs windows and
+    # soft-capping beside global layers is the one chosen.
+    name, model_dir, _, expected = family
+    config = ModelConfig.from_dir(model_dir)
+    assert (config.sliding_window, config.sliding_layers) == (8, (0,)) and not config.windowed_everywhere
+    assert max(len(p) for p in PROMPTS) > config.sliding_window
+    with LLM(str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64) as llm:
+        assert llm.engine.worker.ready.attention_backend == "naive"
+        assert llm.engine.max_model_len == 64
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected

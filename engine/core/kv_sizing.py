@@ -79,7 +79,8 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
         raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's context "
                          f"length ({model_len})")
     wanted_len = config.max_model_len or model_len
-    window = model.sliding_window
+    # NOTE: where only some layers have a window (Gemma), the others need every key.
+    window = model.sliding_window if model.windowed_everywhere else None
     limited_by_window = False
     if window is not None and wanted_len > window:
         if config.max_model_len is not None:

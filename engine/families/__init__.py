@@ -7,10 +7,10 @@ module to ``_MODULES`` below, and copy a family's test in tests/test_families.py
 
 from __future__ import annotations
 
-from pagoda.engine.families import llama, mixtral, phi3, qwen3
+from pagoda.engine.families import gemma, llama, mixtral, phi3, qwen3
 from pagoda.engine.families.family import Family
 
-_MODULES = (llama, qwen3, mixtral, phi3)
+_MODULES = (llama, qwen3, mixtral, phi3, gemma)
 
 #: Every family, by Pagoda's architecture name.
 FAMILIES: dict[str, Family] = {family.name: family for module in _MODULES for family in module.FAMILIES}

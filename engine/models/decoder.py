@@ -29,6 +29,7 @@ down to the rank's share, and the row-parallel outputs and the embedding are all
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -55,23 +56,36 @@ logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """Llama's RMS norm, or with ``unit_offset`` Gemma's (times 1 + weight, in float32)."""
+
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: normalised in float32 and cast back before the weight, as transformers does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        # NOTE: normalised in float32 and cast back before the weight, as transformers does.
         return self.weight * x32.to(x.dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (rotate-half layout)."""
+def rms_norm(config: ModelConfig, size: int | None = None) -> RMSNorm:
+    """An RMS norm of the family's kind, over ``size`` (default: the hidden size)."""
+    return RMSNorm(size or config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position (rotate-half layout); ``local``:
+    the sliding layers' (their own base, no scaling), where the family gives them one."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, local: bool = False) -> None:
         super().__init__()
+        if local:
+            config = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
         if torch.get_default_device().type == "meta":
             # NOTE: placeholders, like every tensor of a model built on the meta device: the
             # ops would only be traced there, and tracing them imports torch._dynamo (2 s).
@@ -103,7 +117,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup,
+                 index: int = 0) -> None:
         super().__init__()
         share = head_share(config.num_attention_heads, config.num_key_value_heads, tp.rank, tp.world_size)
         self.num_heads = share.num_heads
@@ -114,10 +129,21 @@ class Attention(nn.Module):
         # NOTE: q, k and v are one fused matrix product; weights are concatenated at load.
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        # Qwen3: an RMS norm over each query and key head, before RoPE.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Qwen3, Gemma 3: an RMS norm over each query and key head, before RoPE.
+        self.q_norm = rms_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = rms_norm(config, self.head_dim) if config.qk_norm else None
         self.backend = backend
+        # NOTE: a window where only some layers have one (Gemma); where every layer has it, no
+        # request is longer than the window (kv_sizing), and attention is plain causal.
+        self.window = config.layer_window(index) if config.sliding_layers is not None else None
+        self.softcap = config.attn_logit_softcapping
+        self.local_rope = self.window is not None and config.local_rope_theta is not None
+
+    def attend(self, q, k, v, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+        """The backend's attention, within this layer's window and soft cap where it has them."""
+        if self.window is None and self.softcap is None:
+            return self.backend.forward(q, k, v, kv_cache, metadata)
+        return self.backend.forward(q, k, v, kv_cache, metadata, window=self.window, softcap=self.softcap)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -133,11 +159,17 @@ class MLP(nn.Module):
         super().__init__()
         start, end = even_split(config.intermediate_size, tp.rank, tp.world_size)
         self.intermediate_size = end - start
-        # NOTE: gate_proj and up_proj are one fused product, SiLU(gate) * up included.
-        self.gate_up_proj = GateUpLinear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        # NOTE: gate_proj and up_proj are one fused product, SiLU(gate) * up included (GELU's
+        # is applied after the product).
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+        product = Linear if self.gelu else GateUpLinear
+        self.gate_up_proj = product(config.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(self.gate_up_proj(x))
 
 
@@ -152,17 +184,22 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup,
                  index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = rms_norm(config)
+        self.self_attn = Attention(config, backend, tp, index)
+        self.post_attention_layernorm = rms_norm(config)  # the MLP's input norm
         self.mlp = sparse_moe(config, tp) if config.layer_is_moe(index) else MLP(config, tp)
+        # Gemma: the attention's and the MLP's outputs normed before their residual adds.
+        self.attn_out_norm = rms_norm(config) if config.sandwich_norms else None
+        self.mlp_out_norm = rms_norm(config) if config.sandwich_norms else None
         self.tp = tp
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The layer after attention: o_proj, residual, norm, MLP, residual (row-parallel
-        outputs summed over the tensor-parallel ranks)."""
-        hidden = residual + self.tp.all_reduce(self.self_attn.o_proj(attn.reshape(attn.shape[0], -1)))
-        return hidden + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(hidden)))
+        outputs summed over the tensor-parallel ranks; sandwich norms where the family has them)."""
+        out = self.tp.all_reduce(self.self_attn.o_proj(attn.reshape(attn.shape[0], -1)))
+        hidden = residual + (out if self.attn_out_norm is None else self.attn_out_norm(out))
+        out = self.tp.all_reduce(self.mlp(self.post_attention_layernorm(hidden)))
+        return hidden + (out if self.mlp_out_norm is None else self.mlp_out_norm(out))
 
 
 # -- the regions between attention calls (compiled once each, shared by every layer) --------
@@ -170,6 +207,8 @@ class DecoderLayer(nn.Module):
 
 def before_first_attention(embed: VocabParallelEmbedding, layer: DecoderLayer, input_ids, cos, sin):
     hidden = embed(input_ids)
+    if embed.multiplier is not None:  # Gemma: sqrt(hidden), in the embeddings' dtype
+        hidden = hidden * torch.tensor(embed.multiplier, dtype=hidden.dtype)
     q, k, v = layer.self_attn.qkv(layer.input_layernorm(hidden), cos, sin)
     return q, k, v, hidden
 
@@ -188,13 +227,15 @@ class VocabParallelEmbedding(nn.Embedding):
     """The embedding rows [vocab_start, vocab_end) of this rank; other ids look up zeros, and
     the ranks' results are summed (every id is on exactly one rank)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup,
+                 multiplier: float | None = None) -> None:
         self.vocab_start, self.vocab_end = even_split(vocab_size, tp.rank, tp.world_size)
         # NOTE: an uninitialised weight (the checkpoint's replaces it): nn.Embedding's own
         # init, normal_, on the meta device imports torch._dynamo, 2 s of every eager start.
         rows = self.vocab_end - self.vocab_start
         super().__init__(rows, hidden_size, _weight=torch.empty(rows, hidden_size))
         self.tp = tp
+        self.multiplier = multiplier
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
@@ -264,10 +305,14 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp = tp or TensorParallelGroup()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
+                                                   config.embedding_multiplier)
         self.layers = nn.ModuleList(DecoderLayer(config, backend, tp, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = rms_norm(config)
         self.rotary = RotaryEmbedding(config, max_positions)
+        # The sliding layers' RoPE, where its base differs (Gemma 3).
+        self.local_rotary = (RotaryEmbedding(config, max_positions, local=True)
+                             if config.local_rope_theta is not None and config.sliding_layers is not None else None)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -382,13 +427,18 @@ class DecoderForCausalLM(nn.Module):
         if one_call is not None and kv_caches is one_call.kv_caches and one_call.applies(metadata):
             return one_call(input_ids, positions, metadata)
         first, between, last = self._regions
-        cos, sin = self.rotary.cos_sin(positions, self.embed_tokens.weight.dtype)
+        dtype = self.embed_tokens.weight.dtype
+        rope = self.rotary.cos_sin(positions, dtype)
+        local = rope if self.local_rotary is None else self.local_rotary.cos_sin(positions, dtype)
         layers = self.layers
-        q, k, v, residual = first(self.embed_tokens, layers[0], input_ids, cos, sin)
+        q, k, v, residual = first(self.embed_tokens, layers[0], input_ids,
+                                  *(local if layers[0].self_attn.local_rope else rope))
         for i, layer in enumerate(layers):
-            attn = layer.self_attn.backend.forward(q, k, v, kv_caches[i], metadata)
+            attn = layer.self_attn.attend(q, k, v, kv_caches[i], metadata)
             if i + 1 < len(layers):
-                q, k, v, residual = between(layer, layers[i + 1], attn, residual, cos, sin)
+                following = layers[i + 1]
+                q, k, v, residual = between(layer, following, attn, residual,
+                                            *(local if following.self_attn.local_rope else rope))
         return last(layers[-1], self.norm, attn, residual)
 
     def prepare_one_call_forward(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -428,6 +478,9 @@ class DecoderForCausalLM(nn.Module):
         # NOTE: not under tensor parallelism, where each rank holds a share of the vocabulary.
         if greedy_rows is not None and logits.dtype == torch.bfloat16 and not self.tp.is_parallel:
             logits = break_bfloat16_ties(logits, hidden, self._unpacked_lm_head_weight(), greedy_rows)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2; monotonic, so greedy_tokens' argmax stands
+            logits = torch.tanh(logits / cap) * cap
         return self.tp.all_gather_last_dim(logits, self._vocab_shares)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -46,6 +46,12 @@ def architecture_reason(config) -> str | None:
         return "per-head q/k norms"
     if config.is_moe:
         return "a mixture of experts"
+    if config.norm_unit_offset or config.sandwich_norms or config.hidden_act != "silu":
+        return "Gemma's norms and GELU"
+    if config.sliding_layers is not None or config.attn_logit_softcapping or config.final_logit_softcapping:
+        return "sliding-window layers beside global ones, or soft-capping"
+    if config.embedding_multiplier is not None or config.query_pre_attn_scalar is not None:
+        return "scaled embeddings or attention scale"
     return None
 
 

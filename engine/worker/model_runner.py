@@ -175,6 +175,8 @@ class ModelRunner:
             return "no CUDA graphs under tensor parallelism yet"
         if self._init.draft_model_dir is not None:
             return "no CUDA graphs with a draft model yet"
+        if self.model_config.is_moe:  # NOTE: the experts' grouping reads its counts back (moe.py)
+            return "no CUDA graphs with mixture-of-experts layers yet"
         if not self.attention_backend.supports_decode_graphs:
             return f"no CUDA graphs with the {self.attention_backend.name} attention backend yet"
         return None
@@ -213,7 +215,7 @@ class ModelRunner:
         heads = head_share(model_config.num_attention_heads, model_config.num_key_value_heads, tp.rank,
                            tp.world_size)
         backend = backend_cls(heads.num_heads, heads.num_kv_heads, model_config.head_dim,
-                              model_config.head_dim**-0.5)
+                              model_config.attention_scale)
         if config.batch_invariant:
             backend.batch_invariant = True  # cpu_paged: every row by the vector kernel alone
         # NOTE: built on the meta device so that no time goes into random init of weights
@@ -224,6 +226,8 @@ class ModelRunner:
         model = model._apply(lambda t: torch.empty(t.shape, device=self.device,
                                                    dtype=self.dtype if t.is_floating_point() else t.dtype))
         model.rotary = RotaryEmbedding(model_config, init.max_model_len).to(self.device)
+        if model.local_rotary is not None:
+            model.local_rotary = RotaryEmbedding(model_config, init.max_model_len, local=True).to(self.device)
         start = time.perf_counter()
         progress(f"loading weights from {model_dir} ({self.device}, {str(self.dtype).removeprefix('torch.')})")
         weights = load_weights(model_dir)
