@@ -33,7 +33,6 @@ def test_unknown_backend_lists_the_known_ones():
 
 
 def test_loading_the_cpu_kernels_keeps_subnormal_floats():
-    from pagoda.attention_backends import cpu_kernels
     from pagoda.native import library as kernel_library
 
     if not kernel_library.available():
@@ -73,7 +72,6 @@ def test_cpu_kv_write_reads_keys_and_values_in_place_from_the_qkv_product(dtype)
 
 
 def test_auto_picks_the_cpu_kernel_backend_on_the_cpu():
-    from pagoda.attention_backends import cpu_kernels
     from pagoda.native import library as kernel_library
 
     expected = "cpu_paged" if kernel_library.available() else "torch_sdpa"
@@ -278,7 +276,6 @@ def test_selection_checks_the_models_dtype_head_size_and_group(monkeypatch):
 def _tile_kinds() -> list[tuple[str, torch.dtype]]:
     """Each kind of tiles that runs here with bfloat16, and the float32 tiles with float32."""
     from pagoda.attention_backends import cpu_kernels
-    from pagoda.native import library as kernel_library
 
     kinds = cpu_kernels.attention_tile_kinds()
     return ([(kind, torch.bfloat16) for kind in kinds] + [("avx2", torch.float32)] * ("avx2" in kinds)
@@ -296,7 +293,6 @@ def test_prefill_on_tiles_matches_naive(monkeypatch, tiles, dtype, block_size, g
     # tiles. Each kind of tiles that runs here (AMX, AVX512-BF16 vectors, AVX2's float32; those
     # in float32 too).
     from pagoda.attention_backends import cpu_kernels, cpu_paged
-    from pagoda.native import library as kernel_library
 
     monkeypatch.setattr(cpu_kernels, "attention_tiles", lambda: tiles)
     monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", min_tokens)
@@ -313,7 +309,6 @@ def kernel_built_for(source: str, march: str, directory, *defines: str):
     import ctypes
     import subprocess
 
-    from pagoda.attention_backends import cpu_kernels
     from pagoda.native import library as kernel_library
 
     target = directory / f"{source}-{march}-{len(defines)}.so"

@@ -57,7 +57,6 @@ def test_compare_workloads_draw_fresh_prompts_of_their_shape():
 
 
 def test_linear_bench_times_every_packing_this_machine_has(capsys):
-    from pagoda.attention_backends import cpu_kernels
     from pagoda.native import library as kernel_library
     from pagoda.engine.models import linear
 

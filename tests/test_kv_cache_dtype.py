@@ -8,7 +8,7 @@ import torch
 
 from helpers import MIXED, WIDE, run_step
 from pagoda import LLM, SamplingParams
-from pagoda.attention_backends import SUPPORTED_ATTENTION_BACKENDS, cpu_kernels, cpu_paged, get_attention_backend
+from pagoda.attention_backends import SUPPORTED_ATTENTION_BACKENDS, cpu_paged, get_attention_backend
 from pagoda.native import library as kernel_library
 from pagoda.attention_backends.base import to_cache_dtype
 from pagoda.engine.config import EngineConfig
