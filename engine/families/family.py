@@ -18,6 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+def used_sliding_window(raw: dict[str, Any]) -> int | None:
+    """The window of a config that has one but turns it on by ``use_sliding_window`` (Qwen2, Qwen3)."""
+    return raw.get("sliding_window") if raw.get("use_sliding_window") else None
+
+
 #: A fused checkpoint tensor and what it is cut into: (pattern, [(part name, size key)...]).
 #: The sizes are read from the model configuration (see Family.split_fused).
 FusedTensor = tuple[str, tuple[tuple[str, str], ...]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.engine.families.family import Family
+from pagoda.engine.families.family import Family, used_sliding_window
 
 
 def _llama(raw: dict[str, Any]) -> dict[str, Any]:
@@ -19,7 +19,7 @@ def _mistral(raw: dict[str, Any]) -> dict[str, Any]:
 def _qwen2(raw: dict[str, Any]) -> dict[str, Any]:
     # NOTE: Qwen2 always has q/k/v biases; its config has no key for it.
     return {"attention_bias": bool(raw.get("attention_bias", True)),
-            "sliding_window": raw.get("sliding_window") if raw.get("use_sliding_window") else None}
+            "sliding_window": used_sliding_window(raw)}
 
 
 LLAMA = Family("llama", ("LlamaForCausalLM",), 2048, _llama, gguf_architecture="llama", gguf_permutes_qk=True)

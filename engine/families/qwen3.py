@@ -6,16 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.engine.families.family import Family
-
-
-def _sliding_window(raw: dict[str, Any]) -> int | None:
-    return raw.get("sliding_window") if raw.get("use_sliding_window") else None
+from pagoda.engine.families.family import Family, used_sliding_window
 
 
 def _qwen3(raw: dict[str, Any]) -> dict[str, Any]:
     return {"attention_bias": bool(raw.get("attention_bias", False)), "qk_norm": True,
-            "sliding_window": _sliding_window(raw)}
+            "sliding_window": used_sliding_window(raw)}
 
 
 def _qwen3_moe(raw: dict[str, Any]) -> dict[str, Any]:

@@ -398,9 +398,7 @@ class DecoderForCausalLM(nn.Module):
             # NOTE: kept for break_bfloat16_ties (Pagoda's kernel gives float32 logits instead).
             self._unpacked_lm_head = self.lm_head.weight
         for module in self.modules():
-            if isinstance(module, SparseMoE):
-                module.pack(packing, batch_invariant)
-            elif isinstance(module, Linear) and module.packing is None:
+            if isinstance(module, SparseMoE) or (isinstance(module, Linear) and module.packing is None):
                 module.pack(packing, batch_invariant)
             elif isinstance(module, Linear) and packing == "amx" and not batch_invariant:
                 module.tile_quantized()
