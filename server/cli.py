@@ -82,10 +82,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     _add(parser, "--otlp-traces-endpoint", default=None,
          help="export OpenTelemetry traces to this OTLP endpoint (needs opentelemetry-exporter-otlp)")
     _add(parser, "--enable-auto-tool-choice", action="store_true",
-         help='accept tool_choice "auto": the model decides to call tools (needs --tool-call-parser)')
+         help='accepted for vLLM\'s command lines: tool_choice "auto" works without it')
     _add(parser, "--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
-         help="how tool calls are found in the model's text for tool_choice auto: hermes (<tool_call> JSON; "
-              "Qwen2.5, Hermes), llama3_json (Llama 3.1-3.3), mistral ([TOOL_CALLS]), pythonic ([f(x=1)])")
+         help="how tool calls are found in the model's text for tool_choice auto (default: read from the chat "
+              "template, else hermes): hermes (<tool_call> JSON; Qwen2.5, Hermes), llama3_json (Llama 3.1-3.3), "
+              "mistral ([TOOL_CALLS]), pythonic ([f(x=1)])")
     _add(parser, "--client-header", default=None, metavar="NAME",
          help="a request header that names the client, for --scheduling-policy fair and the per-key limits "
               "(default: the API key, else the client's address)")
@@ -122,7 +123,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout, max_n=args.max_n,
         max_logprobs=args.max_logprobs, max_stop=args.max_stop, max_prompts=args.max_prompts,
         chat_template=args.chat_template, otlp_traces_endpoint=args.otlp_traces_endpoint,
-        access_log=args.access_log, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        access_log=args.access_log,
         tool_call_parser=args.tool_call_parser, client_header=args.client_header,
         max_sequences_per_request=args.max_sequences_per_request, max_tokens_per_request=args.max_tokens_per_request,
         max_sequences_per_client=args.max_sequences_per_client, max_tokens_per_client=args.max_tokens_per_client,

@@ -39,9 +39,9 @@ class ServerConfig:
             tokenizer's.
         otlp_traces_endpoint: Export traces to this OTLP endpoint (turns tracing on).
         access_log: Log one line per HTTP request.
-        enable_auto_tool_choice: Accept ``tool_choice: "auto"`` (needs tool_call_parser).
         tool_call_parser: How calls are found in a model's own text for "auto" (hermes,
-            llama3_json, mistral, pythonic: server/tool_parsers.py).
+            llama3_json, mistral, pythonic: server/tool_parsers.py); None: chosen from the
+            chat template (server/tools.py, choose_tool_syntax).
         max_sequences_per_request: Prompts x n of one request; None: half the engine's
             max_num_seqs (server/limits.py).
         max_tokens_per_request: Sum over a request's sequences of prompt + max_tokens;
@@ -83,7 +83,6 @@ class ServerConfig:
     chat_template: str | None = None
     otlp_traces_endpoint: str | None = None
     access_log: bool = True
-    enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     client_header: str | None = None
     keep_alive_on_engine_death: bool = False

@@ -15,6 +15,7 @@ constrain the output (docs/structured-outputs.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ from pagoda.engine.sampling_params import SamplingParams, StructuredOutputsParam
 from pagoda.server.config import ServerConfig
 from pagoda.server.errors import bad_request, from_value_error
 from pagoda.server.tool_parsers import KEEPS_SPECIAL_TOKENS
-from pagoda.server.tools import ToolRequest, parse_tools
+from pagoda.server.tools import ToolRequest, ToolSyntax, parse_tools
 
 MAX_STOP_LENGTH = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -242,8 +243,8 @@ def parse_completion(body: Any, config: ServerConfig) -> GenerateRequest:
     return request
 
 
-def parse_chat(body: Any, config: ServerConfig) -> GenerateRequest:
-    """Validates a /v1/chat/completions body.
+def parse_chat(body: Any, config: ServerConfig, tool_syntax: ToolSyntax | None = None) -> GenerateRequest:
+    """Validates a /v1/chat/completions body (``tool_syntax``: how the model writes calls).
 
     Raises:
         APIError: 400 naming the field at fault.
@@ -253,7 +254,7 @@ def parse_chat(body: Any, config: ServerConfig) -> GenerateRequest:
     for name in ("functions", "audio", "prediction", "web_search_options"):
         b.unsupported(name, what=" (Pagoda has no legacy function calling ('tools' it has), audio or web search)")
     b.unsupported("function_call", ("none", "auto"))
-    tools = parse_tools(body, config.enable_auto_tool_choice, config.tool_call_parser)
+    tools = parse_tools(body, tool_syntax)
     b.unsupported("modalities", (["text"],))
     logprobs = None
     if b.bool_("logprobs", False):
@@ -279,12 +280,14 @@ def parse_chat(body: Any, config: ServerConfig) -> GenerateRequest:
     request.tools = tools
     if tools is not None and tools.parser in KEEPS_SPECIAL_TOKENS and "skip_special_tokens" not in body:
         request.params.skip_special_tokens = False  # its calls start with a special token
-    constraint = tools.constraint() if tools is not None else None
-    if constraint is not None:
-        if request.params.structured_outputs is not None:
+    if tools is not None and tools.choice != "none":
+        answer = request.params.structured_outputs
+        if answer is not None and tools.choice != "auto":
             raise bad_request(f"'tool_choice' {tools.choice!r} constrains the output; it cannot be combined with "
                               f"'{request.structured_param}'", "tool_choice", code="invalid_structured_outputs")
-        request.params.structured_outputs, request.structured_param = constraint, "tools"
+        constraint = tools.constraint(answer)
+        if constraint is not answer:
+            request.params.structured_outputs, request.structured_param = constraint, "tools"
     return request
 
 
@@ -508,11 +511,10 @@ def _parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise bad_request(f"'{where}.tool_calls[{j}]' must have a function with a name", f"{where}.tool_calls")
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
-            try:
+            # NOTE: a call cut by max_tokens has arguments that are not (yet) JSON; the
+            # server sent it so, and takes it back as the text it is.
+            with contextlib.suppress(ValueError):
                 arguments = json.loads(arguments or "{}")
-            except ValueError:
-                raise bad_request(f"'{where}.tool_calls[{j}].function.arguments' must be JSON text",
-                                  f"{where}.tool_calls") from None
         result.append({"id": call.get("id"), "type": "function",
                        "function": {"name": function["name"], "arguments": arguments}})
     return result

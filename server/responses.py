@@ -172,12 +172,37 @@ class ChoiceBuilder:
             result = {key: echoed[key] + result[key] for key in result}
         return result
 
-    def _parse(self, text: str, final: bool) -> tuple[str | None, Parsed]:
-        """(reasoning, content and tool calls) of an answer so far."""
+    @property
+    def watches_repeats(self) -> bool:
+        """The answer may make several calls: one that repeats an earlier call ends it."""
+        return self.tools is not None and self.tools.parallel and self.tools.choice in ("required", "auto")
+
+    def repeats(self, text: str) -> bool:
+        """The answer so far has repeated a call (see ToolRequest.repeats)."""
+        if self.reasoning is not None:
+            text = self.reasoning.split(text, False)[1]
+        return self.tools.repeats(text)
+
+    def _parse(self, text: str, finished: bool, finish_reason: str | None) -> tuple[str | None, Parsed]:
+        """(reasoning, content and tool calls) of an answer so far.
+
+        An answer cut by max_tokens keeps the calls it was writing, as far as they got (a
+        call whose name is written is a call, its arguments possibly unfinished JSON; a
+        forced choice's answer cut before a name has no call and no content):
+        parsed as a stream parses a text still growing, so that the stream and the whole
+        answer hold the same calls.
+        """
         reasoning = None
         if self.reasoning is not None:
-            reasoning, text = self.reasoning.split(text, final)
-        return reasoning, self.tools.parse(text, final) if self.tools is not None else Parsed(text)
+            reasoning, text = self.reasoning.split(text, finished)
+        if self.tools is None:
+            return reasoning, Parsed(text)
+        if finished and finish_reason == "length":
+            parsed = self.tools.parse(text, final=False)
+            parsed.calls = [call for call in parsed.calls if call.name is not None]
+            if parsed.calls or self.tools.choice != "auto":  # a forced answer is never content
+                return reasoning, parsed
+        return reasoning, self.tools.parse(text, finished)
 
     def whole(self, index: int, output: CompletionOutput, prefix: str = "",
               prompt_entries: list[TokenLogprobs] | None = None) -> dict[str, Any]:
@@ -192,7 +217,7 @@ class ChoiceBuilder:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             # NOTE: an echoed prefix is the client's own text: content, never parsed.
-            reasoning, parsed = self._parse(output.text, final=True)
+            reasoning, parsed = self._parse(output.text, True, finish)
             parsed.content = prefix + parsed.content
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
             if reasoning is not None:
@@ -228,7 +253,7 @@ class ChoiceBuilder:
         state.text += output.text
         if self.num_logprobs is not None and output.logprobs:
             state.logprobs.extend(output.logprobs)
-        reasoning, parsed = self._parse(state.text, output.finished)
+        reasoning, parsed = self._parse(state.text, output.finished, output.finish_reason)
         deltas: list[dict[str, Any]] = []
         if state.prefix:  # echo: the client's own text goes first, as content, unparsed
             deltas.append({"content": state.prefix})

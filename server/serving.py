@@ -35,7 +35,7 @@ from pagoda.server.responses import (ChoiceBuilder, ChoiceState, echoed_prompt_l
                                      vllm_prompt_logprobs)
 from pagoda.server.state import STATE_KEY, ServerState
 from pagoda.server.streaming import merge, open_sse, send_done, send_event
-from pagoda.server.tools import check_template_renders_tools
+from pagoda.server.tools import tools_in_system, uses_tools
 from pagoda.server.tracing import RequestSpan
 
 
@@ -127,7 +127,7 @@ async def _generate(request: web.Request, state: ServerState, span: RequestSpan,
                     chat: bool) -> web.StreamResponse:
     config, engine = state.config, state.engine
     body = await read_json(request)
-    gen = parse_chat(body, config) if chat else parse_completion(body, config)
+    gen = parse_chat(body, config, state.tool_syntax) if chat else parse_completion(body, config)
     model = state.resolve_model(gen.model)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     span.set_request(gen, request_id, model)
@@ -158,12 +158,18 @@ async def _run(request: web.Request, state: ServerState, gen: GenerateRequest, c
                request_id: str, jobs: list[_Job], model: str, client: str) -> web.StreamResponse:
     """Submits a validated request's prompts and streams or collects the answer."""
     engine = state.engine
+    reasoning = engine.config.reasoning_parser
+    builder = ChoiceBuilder(chat, gen.logprobs, state.token_str, gen.tools,
+                            REASONING_PARSERS[reasoning] if reasoning is not None else None)
+    # NOTE: an answer that may repeat a call is read as it grows, so that a repeat ends it.
+    watch = builder.watches_repeats and gen.params.n == 1 and len(jobs) == 1
+    kind = OutputKind.DELTA if gen.stream else OutputKind.CUMULATIVE if watch else OutputKind.FINAL
     try:
         for job in jobs:
             job.stream = engine.add_request(job.prompt, gen.params, request_id=job.request_id,
                                             prompt_token_ids=job.prompt_token_ids, priority=gen.priority,
                                             cache_salt=gen.cache_salt, kv_retention=gen.kv_retention, client=client,
-                                            output_kind=OutputKind.DELTA if gen.stream else OutputKind.FINAL)
+                                            output_kind=kind)
     except (ValueError, EngineDeadError, AdmissionPluginFailed) as exc:
         for job in jobs:
             engine.abort(job.request_id)
@@ -174,15 +180,12 @@ async def _run(request: web.Request, state: ServerState, gen: GenerateRequest, c
         if isinstance(exc, RequestRejected):
             raise rejection_error(exc) from None
         raise from_value_error(exc, "messages" if chat else "prompt") from None
-    reasoning = engine.config.reasoning_parser
-    builder = ChoiceBuilder(chat, gen.logprobs, state.token_str, gen.tools,
-                            REASONING_PARSERS[reasoning] if reasoning is not None else None)
     created = int(time.time())
     head = {"id": request_id, "object": _object(chat, gen.stream), "created": created, "model": model}
     try:
         if gen.stream:
-            return await _stream(request, state, gen, jobs, builder, head, span)
-        return await _collect(state, gen, jobs, builder, head, span)
+            return await _stream(request, state, gen, jobs, builder, head, span, watch)
+        return await _collect(state, gen, jobs, builder, head, span, watch)
     except BaseException as exc:
         _abandon(state, jobs, gen.params.n, "abort" if isinstance(exc, asyncio.CancelledError) else "error")
         raise
@@ -226,15 +229,17 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
             if isinstance(prompt, str):
                 limits.check_chars(len(prompt), "prompt")
     if chat:
-        kwargs = gen.chat_template_kwargs
-        if gen.tools is not None:
-            kwargs = {**kwargs, "tools": gen.tools.tools}
-        text = await state.run_tokenizer(state.render_chat, gen.messages, gen.add_generation_prompt,
-                                         gen.continue_final_message, kwargs)
-        if gen.tools is not None:
-            check_template_renders_tools(text, await state.run_tokenizer(
-                state.render_chat, gen.messages, gen.add_generation_prompt, gen.continue_final_message,
-                gen.chat_template_kwargs))
+        messages, kwargs, template = gen.messages, gen.chat_template_kwargs, None
+        syntax = state.tool_syntax
+        if syntax is not None and (gen.tools is not None or uses_tools(messages)):
+            tools = gen.tools.tools if gen.tools is not None else None
+            if syntax.in_system:
+                messages = tools_in_system(messages, tools)
+            elif tools is not None:
+                kwargs = {**kwargs, "tools": tools}
+            template = syntax.template
+        text = await state.run_tokenizer(state.render_chat, messages, gen.add_generation_prompt,
+                                         gen.continue_final_message, kwargs, template)
         ids = await state.run_tokenizer(state.encode, text, gen.add_special_tokens)
         last = gen.messages[-1]
         echo = last["content"] if gen.echo and last["role"] == "assistant" else ""
@@ -287,8 +292,9 @@ def _engine_error(exc: Exception) -> APIError:
     return APIError(500, f"Generation failed: {exc}", code="generation_failed")
 
 
-def _finish(job: _Job, out: RequestOutput, gen: GenerateRequest, span: RequestSpan) -> None:
-    """Takes one output of a job (a delta when streaming, else the final one)."""
+def _finish(job: _Job, out: RequestOutput, gen: GenerateRequest, span: RequestSpan, cumulative: bool = False) -> None:
+    """Takes one output of a job (a delta when streaming, else the final one, or everything
+    so far when ``cumulative``)."""
     if gen.score_only:
         _drop_generated(out)
     job.latest = out
@@ -296,7 +302,7 @@ def _finish(job: _Job, out: RequestOutput, gen: GenerateRequest, span: RequestSp
         job.num_tokens = [0] * len(out.outputs)
         job.finish_reasons = [None] * len(out.outputs)
     for i, o in enumerate(out.outputs):
-        job.num_tokens[i] += len(o.token_ids)
+        job.num_tokens[i] = len(o.token_ids) + (0 if cumulative else job.num_tokens[i])
         job.finish_reasons[i] = o.finish_reason or job.finish_reasons[i]
     job.tracker.update(out, job.num_tokens[0])
     if out.finished:
@@ -323,13 +329,24 @@ def _echoed_entries(gen: GenerateRequest, job: _Job, out: RequestOutput) -> list
     return echoed_prompt_logprobs(job.prompt_token_ids, out.prompt_logprobs)
 
 
+def _end_at_repeat(builder: ChoiceBuilder, out: RequestOutput, text: str) -> bool:
+    """Ends an answer that has just repeated a call (one sample, one prompt): True when it did."""
+    if out.finished or not builder.repeats(text):
+        return False
+    out.outputs[0].finish_reason, out.finished = "stop", True  # the engine request is aborted on leaving
+    return True
+
+
 async def _collect(state: ServerState, gen: GenerateRequest, jobs: list[_Job], builder: ChoiceBuilder,
-                   head: dict[str, Any], span: RequestSpan) -> web.Response:
+                   head: dict[str, Any], span: RequestSpan, watch: bool) -> web.Response:
     engine = state.engine
     try:
         async with aclosing(merge([engine.stream_outputs(job.stream) for job in jobs])) as outputs:
             async for index, out in outputs:
-                _finish(jobs[index], out, gen, span)
+                ended = watch and _end_at_repeat(builder, out, out.outputs[0].text)
+                _finish(jobs[index], out, gen, span, cumulative=watch)
+                if ended:
+                    break
     except (EngineDeadError, StepError) as exc:
         raise _engine_error(exc) from None
     n = gen.params.n
@@ -349,7 +366,7 @@ async def _collect(state: ServerState, gen: GenerateRequest, jobs: list[_Job], b
 
 
 async def _stream(request: web.Request, state: ServerState, gen: GenerateRequest, jobs: list[_Job],
-                  builder: ChoiceBuilder, head: dict[str, Any], span: RequestSpan) -> web.StreamResponse:
+                  builder: ChoiceBuilder, head: dict[str, Any], span: RequestSpan, watch: bool) -> web.StreamResponse:
     engine, n = state.engine, gen.params.n
     response = await open_sse(request, {"X-Request-Id": head["id"]})
     states = {index * n + i: ChoiceState(prefix=job.echo, text_offset=len(job.echo))
@@ -367,6 +384,7 @@ async def _stream(request: web.Request, state: ServerState, gen: GenerateRequest
                 await send(builder.role(choice_index))
         async with aclosing(merge([engine.stream_outputs(job.stream) for job in jobs])) as outputs:
             async for index, out in outputs:
+                ended = watch and _end_at_repeat(builder, out, states[0].text + out.outputs[0].text)
                 _finish(jobs[index], out, gen, span)
                 echoed = _echoed_entries(gen, jobs[index], out)
                 for o in out.outputs:
@@ -375,6 +393,8 @@ async def _stream(request: web.Request, state: ServerState, gen: GenerateRequest
                         states[choice_index].prompt_entries = echoed
                     for choice in builder.deltas(choice_index, o, states[choice_index]):
                         await send(choice)
+                if ended:
+                    break
     except (EngineDeadError, StepError) as exc:
         error = _engine_error(exc)
         span.fail(error.message)

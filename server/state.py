@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 from pagoda.engine.model_loader import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
 from pagoda.server.errors import APIError, bad_request
 from pagoda.server.limits import ClientBudget, Limits
+from pagoda.server.tools import ToolSyntax, choose_tool_syntax
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class ServerState:
         model_names: Names listed by /v1/models (the first is the default).
         accepted_names: Every name a request may give as ``model``.
         chat_template: A template overriding the tokenizer's, or None.
+        tool_syntax: How tools reach the model and how its calls are found (None: the
+            model has no chat template).
         tokenizer_pool: One thread for tokenizing and chat templates, off the event loop.
         created: When the server started (Unix seconds).
         draining: Set on shutdown: new generation requests get 503.
@@ -95,6 +98,7 @@ class ServerState:
     model_names: list[str]
     accepted_names: frozenset[str]
     chat_template: str | None = None
+    tool_syntax: ToolSyntax | None = None
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenizer"))
     created: int = field(default_factory=lambda: int(time.time()))
@@ -109,6 +113,12 @@ class ServerState:
         self.idle.set()
         self.limits = Limits.resolve(self.config, self.engine)
         self.budget = ClientBudget(self.limits)
+        template = self.served_template
+        if template:
+            self.tool_syntax = choose_tool_syntax(
+                lambda messages, other, tools: self.render_chat(messages, kwargs={"tools": tools}, template=other),
+                template, self.config.tool_call_parser)
+            logger.info("tools: %s", self.tool_syntax.reason)
 
     # -- in-flight requests -----------------------------------------------------------
 
@@ -212,11 +222,18 @@ class ServerState:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    @property
+    def served_template(self) -> str | None:
+        """The chat template requests are rendered with (--chat-template, else the model's)."""
+        return self.chat_template or self.engine.tokenizer.chat_template
+
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> str:
-        """Applies the chat template; 400 naming ``messages`` when it cannot."""
+                    continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+                    template: str | None = None) -> str:
+        """Applies the chat template (``template``: another one for this request); 400
+        naming ``messages`` when it cannot."""
         tokenizer = self.engine.tokenizer
-        template = self.chat_template or tokenizer.chat_template
+        template = template or self.served_template
         if not template:
             raise bad_request("This model has no chat template; use /v1/completions, or start the server with "
                               "--chat-template.", "messages", code="no_chat_template")

@@ -103,8 +103,10 @@ def _value_end(text: str, i: int) -> int | None:
     return end
 
 
-def _call_object(text: str, i: int, argument_keys: tuple[str, ...]) -> tuple[PartialCall, int | None]:
-    """A ``{"name": ..., "arguments": ...}`` object starting at ``text[i]`` (which is "{").
+def _call_object(text: str, i: int, argument_keys: tuple[str, ...],
+                 forced: bool = False) -> tuple[PartialCall, int | None]:
+    """A ``{"name": ..., "arguments": ...}`` object starting at ``text[i]`` (which is "{");
+    ``forced``: a grammar makes the arguments an object, so the name counts once written.
 
     Returns:
         The call so far and the end of the object (None when it is cut off).
@@ -146,7 +148,7 @@ def _call_object(text: str, i: int, argument_keys: tuple[str, ...]) -> tuple[Par
                 raise Malformed("a call's name must be a string")
             call.name = name
         j = _skip_ws(text, end)
-    if not call.arguments.startswith("{"):
+    if not forced and not call.arguments.startswith("{"):
         call.name = None  # NOTE: not streamed until its arguments turn out to be an object
     return call, None
 
@@ -162,7 +164,7 @@ def _check_arguments(call: PartialCall) -> None:
 
 
 def _json_calls(text: str, i: int, argument_keys: tuple[str, ...], separator: str,
-                closing: str | None) -> tuple[list[PartialCall], int | None]:
+                closing: str | None, forced: bool = False) -> tuple[list[PartialCall], int | None]:
     """Call objects from ``text[i]`` on, separated by ``separator`` and ended by ``closing``
     (or the end of the text when None).
 
@@ -179,7 +181,7 @@ def _json_calls(text: str, i: int, argument_keys: tuple[str, ...], separator: st
             continue
         if text[j] != "{":
             raise Malformed("expected a call object")
-        call, end = _call_object(text, j, argument_keys)
+        call, end = _call_object(text, j, argument_keys, forced)
         calls.append(call)
         if end is None:
             break
@@ -373,7 +375,7 @@ def parse_json_array(text: str, final: bool) -> Parsed:
     try:
         if text[j] != "[":
             raise Malformed("expected a JSON array")
-        calls, end = _json_calls(text, j + 1, ("arguments",), ",", "]")
+        calls, end = _json_calls(text, j + 1, ("arguments",), ",", "]", forced=True)
     except Malformed:
         return Parsed(text) if final else Parsed()
     if final and end is None:

@@ -1,6 +1,7 @@
 """Tool calling with the real openai client against a live server on the default model:
 required and named calls enforced by the grammar (streamed and not), a two-turn tool loop,
-auto with the hermes parser, and bad inputs that get a 400 and lose nothing."""
+auto with the hermes parser, and bad inputs that get a 400 and lose nothing; all with no
+tool flags."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from pagoda.engine.config import EngineConfig
 from pagoda.server.config import ServerConfig
 from pagoda.server.testing import ServerThread
-from pagoda.server.tools import ToolRequest
+from pagoda.server.tools import ToolRequest, ToolSyntax, tools_in_system
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +35,8 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
 def server(request):
-    config = ServerConfig(chat_template="chatml_tools", enable_auto_tool_choice=True, tool_call_parser="hermes")
-    with ServerThread(EngineConfig(max_model_len=1024, async_scheduling=request.param), config) as server:
+    # NOTE: no flags: the default model's template ignores tools, the server picks chatml_tools and hermes.
+    with ServerThread(EngineConfig(max_model_len=1024, async_scheduling=request.param), ServerConfig()) as server:
         yield server
 
 
@@ -99,7 +100,7 @@ def test_auto_lets_the_model_answer_or_call(client):
 
 
 def test_the_hermes_parser_on_texts_in_its_format():
-    tools = ToolRequest(tools=TOOLS, choice="auto", parser="hermes")
+    tools = ToolRequest(tools=TOOLS, choice="auto", syntax=ToolSyntax("hermes"))
     content, calls = tools.extract('Let me check.\n<tool_call>{"name": "get_weather", "arguments": '
                                    '{"city": "Paris", "unit": "celsius"}}</tool_call>\n<tool_call>{"name": "get_time", '
                                    '"arguments": {"city": "Paris"}}</tool_call>')
@@ -129,12 +130,32 @@ def test_bad_tool_requests_get_a_400_naming_the_field(client, server, body, para
     assert server.call(lambda: kv.get_num_free_blocks()) == kv.num_blocks
 
 
-def test_a_template_that_ignores_tools_and_auto_without_a_parser_are_refused():
-    with ServerThread(EngineConfig(max_model_len=512, enforce_eager=True)) as server:
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def test_a_template_that_is_not_chatml_gets_the_tools_in_its_system_message(tiny_llama_dir, caplog):
+    """A template that ignores tools and is not ChatML: Pagoda writes the tools and the call
+    format into the system message (one log line says so), the grammar forces the call, and
+    the call and its result go back as text the model reads."""
+    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True, max_model_len=1024,
+                          num_kv_blocks=128)
+    with caplog.at_level("INFO", logger="pagoda"), \
+            ServerThread(engine, ServerConfig(chat_template=PLAIN_TEMPLATE)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        with pytest.raises(openai.BadRequestError) as error:
-            client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
-        assert error.value.body["code"] == "tools_not_supported"
-        with pytest.raises(openai.BadRequestError) as error:
-            client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
-        assert "--enable-auto-tool-choice" in error.value.body["message"]
+        model = client.models.list().data[0].id
+        first = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                               parallel_tool_calls=False,
+                                               max_tokens=120, temperature=0).choices[0]
+        assert first.finish_reason == "tool_calls"
+        check_calls(first.message.tool_calls)
+        call = first.message.tool_calls[0]
+        messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"}]
+        second = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none",
+                                                max_tokens=5, temperature=0)
+        assert second.choices[0].finish_reason in ("stop", "length")
+    rendered = tools_in_system(messages, TOOLS)
+    assert rendered[0]["role"] == "system" and '"name": "get_time"' in rendered[0]["content"]
+    assert "<tool_call>" in rendered[2]["content"] and "tool_calls" not in rendered[2]
+    assert rendered[3] == {"role": "user", "content": "<tool_response>21 degrees</tool_response>"}
+    assert any("into the system message" in r.getMessage() for r in caplog.records)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import openai
 import pytest
 
@@ -17,7 +18,7 @@ from pagoda.server.config import ServerConfig
 from pagoda.server.responses import ChoiceBuilder, ChoiceState
 from pagoda.server.testing import ServerThread
 from pagoda.server.tool_parsers import TOOL_CALL_PARSERS
-from pagoda.server.tools import ToolRequest
+from pagoda.server.tools import ToolRequest, ToolSyntax
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
@@ -77,7 +78,7 @@ def stream_choice(builder: ChoiceBuilder, text: str, piece: int = 3):
 
 @pytest.mark.parametrize("parser, text, content, calls", TEXTS)
 def test_parsers_find_calls_and_a_stream_adds_up_to_the_whole(parser, text, content, calls):
-    tools = ToolRequest(tools=TOOLS, choice="auto", parser=parser)
+    tools = ToolRequest(tools=TOOLS, choice="auto", syntax=ToolSyntax(parser))
     whole_content, whole_calls = tools.extract(text)
     if content is None:
         # Cut off (by max_tokens): the whole answer is content, as the model wrote it; a
@@ -95,7 +96,7 @@ def test_parsers_find_calls_and_a_stream_adds_up_to_the_whole(parser, text, cont
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
-    tools = ToolRequest(tools=TOOLS, choice="auto", parser="llama3_json", parallel=False)
+    tools = ToolRequest(tools=TOOLS, choice="auto", syntax=ToolSyntax("llama3_json"), parallel=False)
     _, calls = tools.extract('{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {}}')
     assert [c.name for c in calls] == ["get_time"]
 
@@ -134,7 +135,7 @@ def test_reasoning_parsers_split_thinking_from_the_answer(name, text, reasoning,
 
 
 def test_reasoning_then_a_tool_call():
-    tools = ToolRequest(tools=TOOLS, choice="auto", parser="hermes")
+    tools = ToolRequest(tools=TOOLS, choice="auto", syntax=ToolSyntax("hermes"))
     builder = ChoiceBuilder(True, None, None, tools, REASONING_PARSERS["qwen3"])
     text = '<think>Weather needs a call.</think>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     message = builder.whole(0, CompletionOutput(0, text, finish_reason="stop"))["message"]
@@ -164,7 +165,7 @@ def parser_server(request, tiny_llama_dir):
     parser, async_scheduling = request.param
     engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True, max_model_len=512,
                           num_kv_blocks=128, async_scheduling=async_scheduling)
-    config = ServerConfig(chat_template="chatml_tools", enable_auto_tool_choice=True, tool_call_parser=parser)
+    config = ServerConfig(chat_template="chatml_tools", tool_call_parser=parser)
     with ServerThread(engine, config) as server:
         yield parser, server
 
@@ -216,3 +217,28 @@ def test_a_grammar_applies_once_the_prompt_closed_the_thinking_live(reasoning_se
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
         stream=True, **kwargs))
     assert streamed == message.content
+
+
+def test_auto_tools_with_a_response_format_apply_after_the_thinking_live(reasoning_server):
+    """--reasoning-parser qwen3, tool_choice auto and a response_format: the thinking closed,
+    the answer is a valid call or content valid for the schema, never neither."""
+    server = reasoning_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    messages = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "<think>Hm.</think>"}]
+    for seed in range(4):
+        choice = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=messages, tools=TOOLS, max_tokens=120, temperature=1,
+            seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            extra_body={"continue_final_message": True, "add_generation_prompt": False}).choices[0]
+        assert choice.message.model_extra.get("reasoning_content") is None
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            for call in choice.message.tool_calls:
+                parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+                arguments = json.loads(call.function.arguments)
+                jsonschema.validate(arguments, parameters)
+                assert set(arguments) <= set(parameters["properties"])  # closed: no invented keys
+        else:
+            assert choice.finish_reason == "stop", choice
+            assert set(json.loads(choice.message.content)) == {"city"}

@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from pagoda.engine.core.json_schema import generation_schema
 from pagoda.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -129,7 +130,8 @@ def _kind(params: StructuredOutputsParams) -> str:
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a constraint.
+    """The llguidance grammar of a constraint (a JSON schema read as
+    engine/core/json_schema.py says: closed objects, compact whitespace, bounded numbers).
 
     Raises:
         ValueError: The constraint cannot be turned into a grammar (bad JSON text, a
@@ -139,12 +141,12 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 
     try:
         if params.json_object:
-            return LLMatcher.grammar_from_json_schema({"type": "object"})
+            return LLMatcher.grammar_from_json_schema(generation_schema({"type": "object"}))
         if params.json is not None:
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
-            return LLMatcher.grammar_from_json_schema(schema)
+            return LLMatcher.grammar_from_json_schema(generation_schema(schema))
         if params.regex is not None:
             return LLMatcher.grammar_from_regex(params.regex)
         if params.choice is not None:
@@ -153,7 +155,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             return grammar_from("grammar", params.grammar)
         tag = json.loads(params.structural_tag) if isinstance(params.structural_tag, str) else params.structural_tag
         tags = [StructTag(trigger=next(t for t in tag["triggers"] if s["begin"].startswith(t)), begin=s["begin"],
-                          grammar=s.get("schema", {}), end=s.get("end", "")) for s in tag["structures"]]
+                          grammar=generation_schema(s.get("schema", True)), end=s.get("end", ""))
+                for s in tag["structures"]]
         return StructTag.to_grammar(tags)
     except (ValueError, TypeError, KeyError, StopIteration, AssertionError) as exc:
         raise ValueError(f"structured_outputs: {_kind(params)} is not valid: {exc}") from None
