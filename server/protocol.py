@@ -27,6 +27,9 @@ from pagoda.server.tool_parsers import KEEPS_SPECIAL_TOKENS
 from pagoda.server.tools import ToolRequest, ToolSyntax, parse_tools
 
 MAX_STOP_LENGTH = 256
+#: Chat's max_tokens for a constrained request that sets none (the context otherwise).
+STRUCTURED_MAX_TOKENS = 4096
+
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Sampling fields shared by both endpoints (vLLM's names and semantics).
@@ -176,12 +179,14 @@ class Body:
             raise bad_request(f"'{name}' must be {bounds}, got {value}", name)
         return value
 
-    def number(self, name: str, default: float) -> float:
+    def number(self, name: str, default: float, low: float | None = None, high: float | None = None) -> float:
         value = self.body.get(name)
         if value is None:
             return default
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise bad_request(f"'{name}' must be a number, got {value!r}", name)
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise bad_request(f"'{name}' must be in [{low:g}, {high:g}], got {value!r}", name)
         return float(value)
 
     def bool_(self, name: str, default: bool) -> bool:
@@ -288,6 +293,11 @@ def parse_chat(body: Any, config: ServerConfig, tool_syntax: ToolSyntax | None =
         constraint = tools.constraint(answer)
         if constraint is not answer:
             request.params.structured_outputs, request.structured_param = constraint, "tools"
+    if request.params.structured_outputs is not None and max_tokens is None:
+        # NOTE: chat's default is the whole context; an open-ended constraint (json_object,
+        # "(ab)+") could run to it. Answers past this are rare; a client may ask for more.
+        limit = request.params.max_tokens
+        request.params.max_tokens = STRUCTURED_MAX_TOKENS if limit is None else min(limit, STRUCTURED_MAX_TOKENS)
     return request
 
 
@@ -350,7 +360,7 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
     try:
         params = SamplingParams(
             n=b.int_("n", 1, 1, config.max_n),
-            temperature=b.number("temperature", 1.0),
+            temperature=b.number("temperature", 1.0, 0, 2),  # NOTE: OpenAI's bounds
             top_p=b.number("top_p", 1.0),
             top_k=b.int_("top_k", 0),
             min_p=b.number("min_p", 0.0),
@@ -370,7 +380,10 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
             structured_outputs=structured,
         )
     except ValueError as exc:
-        raise from_value_error(exc) from None
+        error = from_value_error(exc)
+        if error.param == "max_tokens":
+            error.param = max_tokens_param  # NOTE: the field the client sent
+        raise error from None
     return GenerateRequest(
         model=model, params=params, max_tokens=max_tokens, max_tokens_param=max_tokens_param, stream=stream,
         include_usage=include_usage,

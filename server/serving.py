@@ -27,6 +27,7 @@ from aiohttp import web
 from pagoda.engine.frontend.output_processor import OutputKind
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.reasoning import REASONING_PARSERS
+from pagoda.engine.sampling_params import StructuredOutputsParams
 from pagoda.engine.exceptions import AdmissionPluginFailed, EngineDeadError, RequestRejected, StepError
 from pagoda.server.errors import APIError, bad_request, from_value_error
 from pagoda.server.metrics import RequestTracker
@@ -35,7 +36,7 @@ from pagoda.server.responses import (ChoiceBuilder, ChoiceState, echoed_prompt_l
                                      vllm_prompt_logprobs)
 from pagoda.server.state import STATE_KEY, ServerState
 from pagoda.server.streaming import merge, open_sse, send_done, send_event
-from pagoda.server.tools import tools_in_system, uses_tools
+from pagoda.server.tools import ToolRequest, tools_in_system, uses_tools
 from pagoda.server.tracing import RequestSpan
 
 
@@ -258,6 +259,9 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
                 raise bad_request(str(exc), "prompt") from None
             echo = await state.run_tokenizer(engine.tokenizer.decode, ids) if gen.echo else ""
             prompts.append((ids, ids, echo))
+    if gen.tools is not None:
+        # NOTE: every tool's schema is checked whatever the tool_choice (cached once compiled).
+        await asyncio.to_thread(_check_tool_schemas, engine, gen.tools)
     structured = gen.params.structured_outputs
     if structured is not None:
         # NOTE: compiled (and validated) off the event loop; add_request finds it cached.
@@ -273,6 +277,17 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
         job_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
         jobs.append(_Job(job_id, prompt, ids, echo, state.metrics.tracker()))
     return jobs
+
+
+def _check_tool_schemas(engine, tools: ToolRequest) -> None:
+    """400 naming the tool whose parameters schema cannot be compiled."""
+    for i, name in enumerate(tools.names):
+        try:
+            engine.compile_grammar(StructuredOutputsParams(json=tools.parameters(name)))
+        except ValueError as exc:
+            message = str(exc).removeprefix("structured_outputs: ")
+            raise bad_request(f"tools[{i}].function.parameters: {message}", f"tools[{i}].function.parameters",
+                              code="invalid_structured_outputs") from None
 
 
 def _usage(jobs: list[_Job]) -> dict[str, Any]:

@@ -298,6 +298,9 @@ def parse_tools(body: dict[str, Any], syntax: ToolSyntax | None) -> ToolRequest 
         if parameters is not None and not isinstance(parameters, dict):
             raise bad_request(f"'tools[{i}].function.parameters' must be a JSON schema object",
                               f"tools[{i}].function.parameters")
+        if function["name"] in (t["function"]["name"] for t in tools[:i]):
+            raise bad_request(f"'tools[{i}].function.name' repeats the name {function['name']!r}: each tool needs "
+                              "its own", f"tools[{i}].function.name")
     parallel = body.get("parallel_tool_calls")
     request = ToolRequest(tools=tools, choice="auto", parallel=True if parallel is None else bool(parallel),
                           syntax=syntax or ToolSyntax("hermes"))

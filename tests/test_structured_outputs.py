@@ -139,6 +139,11 @@ def test_streamed_json_adds_up_to_the_whole(client):
     ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs"),  # allows no output at all
+    # A broken tool schema is refused whatever the tool_choice, not only where the grammar forces the call.
+    *[({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+        "tool_choice": choice}, "tools[0].function.parameters")
+      for choice in ("auto", "required", "none", {"type": "function", "function": {"name": "f"}})],
 ])
 def test_bad_constraints_get_a_400_naming_the_field_and_lose_nothing(client, server, body, param):
     with pytest.raises(openai.BadRequestError) as error:
@@ -146,6 +151,19 @@ def test_bad_constraints_get_a_400_naming_the_field_and_lose_nothing(client, ser
     assert error.value.status_code == 400
     assert error.value.body["param"] in (param, "guided_regex", "response_format"), error.value.body
     assert error.value.body["code"] == "invalid_structured_outputs"
+    ok = client.chat.completions.create(model=MODEL, messages=PERSON, max_tokens=3)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert_no_leaks(server)
+
+
+def test_a_grammar_that_fails_while_generating_ends_with_an_error_and_loses_nothing(client, server):
+    # NOTE: llguidance compiles "a{1000000}" but gives up once it must build the lexer's states.
+    for stream in (False, True):
+        response = client.chat.completions.create(model=MODEL, messages=PERSON, max_tokens=20, stream=stream,
+                                                  extra_body={"structured_outputs": {"regex": "a{1000000}"}})
+        choice = list(response)[-1].choices[0] if stream else response.choices[0]
+        assert choice.finish_reason == "error"
+        assert choice.model_extra["stop_reason"].startswith("the grammar failed: "), choice
     ok = client.chat.completions.create(model=MODEL, messages=PERSON, max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")
     assert_no_leaks(server)
@@ -176,3 +194,16 @@ def test_offline_llm_takes_structured_outputs_with_preemption(tmp_path):
         assert llm.engine.scheduler.stats.num_preemptions > 0
     for out in outputs:
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_a_constrained_chat_without_max_tokens_gets_a_bounded_default():
+    from pagoda.server.config import ServerConfig
+    from pagoda.server.protocol import STRUCTURED_MAX_TOKENS, parse_chat
+
+    def max_tokens(config=ServerConfig(), **body):
+        return parse_chat({"messages": PERSON, **body}, config).params.max_tokens
+
+    assert max_tokens() is None  # plain chat: the rest of the context
+    assert max_tokens(response_format={"type": "json_object"}) == STRUCTURED_MAX_TOKENS
+    assert max_tokens(response_format={"type": "json_object"}, max_tokens=9000) == 9000  # asked for: kept
+    assert max_tokens(ServerConfig(max_tokens_limit=100), response_format={"type": "json_object"}) == 100

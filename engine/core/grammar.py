@@ -97,6 +97,11 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {_kind(params)} is not valid: {matcher.get_error()}")
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()  # NOTE: one mask: a constraint that allows no output at all is known here
+        if probe.is_error():
+            raise ValueError(f"structured_outputs: {_kind(params)} allows no output "
+                             f"({probe.get_error().splitlines()[0]})")
         with self._lock:
             self.num_compiles += 1
             self.compile_seconds += time.perf_counter() - start

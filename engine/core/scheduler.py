@@ -488,12 +488,16 @@ class Scheduler:
                 logprobs = all_logprobs.get(request_id)
                 if logprobs is not None:
                     update.new_logprobs.append(logprobs)
-            status = request.check_stop()
-            if request.matcher is not None and status is None:
+            status = None
+            if request.matcher is not None:
+                # NOTE: before check_stop: a failed grammar's mask allows only EOS, which
+                # must end the request as an error, not as a stop.
                 if request.reasoning_end is None:
                     status = _advance_matcher(request, token_id)
                 elif ends_with(request.output_token_ids, request.reasoning_end):
                     request.reasoning_end = None  # the thinking is over: the grammar applies from here
+            if status != RequestStatus.FINISHED_ERROR:
+                status = request.check_stop() or status
             if status is None and len(request.all_token_ids) >= max_model_len:
                 status = RequestStatus.FINISHED_LENGTH_CAPPED
             if status is not None:
@@ -758,15 +762,18 @@ def _advance_matcher(request: Request, token_id: int) -> RequestStatus | None:
     """Feeds a structured request's matcher its new token; the status it implies, if any.
 
     A complete grammar allows only an end-of-sequence token next, which ends the request
-    as EOS does (even with ignore_eos, and left out of the text); a broken one (the token
-    was not allowed, which the mask rules out unless the grammar itself failed) ends it as
-    "stop" too: a request never hangs on a grammar that allows nothing.
+    as EOS does (even with ignore_eos, and left out of the text). A grammar that fails (it
+    allowed no token, or its engine gave up on it) ends the request with finish reason
+    "error" and the grammar's message as its stop_reason: never a silent "stop", never a hang.
     """
     matcher = request.matcher
     was_complete = matcher.is_stopped()
     if matcher.consume_token(token_id) and not matcher.is_error() and not was_complete:
         return None
     if matcher.is_error():
-        logger.warning("request %s: its grammar failed (%s); stopping it", request.request_id, matcher.get_error())
+        error = matcher.get_error().splitlines()[0] if matcher.get_error() else "no token allowed"
+        logger.warning("request %s: its grammar failed (%s); stopping it", request.request_id, error)
+        request.stop_reason = f"the grammar failed: {error}"
+        return RequestStatus.FINISHED_ERROR
     request.stop_reason = None
     return RequestStatus.FINISHED_STOPPED

@@ -346,6 +346,9 @@ class AsyncEngine:
                              "the samples of one request must be able to run together")
         if params.pooling is not None and params.n != 1:
             raise ValueError("an embedding request has one sample (n must be 1)")
+        vocab_size = self.model_config.vocab_size
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids of this model, in [0, {vocab_size})")
         matchers, reasoning_end = [None] * params.n, None
         if params.structured_outputs is not None:
             matchers = self._grammars().matchers(params.structured_outputs, params.n)
