@@ -9,6 +9,8 @@ tests) catch.
 - :class:`StepError`: a step failed in the worker; the requests in it were failed.
 - :class:`WorkerDiedError`: the worker process exited or could not start (the engine
   restarts it within its budget; callers see EngineDeadError once that is spent).
+- :class:`RequestInterrupted`: the engine's owner ended every running request
+  (``interrupt_all``: a server whose shutdown timeout ran out).
 """
 
 from __future__ import annotations
@@ -42,3 +44,8 @@ class StepError(RuntimeError):
 
 class WorkerDiedError(RuntimeError):
     """The worker process exited or could not start."""
+
+
+class RequestInterrupted(RuntimeError):
+    """The request was ended before it finished by the engine's owner (a server stopping
+    past its shutdown timeout); its engine request is aborted."""

@@ -36,8 +36,8 @@ from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Body, parse_messages
 from pagoda.server.responses import TokenStrings
 from pagoda.server.embeddings import embeddings
-from pagoda.server.serving import chat_completions, completions, read_json
-from pagoda.server.state import STATE_KEY, ServerState, load_chat_template, served_model_names
+from pagoda.server.serving import chat_completions, client_key, completions, read_json
+from pagoda.server.state import STATE_KEY, ServerState, load_chat_template, served_model_names, shutting_down
 from pagoda.server.tracing import Tracing, build_tracer_provider
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ async def health(request: web.Request) -> web.Response:
     has given up on its worker or while it is stopping."""
     state = request.app[STATE_KEY]
     if state.draining:
-        return APIError(503, "The server is shutting down.", code="shutting_down").to_response()
+        return shutting_down().to_response()
     if not state.is_healthy():
         return APIError(503, f"The engine is not serving: {state.engine.dead_reason}.",
                         code="engine_dead").to_response()
@@ -198,6 +198,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     """POST /tokenize: ``{"prompt": str}`` or ``{"messages": [...]}`` to token ids (vLLM's API)."""
     state = request.app[STATE_KEY]
+    client = client_key(request, state.config.client_header)
     body = await read_json(request)
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -215,16 +216,20 @@ async def tokenize(request: web.Request) -> web.Response:
         if prompt is None:
             raise bad_request("'prompt' must be a string", "prompt")
         state.limits.check_chars(len(prompt), "prompt")
-        ids = await state.run_tokenizer(state.encode, prompt, b.bool_("add_special_tokens", True))
+        ids = await state.run_tokenizer(state.encode, prompt, b.bool_("add_special_tokens", True), client=client,
+                                        cost=len(prompt))
     else:
         messages = parse_messages(body.get("messages"))
-        state.limits.check_chars(sum(len(m.get("content") or "") for m in messages), "messages")
+        num_chars = sum(len(m.get("content") or "") for m in messages)
+        state.limits.check_chars(num_chars, "messages")
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
         text = await state.run_tokenizer(state.render_chat, messages, b.bool_("add_generation_prompt", True),
-                                         b.bool_("continue_final_message", False), kwargs)
-        ids = await state.run_tokenizer(state.encode, text, b.bool_("add_special_tokens", False))
+                                         b.bool_("continue_final_message", False), kwargs, client=client,
+                                         cost=num_chars)
+        ids = await state.run_tokenizer(state.encode, text, b.bool_("add_special_tokens", False), client=client,
+                                        cost=len(text))
     result = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
     if b.bool_("return_token_strs", False):
         result["token_strs"] = state.engine.tokenizer.convert_ids_to_tokens(ids)
@@ -324,7 +329,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
             state.draining = True
             await engine.shutdown()
             logger.info("engine stopped")
-            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            state.tokenizer_pool.shutdown()
 
     async def tracing_context(app: web.Application) -> AsyncIterator[None]:
         yield
@@ -337,7 +342,6 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
         # shutdown_timeout the bound. New requests on kept-alive connections get 503.
         state = app.get(STATE_KEY)
         if state is not None:
-            state.draining = True
             await state.drain(config.shutdown_timeout)
 
     # NOTE: cleanup runs in reverse order: the engine stops before the last spans flush.
@@ -429,8 +433,31 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         logger.info("ready on %s: model %s, %s. Press CTRL+C to stop.", base_url, ", ".join(state.model_names),
                     state.engine.describe())
 
+    stopping: list[asyncio.Task] = []
+
+    def on_signal() -> None:
+        # NOTE: aiohttp's own handler stops listening at once, so /health would refuse
+        # connections during the drain: this one drains while still listening (/health and
+        # new requests get 503 shutting_down), then stops the app. A second signal stops now.
+        state = app.get(STATE_KEY)
+        if stopping or state is None:
+            raise web.GracefulExit()
+        stopping.append(loop.create_task(_drain_then_exit(state, config.shutdown_timeout)))
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal)
     web.run_app(
         app, sock=sock, loop=loop, handler_cancellation=True, shutdown_timeout=config.shutdown_timeout,
         access_log=logging.getLogger("aiohttp.access") if config.access_log else None, print=ready,
+        handle_signals=False,
     )
     return 1 if engine_died else 0
+
+
+async def _drain_then_exit(state: ServerState, timeout: float) -> None:
+    await state.drain(timeout)
+
+    def stop() -> None:
+        raise web.GracefulExit()  # NOTE: raised from a loop callback, it ends run_app's loop
+
+    asyncio.get_running_loop().call_soon(stop)

@@ -44,7 +44,7 @@ async def _embed(request: web.Request, state: ServerState, span: RequestSpan, cl
     for text in emb.inputs:
         if isinstance(text, str):
             limits.check_chars(len(text), "input")
-    ids_list = await _tokenize(state, emb)
+    ids_list = await _tokenize(state, emb, client)
     for ids in ids_list:
         state.check_length(len(ids), None, "input")
     num_tokens = sum(len(ids) + 1 for ids in ids_list)
@@ -62,9 +62,10 @@ async def _embed(request: web.Request, state: ServerState, span: RequestSpan, cl
     return web.Response(body=orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), content_type="application/json")
 
 
-async def _tokenize(state: ServerState, emb: EmbeddingRequest) -> list[list[int]]:
+async def _tokenize(state: ServerState, emb: EmbeddingRequest, client: str) -> list[list[int]]:
     texts = [i for i in emb.inputs if isinstance(i, str)]
-    encoded = iter(await state.run_tokenizer(lambda: [state.encode(t, emb.add_special_tokens) for t in texts]))
+    encoded = iter(await asyncio.gather(*(state.run_tokenizer(state.encode, t, emb.add_special_tokens, client=client,
+                                                              cost=len(t)) for t in texts)))
     ids_list = []
     for item in emb.inputs:
         if isinstance(item, str):

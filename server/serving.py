@@ -28,13 +28,14 @@ from pagoda.engine.frontend.output_processor import OutputKind
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.reasoning import REASONING_PARSERS
 from pagoda.engine.sampling_params import StructuredOutputsParams
-from pagoda.engine.exceptions import AdmissionPluginFailed, EngineDeadError, RequestRejected, StepError
+from pagoda.engine.exceptions import (AdmissionPluginFailed, EngineDeadError, RequestInterrupted, RequestRejected,
+                                      StepError)
 from pagoda.server.errors import APIError, bad_request, from_value_error
 from pagoda.server.metrics import RequestTracker
 from pagoda.server.protocol import GenerateRequest, parse_chat, parse_completion
 from pagoda.server.responses import (ChoiceBuilder, ChoiceState, echoed_prompt_logprobs, usage,
                                      vllm_prompt_logprobs)
-from pagoda.server.state import STATE_KEY, ServerState
+from pagoda.server.state import STATE_KEY, ServerState, shutting_down
 from pagoda.server.streaming import merge, open_sse, send_done, send_event
 from pagoda.server.tools import ToolRequest, tools_in_system, uses_tools
 from pagoda.server.tracing import RequestSpan
@@ -134,7 +135,7 @@ async def _generate(request: web.Request, state: ServerState, span: RequestSpan,
     span.set_request(gen, request_id, model)
     state.check_can_serve()
     state.budget.check_room(client)
-    jobs = await _prepare(state, gen, chat, request_id)
+    jobs = await _prepare(state, gen, chat, request_id, client)
     num_sequences, num_tokens = _cost(gen, jobs, engine.max_model_len)
     state.limits.check_tokens(num_tokens, gen.max_tokens_param)
     state.budget.charge(client, num_sequences, num_tokens)
@@ -165,6 +166,8 @@ async def _run(request: web.Request, state: ServerState, gen: GenerateRequest, c
     # NOTE: an answer that may repeat a call is read as it grows, so that a repeat ends it.
     watch = builder.watches_repeats and gen.params.n == 1 and len(jobs) == 1
     kind = OutputKind.DELTA if gen.stream else OutputKind.CUMULATIVE if watch else OutputKind.FINAL
+    if state.interrupted:
+        raise shutting_down()  # NOTE: prepared (tokenized, compiled) while the drain ran out
     try:
         for job in jobs:
             job.stream = engine.add_request(job.prompt, gen.params, request_id=job.request_id,
@@ -217,14 +220,15 @@ def _object(chat: bool, stream: bool) -> str:
     return "text_completion"
 
 
-async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request_id: str) -> list[_Job]:
+async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request_id: str, client: str) -> list[_Job]:
     """Tokenizes (or renders and tokenizes) the prompts and checks them against the context."""
     engine, limits = state.engine, state.limits
     # NOTE: both bounds come before the tokenizer runs: a huge prompt costs nothing but a 400.
     limits.check_sequences((1 if chat else len(gen.prompts)) * gen.params.n)
     if chat:
-        limits.check_chars(sum(len(m.get("content") or "") for m in gen.messages)
-                           + (len(orjson.dumps(gen.tools.tools)) if gen.tools is not None else 0), "messages")
+        num_chars = (sum(len(m.get("content") or "") for m in gen.messages)
+                     + (len(orjson.dumps(gen.tools.tools)) if gen.tools is not None else 0))
+        limits.check_chars(num_chars, "messages")
     else:
         for prompt in gen.prompts:
             if isinstance(prompt, str):
@@ -240,14 +244,15 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
                 kwargs = {**kwargs, "tools": tools}
             template = syntax.template
         text = await state.run_tokenizer(state.render_chat, messages, gen.add_generation_prompt,
-                                         gen.continue_final_message, kwargs, template)
-        ids = await state.run_tokenizer(state.encode, text, gen.add_special_tokens)
+                                         gen.continue_final_message, kwargs, template, client=client, cost=num_chars)
+        ids = await state.run_tokenizer(state.encode, text, gen.add_special_tokens, client=client, cost=len(text))
         last = gen.messages[-1]
         echo = last["content"] if gen.echo and last["role"] == "assistant" else ""
         prompts = [(text, ids, echo)]
     else:
         texts = [p for p in gen.prompts if isinstance(p, str)]
-        encoded = iter(await state.run_tokenizer(lambda: [state.encode(t, gen.add_special_tokens) for t in texts]))
+        encoded = iter(await asyncio.gather(*(state.run_tokenizer(state.encode, t, gen.add_special_tokens,
+                                                                  client=client, cost=len(t)) for t in texts)))
         prompts = []
         for prompt in gen.prompts:
             if isinstance(prompt, str):
@@ -257,7 +262,7 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
                 ids = engine.encode_prompt(prompt)
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
-            echo = await state.run_tokenizer(engine.tokenizer.decode, ids) if gen.echo else ""
+            echo = await state.run_tokenizer(engine.tokenizer.decode, ids, client=client) if gen.echo else ""
             prompts.append((ids, ids, echo))
     if gen.tools is not None:
         # NOTE: every tool's schema is checked whatever the tool_choice (cached once compiled).
@@ -302,6 +307,8 @@ def _usage(jobs: list[_Job]) -> dict[str, Any]:
 
 
 def _engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, RequestInterrupted):
+        return shutting_down(f"The server is shutting down: this request was still running when {exc}.")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine stopped: {exc}", code="engine_dead")
     return APIError(500, f"Generation failed: {exc}", code="generation_failed")
@@ -362,7 +369,7 @@ async def _collect(state: ServerState, gen: GenerateRequest, jobs: list[_Job], b
                 _finish(jobs[index], out, gen, span, cumulative=watch)
                 if ended:
                     break
-    except (EngineDeadError, StepError) as exc:
+    except (EngineDeadError, StepError, RequestInterrupted) as exc:
         raise _engine_error(exc) from None
     n = gen.params.n
     choices = [builder.whole(index * n + o.index, o, job.echo, _echoed_entries(gen, job, job.final))
@@ -410,7 +417,7 @@ async def _stream(request: web.Request, state: ServerState, gen: GenerateRequest
                         await send(choice)
                 if ended:
                     break
-    except (EngineDeadError, StepError) as exc:
+    except (EngineDeadError, StepError, RequestInterrupted) as exc:
         error = _engine_error(exc)
         span.fail(error.message)
         _abandon(state, jobs, n, "error")

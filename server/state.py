@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from jinja2 import TemplateError
 
+from pagoda.engine.exceptions import RequestInterrupted
 from pagoda.engine.model_loader import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
 from pagoda.server.errors import APIError, bad_request
 from pagoda.server.limits import ClientBudget, Limits
+from pagoda.server.tokenizer_pool import TokenizerPool
 from pagoda.server.tools import ToolSyntax, choose_tool_syntax
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,12 @@ class ServerState:
         chat_template: A template overriding the tokenizer's, or None.
         tool_syntax: How tools reach the model and how its calls are found (None: the
             model has no chat template).
-        tokenizer_pool: One thread for tokenizing and chat templates, off the event loop.
+        tokenizer_pool: Tokenizing and chat templates off the event loop, fair between clients
+            (server/tokenizer_pool.py).
         created: When the server started (Unix seconds).
-        draining: Set on shutdown: new generation requests get 503.
+        draining: Set on shutdown: new generation requests get 503 (and /health says so).
+        interrupted: Set when the shutdown timeout ran out: the requests still running were
+            ended (a stream with an error event, others with a 503).
         inflight: The tasks running generation requests (for the drain on shutdown).
         idle: Set while no generation request runs.
         inflight_per_key: Generation requests in flight per client key (API key or address).
@@ -99,10 +103,10 @@ class ServerState:
     accepted_names: frozenset[str]
     chat_template: str | None = None
     tool_syntax: ToolSyntax | None = None
-    tokenizer_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenizer"))
+    tokenizer_pool: TokenizerPool = field(default_factory=TokenizerPool)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    interrupted: bool = False
     inflight: set[asyncio.Task] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     inflight_per_key: dict[str, int] = field(default_factory=dict)
@@ -150,22 +154,36 @@ class ServerState:
             self.idle.set()
 
     async def drain(self, timeout: float) -> None:
-        """Waits up to ``timeout`` seconds for the generation requests, then cancels the rest.
+        """Stops taking generation requests and waits up to ``timeout`` seconds for those in
+        flight; then ends the rest so that each client hears why.
 
-        Cancelling a request's handler aborts it in the engine, as a client disconnect does.
+        At the timeout every engine request still running is interrupted: its handler sends a
+        stream an error event (``shutting_down``) and ``[DONE]``, a non-streamed request a 503
+        with Retry-After. A handler that has not reached the engine yet gets the same 503; one
+        that still has not answered a few seconds later is cancelled (its connection cut).
+        Once only: a second call (aiohttp's shutdown hook after the signal's drain) returns at once.
         """
+        if self.draining:
+            return
+        self.draining = True
         if not self.inflight:
             logger.info("shutting down: no requests in flight")
-        else:
-            logger.info("shutting down: draining %d in-flight requests (up to %.0f s)", len(self.inflight), timeout)
-            try:
-                await asyncio.wait_for(self.idle.wait(), timeout)
-            except asyncio.TimeoutError:
-                logger.warning("aborting %d requests still running after %.0f s", len(self.inflight), timeout)
-                for task in list(self.inflight):
-                    task.cancel()
-                with suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.idle.wait(), 10)
+            return
+        logger.info("shutting down: draining %d in-flight requests (up to %.0f s)", len(self.inflight), timeout)
+        with suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), timeout)
+            return
+        self.interrupted = True
+        ended = self.engine.interrupt_all(RequestInterrupted(f"--shutdown-timeout ({timeout:g} s) ran out"))
+        logger.warning("ending %d requests still running after %.0f s (--shutdown-timeout): %d in the engine",
+                       len(self.inflight), timeout, ended)
+        with suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), 5)
+            return
+        for task in list(self.inflight):
+            task.cancel()
+        with suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), 5)
 
     # -- checks -----------------------------------------------------------------------
 
@@ -186,7 +204,7 @@ class ServerState:
     def check_can_serve(self) -> None:
         """503 while draining, when the engine gave up, or when the waiting queue is full."""
         if self.draining:
-            raise APIError(503, "The server is shutting down.", code="shutting_down")
+            raise shutting_down()
         if not self.is_healthy():
             raise APIError(503, f"The engine is not running: {self.engine.dead_reason}. Restart the server.",
                            code="engine_dead")
@@ -214,10 +232,9 @@ class ServerState:
 
     # -- tokenizing -------------------------------------------------------------------
 
-    async def run_tokenizer(self, fn, *args, **kwargs) -> Any:
-        """Runs a tokenizer call on the tokenizer thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.tokenizer_pool, lambda: fn(*args, **kwargs))
+    async def run_tokenizer(self, fn, *args, client: str = "", cost: int = 0) -> Any:
+        """``fn(*args)`` on a tokenizer thread: ``client`` asked, ``cost`` characters of work."""
+        return await self.tokenizer_pool.run(fn, *args, client=client, cost=cost)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -252,3 +269,11 @@ class ServerState:
 
 
 STATE_KEY = web.AppKey("pagoda_state", ServerState)
+
+
+def shutting_down(reason: str = "The server is shutting down.") -> APIError:
+    """The 503 of a server that is stopping. Retry-After is for load balancers and clients that
+    go to another replica; ``x-should-retry: false`` keeps OpenAI's SDKs from silently retrying
+    the same address, which is about to stop listening."""
+    return APIError(503, reason, code="shutting_down", headers={"Retry-After": "5", "x-should-retry": "false"})
+

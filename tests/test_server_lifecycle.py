@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -151,8 +152,12 @@ def test_sigterm_stops_listening_and_drains_in_flight_requests(serve, tiny_llama
     assert all(reader.started.wait(30) for reader in readers)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
-    with pytest.raises(OSError):  # no longer listening
-        http_request(server.url + "/health", timeout=5)
+    # Still listening while it drains: /health and new requests say it is stopping.
+    health = http_request(server.url + "/health", timeout=5)
+    assert health.status == 503 and health.json()["error"]["code"] == "shutting_down"
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2)
+    assert refused.value.status_code == 503 and refused.value.body["code"] == "shutting_down"
     for reader, num_tokens in zip(readers, lengths):
         reader.join(60)
         assert reader.error is None and reader.finish_reason == "length"
@@ -162,20 +167,48 @@ def test_sigterm_stops_listening_and_drains_in_flight_requests(serve, tiny_llama
     assert any("draining 2 in-flight requests" in line for line in drained), drained
 
 
-def test_shutdown_timeout_bounds_the_drain(tiny_llama_dir):
-    engine_config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=1024, block_size=8,
-                                 num_kv_blocks=256)
+def test_shutdown_timeout_ends_every_request_in_a_way_its_client_understands(tiny_llama_dir):
+    engine_config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=1024,
+                                 block_size=8, num_kv_blocks=256)
     server = ServerThread(engine_config, ServerConfig(shutdown_timeout=0.5)).start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    reader = StreamReader(client, client.models.list().data[0].id, 1000)
+    model = client.models.list().data[0].id
+    reader = StreamReader(client, model, 1000)
     reader.start()
+    # A non-streamed request through a client that retries by default (max_retries 2): it must
+    # get the 503 once, not be sent again to a server that is about to stop listening.
+    sent = []
+    retrying = openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
+                             http_client=httpx.Client(event_hooks={"request": [sent.append]}))
+    waiting: dict = {}
+
+    def wait_for_answer() -> None:
+        try:
+            retrying.completions.create(model=model, prompt="Tell a long story:", max_tokens=1000,
+                                        extra_body={"ignore_eos": True})
+        except Exception as exc:  # noqa: BLE001 - examined below
+            waiting["error"] = exc
+
+    waiter = threading.Thread(target=wait_for_answer, daemon=True)
+    waiter.start()
     assert reader.started.wait(30)
+    deadline = time.time() + 30
+    while server.call(lambda: server.engine.scheduler.num_running) < 2:
+        assert time.time() < deadline
+        time.sleep(0.05)
     worker = server.engine.worker
     started = time.time()
     server.stop()
     assert time.time() - started < 0.5 + 10
     reader.join(30)
-    assert reader.finish_reason is None and reader.error is not None  # cut, not finished
+    waiter.join(30)
+    assert reader.finish_reason is None  # ended, not finished
+    assert isinstance(reader.error, openai.APIError) and reader.error.body["code"] == "shutting_down", reader.error
+    assert "--shutdown-timeout" in reader.error.message
+    error = waiting["error"]
+    assert isinstance(error, openai.InternalServerError) and error.status_code == 503, error
+    assert error.body["code"] == "shutting_down" and error.response.headers["Retry-After"]
+    assert len(sent) == 1  # no silent retry
     assert not worker.is_alive()
 
 

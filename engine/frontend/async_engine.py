@@ -422,6 +422,15 @@ class AsyncEngine:
         kv.reset_prefix_cache()
         return kv.usage().num_cached_free_blocks == 0 and not self.scheduler.requests
 
+    def interrupt_all(self, error: BaseException) -> int:
+        """Ends every open request stream with ``error`` (raised by stream_outputs, which then
+        aborts the request); returns how many it ended."""
+        streams = [s for s in self.output_processor.streams.values() if not s.finished]
+        for stream in streams:
+            stream.error = error
+            stream.event.set()
+        return len(streams)
+
     def abort(self, request_id: str) -> None:
         """Aborts a request (all its samples); it frees its blocks before the next step."""
         stream = self.output_processor.streams.get(request_id)

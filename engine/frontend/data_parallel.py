@@ -181,6 +181,9 @@ class DataParallelEngine:
     # The same as one engine's: tokenize, add_request (routed), stream_outputs.
     generate = AsyncEngine.generate
 
+    def interrupt_all(self, error: BaseException) -> int:
+        return sum(replica.interrupt_all(error) for replica in self.replicas)
+
     def abort(self, request_id: str) -> None:
         replica = self._owner.get(request_id)
         if replica is not None:
