@@ -414,33 +414,21 @@ static inline __attribute__((always_inline)) void NAME(                         
                                 sizeof(TK));                                                               \
             prefetch_values16((const char *)value_cache, table, start, bs, block_stride, kh, head_dim,     \
                               sizeof(TK));                                                                 \
-            /* NOTE: independent partial sums (two per row, or four for a single row): one chain  \
-             * of head_dim dependent FMAs would be bound by their latency, not by the FMA units. */      \
-            vec16 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS], s2[FAST_MAX_ROWS], s3[FAST_MAX_ROWS];              \
-            for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = s2[r] = s3[r] = v_zero();         \
-            if (rows <= 4) {                                                                               \
-                for (int64_t d = 0; d < head_dim; d += 4) {                                                \
-                    const vec16 k0 = LOADK16(k + d * bs), k1 = LOADK16(k + (d + 1) * bs);                 \
-                    const vec16 k2 = LOADK16(k + (d + 2) * bs), k3 = LOADK16(k + (d + 3) * bs);           \
-                    for (int64_t r = 0; r < rows; r++) {                                                   \
-                        s[r] = v_fmadd(v_set1(q[r][d]), k0, s[r]);                         \
-                        s1[r] = v_fmadd(v_set1(q[r][d + 1]), k1, s1[r]);                   \
-                        s2[r] = v_fmadd(v_set1(q[r][d + 2]), k2, s2[r]);                   \
-                        s3[r] = v_fmadd(v_set1(q[r][d + 3]), k3, s3[r]);                   \
-                    }                                                                                      \
+            /* NOTE: two partial sums per row (even and odd dimensions), whatever the tile's rows:         \
+             * one chain of head_dim dependent FMAs would be bound by their latency; a row's score         \
+             * must not depend on how many rows share its tile (batch invariance: a decode's row,          \
+             * a prefill chunk's, a verified draft's), and these are the sums of the AVX2 build's          \
+             * prefill tiles (tile_attention.c), so a token's attention is the same either way. */         \
+            vec16 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS];                                                     \
+            for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = v_zero();                                    \
+            for (int64_t d = 0; d < head_dim; d += 2) {                                                    \
+                const vec16 k0 = LOADK16(k + d * bs), k1 = LOADK16(k + (d + 1) * bs);                      \
+                for (int64_t r = 0; r < rows; r++) {                                                       \
+                    s[r] = v_fmadd(v_set1(q[r][d]), k0, s[r]);                                             \
+                    s1[r] = v_fmadd(v_set1(q[r][d + 1]), k1, s1[r]);                                       \
                 }                                                                                          \
-                for (int64_t r = 0; r < rows; r++)                                                         \
-                    s[r] = v_add(v_add(s[r], s1[r]), v_add(s2[r], s3[r]));         \
-            } else {                                                                                       \
-                for (int64_t d = 0; d < head_dim; d += 2) {                                                \
-                    const vec16 k0 = LOADK16(k + d * bs), k1 = LOADK16(k + (d + 1) * bs);                 \
-                    for (int64_t r = 0; r < rows; r++) {                                                   \
-                        s[r] = v_fmadd(v_set1(q[r][d]), k0, s[r]);                         \
-                        s1[r] = v_fmadd(v_set1(q[r][d + 1]), k1, s1[r]);                   \
-                    }                                                                                      \
-                }                                                                                          \
-                for (int64_t r = 0; r < rows; r++) s[r] = v_add(s[r], s1[r]);                      \
             }                                                                                              \
+            for (int64_t r = 0; r < rows; r++) s[r] = v_add(s[r], s1[r]);                                  \
             for (int64_t r = 0; r < rows; r++)                                                             \
                 keep_scores(&scores[r][start - pstart], s[r], start, last[r], &vmax[r]);                   \
         }                                                                                                  \
@@ -539,40 +527,29 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
                 prefetch_values16((const char *)value_cache, table, start, bs, block_stride, kh, head_dim,
                                   sizeof(uint16_t));
             }
-            /* NOTE: two partial sums per row when the tile has few rows: one chain of dependent
-             * dot products would be bound by their latency, not by the units. */
+            /* NOTE: two partial sums per row (dimension pairs 4i and 4i + 2), whatever the tile's
+             * rows: one chain of dependent dot products would be bound by their latency, and a
+             * row's score must not depend on how many rows share its tile (batch invariance: a
+             * decode's row, a prefill chunk's and a verified draft's are the same sums). */
             __m512 s[FAST_MAX_ROWS], s1[FAST_MAX_ROWS];
             for (int64_t r = 0; r < rows; r++) s[r] = s1[r] = _mm512_setzero_ps();
-            if (rows <= 4) {
-                for (int64_t d = 0; d < head_dim; d += 4) {
-                    if (values) { /* the 128 bytes of dimensions d..d+3 */
-                        for (int64_t line = 32 * d; next_keys && line < 32 * d + 128; line += 64)
-                            _mm_prefetch(next_keys + line, _MM_HINT_T1);
-                        for (int64_t line = 32 * d; second_keys && line < 32 * d + 128; line += 64)
-                            _mm_prefetch(second_keys + line, _MM_HINT_T1);
-                        _mm_prefetch(values + 32 * d, _MM_HINT_T1);
-                        _mm_prefetch(values + 32 * d + 64, _MM_HINT_T1);
-                    }
-                    const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
-                    const __m512bh k1 = (__m512bh)pair_rows(k + (d + 2) * bs, k + (d + 3) * bs, interleave);
-                    for (int64_t r = 0; r < rows; r++) {
-                        s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2]));
-                        s1[r] = _mm512_dpbf16_ps(s1[r], k1, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2 + 1]));
-                    }
+            for (int64_t d = 0; d < head_dim; d += 4) {
+                if (values) { /* the 128 bytes of dimensions d..d+3 */
+                    for (int64_t line = 32 * d; next_keys && line < 32 * d + 128; line += 64)
+                        _mm_prefetch(next_keys + line, _MM_HINT_T1);
+                    for (int64_t line = 32 * d; second_keys && line < 32 * d + 128; line += 64)
+                        _mm_prefetch(second_keys + line, _MM_HINT_T1);
+                    _mm_prefetch(values + 32 * d, _MM_HINT_T1);
+                    _mm_prefetch(values + 32 * d + 64, _MM_HINT_T1);
                 }
-                for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);
-            } else {
-                for (int64_t d = 0; d < head_dim; d += 2) {
-                    if (values) { /* the 64 bytes of dimensions d, d+1 */
-                        if (next_keys) _mm_prefetch(next_keys + 32 * d, _MM_HINT_T1);
-                        if (second_keys) _mm_prefetch(second_keys + 32 * d, _MM_HINT_T1);
-                        _mm_prefetch(values + 32 * d, _MM_HINT_T1);
-                    }
-                    const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
-                    for (int64_t r = 0; r < rows; r++)
-                        s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2]));
+                const __m512bh k0 = (__m512bh)pair_rows(k + d * bs, k + (d + 1) * bs, interleave);
+                const __m512bh k1 = (__m512bh)pair_rows(k + (d + 2) * bs, k + (d + 3) * bs, interleave);
+                for (int64_t r = 0; r < rows; r++) {
+                    s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2]));
+                    s1[r] = _mm512_dpbf16_ps(s1[r], k1, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2 + 1]));
                 }
             }
+            for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);
             for (int64_t r = 0; r < rows; r++)
                 keep_scores(&scores[r][start - pstart], _mm512_mul_ps(s[r], scale16), start, last[r], &vmax[r]);
         }
@@ -584,11 +561,9 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
             if (start + 16 < len && bs != 16)
                 prefetch_values16((const char *)value_cache, table, start + 16, bs, block_stride, kh, head_dim,
                                   sizeof(uint16_t));
-            float p[FAST_MAX_ROWS][16];
             uint16_t pb[FAST_MAX_ROWS][16];
             for (int64_t r = 0; r < rows; r++) {
                 const __m512 e = probabilities16(&scores[r][start - pstart], mrow[r], &lsum[r]);
-                _mm512_storeu_ps(p[r], e);
                 _mm256_storeu_si256((__m256i *)pb[r], (__m256i)_mm512_cvtneps_pbh(e));
             }
             int64_t t = 0;
@@ -603,11 +578,16 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
                     }
                 }
             }
-            if (t < n) { /* an odd last token: its row alone (the next one may not be written yet) */
+            if (t < n) {
+                /* An odd last key: paired with a zero row (the next one may not be written yet),
+                 * so that it is added as in a pair, with its probability in bfloat16: a row whose
+                 * last key this is gets the sums it gets in a longer tile, where the next key
+                 * comes with a probability of exactly 0. */
+                static const uint16_t zeros[16] = {0};
                 for (int64_t c = 0; c < chunks; c++) {
-                    const __m512 vv = load16_bf16(v + t * head_dim + c * 16);
+                    const __m512bh vv = (__m512bh)pair_rows(v + t * head_dim + c * 16, zeros, interleave);
                     for (int64_t r = 0; r < rows; r++)
-                        acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vv, acc[r][c]);
+                        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv, (__m512bh)_mm512_set1_epi32((int)pb[r][t]));
                 }
             }
         }
