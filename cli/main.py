@@ -30,8 +30,18 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("pagoda")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"pagoda {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts (chat template applied unless --raw)")
     gen.add_argument("prompt", nargs="+")
@@ -55,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--version"]:
+        print(f"pagoda {version()}")  # NOTE: at once, without building every subcommand's parser
+        return 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -106,7 +106,8 @@ class ClientBudget:
                           or tokens + num_tokens > limits.max_tokens_per_client):
             raise APIError(429, f"This client has {sequences} sequences and {tokens} tokens in flight; with this "
                                 f"request it would pass the per-client limits ({limits.max_sequences_per_client} "
-                                f"sequences, {limits.max_tokens_per_client} tokens). Retry when some finish.",
+                                f"sequences, {limits.max_tokens_per_client} tokens: --max-sequences-per-client, "
+                                f"--max-tokens-per-client). Retry when some finish.",
                            code="too_many_requests", headers={"Retry-After": "1"})
         self._inflight[client] = (sequences + num_sequences, tokens + num_tokens)
 

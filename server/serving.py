@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 import time
 import uuid
@@ -40,6 +41,8 @@ from pagoda.server.streaming import merge, open_sse, send_done, send_event
 from pagoda.server.tools import ToolRequest, tools_in_system, uses_tools
 from pagoda.server.tracing import RequestSpan
 
+
+logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Job:
@@ -207,11 +210,14 @@ def rejection_error(exc: RequestRejected) -> APIError:
 
 
 def _abandon(state: ServerState, jobs: list[_Job], n: int, reason: str) -> None:
-    """Aborts the unfinished engine requests (their blocks are freed before the next step)."""
+    """Aborts the unfinished engine requests (their blocks are freed before the next step),
+    with a log line for each: ``reason`` "abort" when the client left, "error" otherwise."""
     for job in jobs:
         if job.final is None:
             state.engine.abort(job.request_id)
             job.tracker.abort(n, reason)
+            logger.info("request %s %s after %d generated tokens: aborted, its KV blocks freed", job.request_id,
+                        "ended by its client" if reason == "abort" else "failed", sum(job.num_tokens or [0]))
 
 
 def _object(chat: bool, stream: bool) -> str:

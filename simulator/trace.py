@@ -106,6 +106,8 @@ def _read_jsonl(lines: Iterable[str], path: Path) -> list[TraceRequest]:
             raise TraceError(f"{where}: missing {missing}")
         values = {}
         for key, value in raw.items():
+            if value is None and key in _OPTIONAL:
+                continue  # NOTE: null is absent, as JSON writers (pandas, loggers) write a missing field
             if key == "arrival":
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
                     and value >= 0

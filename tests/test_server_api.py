@@ -250,7 +250,7 @@ def test_32_concurrent_streams_complete_and_are_batched(server, model):
     assert num_steps <= num_clients * num_tokens // 4, num_steps
 
 
-def test_client_disconnect_aborts_request_and_frees_blocks(server, client, model):
+def test_client_disconnect_aborts_request_and_frees_blocks(server, client, model, caplog):
     wait_idle(server)
     aborts_before = metric(scrape(server), "pagoda:request_success_total", finished_reason="abort")
     stream = client.completions.create(model=model, prompt="Count forever:", max_tokens=200, temperature=0,
@@ -270,6 +270,8 @@ def test_client_disconnect_aborts_request_and_frees_blocks(server, client, model
     time.sleep(0.3)
     assert server.call(lambda: server.engine.scheduler.stats.num_generation_tokens) == generated  # nothing runs
     assert metric(scrape(server), "pagoda:request_success_total", finished_reason="abort") == aborts_before + 1
+    left = [r.getMessage() for r in caplog.records if "ended by its client" in r.getMessage()]
+    assert len(left) == 1 and "KV blocks freed" in left[0], left  # one line says who left, when
 
 
 # -- metrics and tracing --------------------------------------------------------------------

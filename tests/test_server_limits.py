@@ -5,6 +5,7 @@ key refused at start. Each refusal is followed by a request that succeeds."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -90,6 +91,7 @@ def test_a_client_past_its_sequences_in_flight_gets_429_and_others_do_not(server
     with pytest.raises(openai.RateLimitError) as error:
         hog.completions.create(model="tiny", prompt="Again", n=4, max_tokens=4)  # 8 + 4 > 10
     assert error.value.response.headers["Retry-After"] == "1"
+    assert "--max-sequences-per-client" in error.value.body["message"]  # the flag that lifts it
     ok = client.completions.create(model="tiny", prompt="Hello", max_tokens=3)  # another client is not affected
     assert ok.choices[0].finish_reason in ("stop", "length")
     stream.close()  # the hog leaves: its sequences are aborted and their blocks freed
@@ -131,6 +133,15 @@ def test_a_chat_template_failure_echoes_no_python_internals(server, client):
     message = error.value.body["message"]
     assert error.value.body["param"] == "messages" and "got multiple values" not in message
     still_serves(server, client)
+
+
+def test_version_answers_at_once(capsys):
+    from importlib import metadata
+
+    for argv in (["--version"], ["--version", "serve"]):
+        with pytest.raises(SystemExit) if argv != ["--version"] else contextlib.nullcontext():
+            assert main(argv) == 0
+        assert capsys.readouterr().out.strip() == f"pagoda {metadata.version('pagoda')}"
 
 
 def test_an_empty_api_key_is_refused_at_start(capsys, monkeypatch):

@@ -37,6 +37,14 @@ def test_jsonl_trace_round_trips_and_sorts_by_arrival(tmp_path):
     assert load_trace(path, limit=1) == [TraceRequest(0.0, 7, 1)]
 
 
+def test_null_optional_fields_read_as_absent(tmp_path):
+    # NOTE: pandas' to_json and most loggers write null for a field a row lacks.
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival": 0, "prompt_len": 5, "output_len": 2, "prefix_group": null, "prefix_len": null, '
+                    '"priority": null, "client": null, "kv_retention": null}\n')
+    assert load_trace(path) == [TraceRequest(0.0, 5, 2)]
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"arrival": 0, "prompt_len": 5}', "missing ['output_len']"),
     ('{"arrival": -1, "prompt_len": 5, "output_len": 2}', "arrival must be"),
