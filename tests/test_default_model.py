@@ -72,4 +72,4 @@ def test_readme_python_example_answers_every_prompt(tmp_path):
     assert len(shown) == 3  # two chat answers and one continuation
     for printed in shown:
         assert printed[0].strip(), f"an empty answer in the README example: {shown}"
-    assert all(printed[1] in ("stop", "length") for printed in shown[:2])
+    assert all(printed[1] in ("[finish_reason: stop]", "[finish_reason: length]") for printed in shown[:2])

@@ -1,7 +1,12 @@
 """The offline LLM API on a tiny model: sampling features, errors, load and failure."""
 
 import os
+import fcntl
 import signal
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
 
@@ -164,3 +169,40 @@ def test_async_scheduling_keeps_two_steps_in_flight_and_changes_no_token(tiny_ll
              max_model_len=128, block_size=4) as llm:
         alone = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in alone]
+
+
+def _run_offline(model_dir, stderr_on_a_terminal: bool) -> str:
+    """A script that starts LLM() and generates for three prompts; what it wrote to stderr."""
+    code = (f"from pagoda import LLM, SamplingParams\n"
+            f"llm = LLM({str(model_dir)!r}, dtype='float32', max_model_len=128, num_kv_blocks=64, enforce_eager=True)\n"
+            f"llm.generate(['a', 'b', 'c'], SamplingParams(max_tokens=2))\nllm.shutdown()\n")
+    if not stderr_on_a_terminal:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result.stderr
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal's size
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=follower)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(300) == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_offline_start_logs_its_stages_and_generate_shows_a_bar_on_a_terminal(tiny_llama_dir):
+    for on_a_terminal in (False, True):
+        stderr = _run_offline(tiny_llama_dir, on_a_terminal)
+        for stage in ("model: ", "KV cache: ", "starting the worker process", "worker: loading weights",
+                      "worker ready: "):
+            assert stage in stderr, (stage, stderr)
+        assert ("Processed prompts" in stderr and "3/3" in stderr) == on_a_terminal, stderr

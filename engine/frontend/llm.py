@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,6 +18,19 @@ from pagoda.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
+
+
+def log_to_stderr() -> None:
+    """Pagoda's INFO lines (the start-up stages) to stderr, as vLLM's LLM shows its own, unless
+    the program configured logging itself (a handler on the root or on "pagoda")."""
+    logger = logging.getLogger("pagoda")
+    if logging.getLogger().handlers or logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # NOTE: a root handler added later would print every line twice
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -49,6 +64,7 @@ class LLM:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; "
                             f"known: {', '.join(EngineConfig.field_names())}")
         self.config = EngineConfig(model=model, **kwargs)
+        log_to_stderr()
         self._loop = new_event_loop()
         self.engine = create_engine(self.config, plugin_manager)
         try:
@@ -64,13 +80,15 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for each prompt (a string or a list of token ids).
 
         Args:
             prompts: One prompt or a list.
             sampling_params: One for all prompts, or one per prompt.
             priority: Per-prompt priority (lower first) for the priority policy.
+            use_tqdm: A progress bar over the prompts on stderr, where stderr is a terminal
+                (as vLLM's, which shows it everywhere).
 
         Returns:
             One finished RequestOutput per prompt, in order.
@@ -92,7 +110,16 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        return self._loop.run_until_complete(self._run(prompts, params_list, priorities))
+        bar = None
+        if use_tqdm and len(prompts) > 1 and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="Processed prompts", unit="prompt")
+        try:
+            return self._loop.run_until_complete(self._run(prompts, params_list, priorities, bar))
+        finally:
+            if bar is not None:
+                bar.close()
 
     def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[np.ndarray]:
         """One embedding per prompt: its final hidden states pooled as the engine's
@@ -114,11 +141,11 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
         if not self.tokenizer.chat_template:
@@ -128,7 +155,7 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _run(self, prompts: list[Prompt], params_list: list[SamplingParams],
-                   priorities: list[int]) -> list[RequestOutput]:
+                   priorities: list[int], bar=None) -> list[RequestOutput]:
         streams = []
         try:
             for prompt, params, priority in zip(prompts, params_list, priorities):
@@ -138,13 +165,15 @@ class LLM:
             for stream in streams:
                 self.engine.abort(stream.request_id)
             raise
-        results = await asyncio.gather(*(self._last(stream) for stream in streams))
+        results = await asyncio.gather(*(self._last(stream, bar) for stream in streams))
         return list(results)
 
-    async def _last(self, stream) -> RequestOutput:
+    async def _last(self, stream, bar=None) -> RequestOutput:
         output = None
         async for output in self.engine.stream_outputs(stream):
             pass
+        if bar is not None:
+            bar.update(1)
         return output
 
     def reset_prefix_cache(self) -> bool:
