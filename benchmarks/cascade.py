@@ -15,15 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-from pagoda.attention_backends import cpu_paged
-from pagoda.attention_backends.base import AttentionMetadata
+if TYPE_CHECKING:  # NOTE: torch loads when a bench runs, not when `pagoda --help` builds the parsers
+    import torch
 
 
 def _step(requests: int, shared: int, own: int, args: argparse.Namespace, gen: torch.Generator):
     """The backend, a filled cache, one decode step's metadata and inputs."""
+    import torch
+
+    from pagoda.attention_backends import cpu_paged
+    from pagoda.attention_backends.base import AttentionMetadata
+
     bs, kv_heads, head_dim = args.block_size, args.num_kv_heads, args.head_dim
     context = shared + own
     per_request, shared_blocks = -(-context // bs), shared // bs
@@ -65,6 +69,10 @@ def _time(backend, kv_cache, metadata, inputs, layers: int, repeats: int) -> flo
 
 
 def run_cascade_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagoda.attention_backends import cpu_paged
+
     gen = torch.Generator().manual_seed(0)
     saved = cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS
     print(f"decode attention, {args.layers} layers, {args.dtype}, {args.num_heads} heads / {args.num_kv_heads} KV "

@@ -15,16 +15,17 @@ import argparse
 import json
 import time
 
-import torch
-
 from pagoda.benchmarks.cascade import _cases, _step, add_decode_step_args
 from pagoda.engine.config import KV_CACHE_DTYPES
-from pagoda.engine.platform import resolve_kv_cache_dtype
 
 DEFAULT_DTYPES = ["auto", "fp8_e4m3", "fp8_e5m2"]
 
 
 def run_kv_dtype_bench(args: argparse.Namespace) -> int:
+    import torch  # NOTE: here, not at import: `pagoda --help` builds this parser without torch
+
+    from pagoda.engine.platform import resolve_kv_cache_dtype
+
     gen = torch.Generator().manual_seed(0)
     print(f"decode attention, {args.layers} layers, {args.dtype} queries, {args.num_heads} heads / "
           f"{args.num_kv_heads} KV heads x {args.head_dim}; ms (best of {args.repeats}), ratio to the "

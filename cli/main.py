@@ -39,7 +39,9 @@ def version() -> str:
         return "unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
+    """The command line's parser; ``bench``'s subcommands only when ``command`` is "bench"
+    (they load torch: `pagoda --help` and `pagoda serve --help` answer in well under a second)."""
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
     parser.add_argument("--version", action="version", version=f"pagoda {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,13 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
-    from pagoda.benchmarks.cli import add_bench_parser
     from pagoda.server.cli import add_serve_parser
 
     from pagoda.simulator.cli import add_simulate_parser
 
     add_serve_parser(sub)
-    add_bench_parser(sub)
+    if command == "bench":
+        from pagoda.benchmarks.cli import add_bench_parser
+
+        add_bench_parser(sub)
+    else:
+        sub.add_parser("bench", help="benchmarks (`pagoda bench --help` lists them)")
     add_simulate_parser(sub)
     return parser
 
@@ -68,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv) == ["--version"]:
         print(f"pagoda {version()}")  # NOTE: at once, without building every subcommand's parser
         return 0
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as exc:

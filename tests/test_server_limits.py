@@ -144,6 +144,18 @@ def test_version_answers_at_once(capsys):
         assert capsys.readouterr().out.strip() == f"pagoda {metadata.version('pagoda')}"
 
 
+def test_help_builds_no_parser_that_loads_torch():
+    # NOTE: torch takes seconds to import; `pagoda --help` and `pagoda serve --help` need none of it.
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom pagoda.cli.main import build_parser\n"
+            "for command in (None, 'serve', 'generate', 'simulate'):\n"
+            "    build_parser(command).format_help()\nprint('torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stdout + result.stderr
+
+
 def test_an_empty_api_key_is_refused_at_start(capsys, monkeypatch):
     assert main(["serve", "--api-key", ""]) == 2
     assert "--api-key is empty" in capsys.readouterr().err
