@@ -189,7 +189,8 @@ def run_simulate(args) -> int:
         result.itl = result.itl[:0]  # NOTE: summarized; every token's gap is the largest array
         results.append(result)
         summaries.append(summary)
-        print(f"{policy}/{eviction}: {summary['finished']:,} requests in {summary['duration_s']:,.1f} simulated s, "
+        print(f"{policy}/{eviction}: {summary['finished']:,} requests in {summary['duration_s']:,.1f} simulated s "
+              f"({summary['rejected_too_long']:,} rejected: prompt and output over max_model_len), "
               f"{summary['steps']:,} steps, {summary['wall_s']:.1f} s wall "
               f"({summary['simulated_requests_per_wall_s']:,.0f} requests/s)")
     print()

@@ -158,8 +158,8 @@ def _ms(value: float | None) -> str:
 def table(summaries: list[dict]) -> str:
     """A markdown table comparing runs (one row each)."""
     head = ("| scheduling | eviction | TTFT p50 / p99 ms | TPOT p50 / p99 ms | E2E p50 / p99 s | goodput req/s "
-            "| SLO met | out tok/s | preempt | prefix hits | KV mean / max | queue max |")
-    rule = "|" + "---|" * 2 + "---:|" * 10
+            "| SLO met | out tok/s | preempt | prefix hits | KV mean / max | queue max | rejected |")
+    rule = "|" + "---|" * 2 + "---:|" * 11
     rows = [head, rule]
     for s in summaries:
         ttft, tpot, e2e = s["ttft_s"], s["tpot_s"], s["e2e_s"]
@@ -169,7 +169,8 @@ def table(summaries: list[dict]) -> str:
             f"| {_ms(tpot['p50'])} / {_ms(tpot['p99'])} | {e2e['p50'] or 0:,.1f} / {e2e['p99'] or 0:,.1f} "
             f"| {s['goodput_requests_per_s']:,.2f} | {attained} | {s['output_tokens_per_s']:,.0f} "
             f"| {s['preemptions']:,} | {s['prefix_cache_hit_rate']:.1%} "
-            f"| {s['kv_usage_mean']:.0%} / {s['kv_usage_max']:.0%} | {s['queue_max']:,} |")
+            f"| {s['kv_usage_mean']:.0%} / {s['kv_usage_max']:.0%} | {s['queue_max']:,} "
+            f"| {s['rejected_too_long']:,} |")
     return "\n".join(rows)
 
 

@@ -4,6 +4,7 @@ and the command."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
 
 import numpy as np
@@ -265,6 +266,30 @@ def test_the_simulated_schedule_equals_the_real_engines(tiny_llama_dir, tmp_path
 
 
 # -- the command ---------------------------------------------------------------------------------
+
+
+def test_the_docs_first_example_at_reduced_size_tells_the_policies_apart(tmp_path, capsys):
+    # NOTE: docs/simulate.md's first command with 1,000 requests instead of 2,000: the H200 is
+    # still past its capacity at 40 a second, so the three policies' rows differ.
+    from pagoda.cli.main import main
+
+    doc = (Path(__file__).parent.parent / "docs" / "simulate.md").read_text()
+    command = doc.split("```bash\n", 1)[1].split("```", 1)[0].split("\n", 1)[1].replace("\\\n", " ").split()
+    assert command[:2] == ["pagoda", "simulate"] and "--num-requests" in command
+    args = command[2:]
+    args[args.index("--num-requests") + 1] = "1000"
+    out = tmp_path / "result.json"
+    args[args.index("--output") + 1] = str(out)
+    plot = args.index("--plot")  # NOTE: left out: the plots need matplotlib, tested below
+    assert main(["simulate", *args[:plot], *args[plot + 2:], "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "rejected: prompt and output over max_model_len" in printed
+    runs = {r["scheduling_policy"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"fcfs", "priority", "shortest-prompt-first"}
+    p50 = {name: run["ttft_s"]["p50"] for name, run in runs.items()}
+    assert p50["priority"] < p50["fcfs"] / 3 and p50["shortest-prompt-first"] < p50["fcfs"] / 3, p50
+    attained = {name: run["slo_attainment"] for name, run in runs.items()}
+    assert attained["fcfs"] < attained["priority"] and attained["fcfs"] < attained["shortest-prompt-first"], attained
 
 
 def test_simulate_command_compares_policies_and_writes_json_and_plots(tmp_path, capsys):
