@@ -27,6 +27,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pagoda.engine.exceptions import RequestInterrupted
 from pagoda.engine.frontend.data_parallel import create_engine
 from pagoda.engine.config import EngineConfig
 from pagoda.server.config import ServerConfig
@@ -433,16 +434,25 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         logger.info("ready on %s: model %s, %s. Press CTRL+C to stop.", base_url, ", ".join(state.model_names),
                     state.engine.describe())
 
-    stopping: list[asyncio.Task] = []
+    signals: list[int] = []
 
     def on_signal() -> None:
         # NOTE: aiohttp's own handler stops listening at once, so /health would refuse
         # connections during the drain: this one drains while still listening (/health and
-        # new requests get 503 shutting_down), then stops the app. A second signal stops now.
+        # new requests get 503 shutting_down), then stops the app. A second signal ends the
+        # requests still running (as the timeout would) and stops now; later ones are ignored.
+        signals.append(1)
         state = app.get(STATE_KEY)
-        if stopping or state is None:
+        if state is None and len(signals) == 1:
+            raise web.GracefulExit()  # still starting: nothing to drain
+        if len(signals) == 1:
+            loop.create_task(_drain_then_exit(state, config.shutdown_timeout))
+        elif len(signals) == 2:
+            logger.warning("a second signal: ending every request now")
+            if state is not None:
+                state.interrupted = True
+                state.engine.interrupt_all(RequestInterrupted("a second stop signal came"))
             raise web.GracefulExit()
-        stopping.append(loop.create_task(_drain_then_exit(state, config.shutdown_timeout)))
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal)
@@ -455,9 +465,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
 
 
 async def _drain_then_exit(state: ServerState, timeout: float) -> None:
-    await state.drain(timeout)
-
     def stop() -> None:
         raise web.GracefulExit()  # NOTE: raised from a loop callback, it ends run_app's loop
 
-    asyncio.get_running_loop().call_soon(stop)
+    try:
+        await state.drain(timeout)
+    finally:
+        asyncio.get_running_loop().call_soon(stop)

@@ -14,13 +14,14 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from pagoda.engine.exceptions import AdmissionPluginFailed, EngineDeadError, RequestRejected, StepError
+from pagoda.engine.exceptions import (AdmissionPluginFailed, EngineDeadError, RequestInterrupted, RequestRejected,
+                                      StepError)
 from pagoda.engine.frontend.embedding import embedding_of, embedding_params
 from pagoda.engine.frontend.output_processor import OutputKind
 from pagoda.server.errors import APIError, bad_request
 from pagoda.server.protocol import EmbeddingRequest, parse_embedding
 from pagoda.server.serving import read_json, rejection_error, serve_tracked
-from pagoda.server.state import ServerState
+from pagoda.server.state import ServerState, cut_off, shutting_down
 from pagoda.server.streaming import merge
 from pagoda.server.tracing import RequestSpan
 
@@ -82,6 +83,8 @@ async def _run(state: ServerState, emb: EmbeddingRequest, ids_list: list[list[in
     engine = state.engine
     params = embedding_params(engine.config)
     base_id = f"embd-{uuid.uuid4().hex}"
+    if state.interrupted:
+        raise shutting_down()  # NOTE: tokenized while the drain ran out
     streams = []
     try:
         for i, ids in enumerate(ids_list):
@@ -92,12 +95,14 @@ async def _run(state: ServerState, emb: EmbeddingRequest, ids_list: list[list[in
             async for index, out in outputs:
                 if out.finished:
                     finals[index] = out
-    except (ValueError, RequestRejected, AdmissionPluginFailed, EngineDeadError, StepError,
+    except (ValueError, RequestRejected, AdmissionPluginFailed, EngineDeadError, StepError, RequestInterrupted,
             asyncio.CancelledError) as exc:
         for stream in streams:
             engine.abort(stream.request_id)
         if isinstance(exc, RequestRejected):
             raise rejection_error(exc) from None
+        if isinstance(exc, RequestInterrupted):
+            raise cut_off(exc) from None
         if isinstance(exc, EngineDeadError):
             raise APIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
         if isinstance(exc, AdmissionPluginFailed):

@@ -186,7 +186,9 @@ class Body:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise bad_request(f"'{name}' must be a number, got {value!r}", name)
         if (low is not None and value < low) or (high is not None and value > high):
-            raise bad_request(f"'{name}' must be in [{low:g}, {high:g}], got {value!r}", name)
+            bounds = (f"in [{low:g}, {high:g}]" if low is not None and high is not None
+                      else f">= {low:g}" if low is not None else f"<= {high:g}")
+            raise bad_request(f"'{name}' must be {bounds}, got {value!r}", name)
         return float(value)
 
     def bool_(self, name: str, default: bool) -> bool:

@@ -36,7 +36,7 @@ from pagoda.server.metrics import RequestTracker
 from pagoda.server.protocol import GenerateRequest, parse_chat, parse_completion
 from pagoda.server.responses import (ChoiceBuilder, ChoiceState, echoed_prompt_logprobs, usage,
                                      vllm_prompt_logprobs)
-from pagoda.server.state import STATE_KEY, ServerState, shutting_down
+from pagoda.server.state import STATE_KEY, ServerState, cut_off, shutting_down
 from pagoda.server.streaming import merge, open_sse, send_done, send_event
 from pagoda.server.tools import ToolRequest, tools_in_system, uses_tools
 from pagoda.server.tracing import RequestSpan
@@ -292,9 +292,9 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
 
 def _check_tool_schemas(engine, tools: ToolRequest) -> None:
     """400 naming the tool whose parameters schema cannot be compiled."""
-    for i, name in enumerate(tools.names):
+    for i, tool in enumerate(tools.tools):
         try:
-            engine.compile_grammar(StructuredOutputsParams(json=tools.parameters(name)))
+            engine.compile_grammar(StructuredOutputsParams(json=ToolRequest.parameters_of(tool)))
         except ValueError as exc:
             message = str(exc).removeprefix("structured_outputs: ")
             raise bad_request(f"tools[{i}].function.parameters: {message}", f"tools[{i}].function.parameters",
@@ -314,7 +314,7 @@ def _usage(jobs: list[_Job]) -> dict[str, Any]:
 
 def _engine_error(exc: Exception) -> APIError:
     if isinstance(exc, RequestInterrupted):
-        return shutting_down(f"The server is shutting down: this request was still running when {exc}.")
+        return cut_off(exc)
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine stopped: {exc}", code="engine_dead")
     return APIError(500, f"Generation failed: {exc}", code="generation_failed")

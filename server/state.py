@@ -127,7 +127,10 @@ class ServerState:
     # -- in-flight requests -----------------------------------------------------------
 
     def track(self, task: asyncio.Task, client_key: str) -> None:
-        """Counts a generation request in; 429 when a concurrency limit is reached."""
+        """Counts a generation request in; 503 while draining, 429 when a concurrency limit is
+        reached."""
+        if self.draining:
+            raise shutting_down()
         config = self.config
         limit = config.max_concurrent_requests
         if limit is not None and len(self.inflight) >= limit:
@@ -276,4 +279,9 @@ def shutting_down(reason: str = "The server is shutting down.") -> APIError:
     go to another replica; ``x-should-retry: false`` keeps OpenAI's SDKs from silently retrying
     the same address, which is about to stop listening."""
     return APIError(503, reason, code="shutting_down", headers={"Retry-After": "5", "x-should-retry": "false"})
+
+
+def cut_off(exc: RequestInterrupted) -> APIError:
+    """The 503 of a request the shutdown timeout ended (see ServerState.drain)."""
+    return shutting_down(f"The server is shutting down: this request was still running when {exc}.")
 

@@ -50,10 +50,11 @@ class _Lane:
                 raise
         else:
             self.busy, self.running = True, client
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, job)
-        finally:
-            self._next()
+        # NOTE: handed on when the thread is done, not when the waiter is: a client that leaves
+        # mid-job leaves the thread busy until the job ends, and the next job waits for it.
+        future = asyncio.get_running_loop().run_in_executor(self.executor, job)
+        future.add_done_callback(lambda _: self._next())
+        return await asyncio.shield(future)
 
     def _next(self) -> None:
         """Hands the lane to the next client's oldest job, or frees it."""

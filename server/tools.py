@@ -164,8 +164,12 @@ class ToolRequest:
         return self.syntax.parser if self.choice == "auto" else None
 
     def parameters(self, name: str) -> dict[str, Any]:
-        function = self.tools[self.names.index(name)]["function"]
-        return function.get("parameters") or {"type": "object", "properties": {}}
+        return self.parameters_of(self.tools[self.names.index(name)])
+
+    @staticmethod
+    def parameters_of(tool: dict[str, Any]) -> dict[str, Any]:
+        """A tool's arguments schema (an empty object's when it gives none)."""
+        return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
     def _call_schema(self, arguments_key: str = "arguments") -> dict[str, Any]:
         calls = [{"type": "object", "properties": {"name": {"const": name}, arguments_key: self.parameters(name)},
@@ -286,6 +290,7 @@ def parse_tools(body: dict[str, Any], syntax: ToolSyntax | None) -> ToolRequest 
         return None
     if not isinstance(tools, list) or not tools:
         raise bad_request("'tools' must be a non-empty list", "tools")
+    seen: set[str] = set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
@@ -298,9 +303,10 @@ def parse_tools(body: dict[str, Any], syntax: ToolSyntax | None) -> ToolRequest 
         if parameters is not None and not isinstance(parameters, dict):
             raise bad_request(f"'tools[{i}].function.parameters' must be a JSON schema object",
                               f"tools[{i}].function.parameters")
-        if function["name"] in (t["function"]["name"] for t in tools[:i]):
+        if function["name"] in seen:
             raise bad_request(f"'tools[{i}].function.name' repeats the name {function['name']!r}: each tool needs "
                               "its own", f"tools[{i}].function.name")
+        seen.add(function["name"])
     parallel = body.get("parallel_tool_calls")
     request = ToolRequest(tools=tools, choice="auto", parallel=True if parallel is None else bool(parallel),
                           syntax=syntax or ToolSyntax("hermes"))

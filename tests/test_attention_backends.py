@@ -389,9 +389,12 @@ def _attention_reference(query, keys, values, last, scale):
     return out
 
 
-@pytest.mark.parametrize("march,budget", [("x86-64-v3", None), ("x86-64-v3", 4096), ("x86-64-v2", None)])
+@pytest.mark.parametrize("march,budget,shape", [("x86-64-v3", None, (6, 2, 64)), ("x86-64-v3", 4096, (6, 2, 64)),
+                                                ("x86-64-v2", None, (6, 2, 64)),
+                                                # NOTE: a tile of 2 tokens x 2 heads: 4 rows, as a decode's
+                                                ("x86-64-v3", None, (4, 2, 128))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_avx2_and_portable_builds_of_the_tiles(tmp_path, march, budget, dtype):
+def test_avx2_and_portable_builds_of_the_tiles(tmp_path, march, budget, shape, dtype):
     """csrc/tile_attention.c built for an AVX2 CPU (x86-64-v3: the float32 tiles alone; the other
     kinds decline) against a torch reference, for a prefill of two chunks (one over cached
     context, not whole blocks; bit for bit the paged kernel's AVX2 build) and a shared prefix
@@ -415,7 +418,7 @@ def test_avx2_and_portable_builds_of_the_tiles(tmp_path, march, budget, dtype):
     assert lib.tile_attention_vector_available() == 0
     assert lib.tile_attention_float_available() == (march == "x86-64-v3")
     gen = torch.Generator().manual_seed(11)
-    heads, kv_heads, head_dim, block_size, scale = 6, 2, 64, 16, 0.125
+    (heads, kv_heads, head_dim), block_size, scale = shape, 16, 0.125
     tables = torch.arange(2 * 19, dtype=torch.int32).view(2, 19)
     starts, lens = torch.tensor([0, 37, 57], dtype=torch.int32), torch.tensor([37, 300], dtype=torch.int32)
     listed = torch.tensor([0, 1], dtype=torch.int32)

@@ -28,9 +28,11 @@ def log_to_stderr() -> None:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # NOTE: silent once the program configures the root logger later (basicConfig, a log
+    # file): the records go on to its handlers, and are not printed twice.
+    handler.addFilter(lambda _record: not logging.getLogger().handlers)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    logger.propagate = False  # NOTE: a root handler added later would print every line twice
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

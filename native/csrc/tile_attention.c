@@ -426,18 +426,19 @@ static inline void store_row(uint16_t *out, const float *acc, float m, float l, 
  * the same order on each lane, so a token's attention does not depend on which of the two took
  * its chunk (one chunk on the tiles, the same tokens' tail after a prefix-cache hit on the
  * kernel, as a repeated prompt has it): the query scaled before the products, each score as
- * the kernel's 2 or 4 partial sums over the dimensions (paged_partials), the softmax's sum in
+ * the kernel's 2 partial sums over the dimensions (paged_partials), the softmax's sum in
  * two 8-lane halves of 16 keys, the rescaling by exp8, the values added key by key. */
 
 /* Two loaded vectors kept in registers: gcc otherwise folds their loads into every FMA that uses
  * them (4 rows: 8 loads besides the 4 broadcasts per 8 FMAs, as many as the FMAs' cycles). */
 #define IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
 
-/* The partial sums per score of the paged kernel's tile for prefill chunks of this group and
- * head size (tile_tokens and the FAST_TASK there: 4 where the tile has at most 4 rows, else 2). */
+/* The partial sums per score of the paged kernel's tiles: 2 for every group and head size (the
+ * FAST_TASK there sums even and odd dimensions apart whatever its rows, for batch invariance). */
 static inline int paged_partials(int64_t G, int64_t D) {
-    const int64_t max_rows = D <= 64 ? 8 : 4, tokens = G >= max_rows ? 1 : max_rows / G;
-    return G * tokens <= 4 ? 4 : 2;
+    (void)G;
+    (void)D;
+    return 2;
 }
 
 static inline __m256 widen8(const uint16_t *p) { /* 8 bfloat16 -> float32 */
