@@ -214,10 +214,12 @@ def test_langchain_bind_tools(chat_model, tool_choice):
 def test_langchain_with_structured_output(chat_model, method, strict):
     if method == "json_mode":
         # NOTE: JSON mode constrains to an object; keys come from the prompt, so the schema
-        # is a dict (no Pydantic validation of what the prompt asked for).
+        # is a dict (no Pydantic validation of what the prompt asked for). Its strings are
+        # unbounded: asked for a population too, the 135M model's greedy string ran on
+        # ("11111...") past 400 tokens, or not, by how its prompt was cached; two keys it closes.
         runnable = chat_model.with_structured_output(City.model_json_schema(), method="json_mode")
-        out = runnable.invoke("Describe Paris as a JSON object with keys name, country, population, area_km2.")
-        assert isinstance(out, dict)
+        out = runnable.invoke("Describe Paris as a JSON object with the keys name and country.")
+        assert isinstance(out, dict) and out.get("name") == "Paris", out
         return
     out = chat_model.with_structured_output(City, method=method, strict=strict).invoke("Tell me about Paris.")
     assert isinstance(out, City)
