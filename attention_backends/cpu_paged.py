@@ -31,21 +31,16 @@ torch_sdpa's torch code on the same layout.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.environment import read_int
 from pagoda.attention_backends import cpu_kernels
 from pagoda.native import library as kernel_library
 from pagoda.native import linear as linear_kernels
 from pagoda.attention_backends.base import FP8_DTYPES, AttentionMetadata, to_cache_dtype
 from pagoda.attention_backends.torch_sdpa import SdpaStepData, TorchSdpaAttentionBackend
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
 
 
 # The (requests, shared tokens) from which a step takes the cascade, by measurement
@@ -66,8 +61,8 @@ CASCADE_BY_TORCH = (32, 512)
 NEVER = (10**9, 10**9)
 # NOTE: read where the worker starts; they replace every pair above (for experiments and
 # tests; PAGODA_CASCADE_MIN_REQUESTS=0 turns the cascade off).
-CASCADE_MIN_REQUESTS = _env_int("PAGODA_CASCADE_MIN_REQUESTS")
-CASCADE_MIN_TOKENS = _env_int("PAGODA_CASCADE_MIN_TOKENS")
+CASCADE_MIN_REQUESTS = read_int("PAGODA_CASCADE_MIN_REQUESTS")
+CASCADE_MIN_TOKENS = read_int("PAGODA_CASCADE_MIN_TOKENS")
 
 
 def cascade_by_torch_pays(amx_runs: bool) -> bool:
@@ -191,7 +186,7 @@ def _shared(metadata: AttentionMetadata, blocks: int, members: list[int] | None)
 # Zen 4, 64 x 64 over 512 1.08x; the float32 tiles 1.2-1.5x from 16 tokens on an AMD Zen 3).
 # PAGODA_PREFILL_TILES_MIN_TOKENS replaces every kind's where the worker starts (0: never).
 PREFILL_ON_TILES_MIN_TOKENS_BY_KIND = {"amx": 16, "avx512_bf16": 64, "avx2": 16}
-PREFILL_ON_TILES_MIN_TOKENS = _env_int("PAGODA_PREFILL_TILES_MIN_TOKENS")
+PREFILL_ON_TILES_MIN_TOKENS = read_int("PAGODA_PREFILL_TILES_MIN_TOKENS")
 if PREFILL_ON_TILES_MIN_TOKENS == 0:
     PREFILL_ON_TILES_MIN_TOKENS = 10**9
 

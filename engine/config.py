@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, fields
 
+from pagoda.environment import read_int
 from pagoda.engine.speculative import SpeculativeConfig
 from pagoda.engine.reasoning import REASONING_PARSERS
 from pagoda.engine.sampling_params import POOLING_METHODS
@@ -213,4 +213,4 @@ def sizes_kv_from_memory(config: EngineConfig, device_type: str) -> bool:
     kv_cache_bytes or num_kv_blocks is given)."""
     if config.kv_cache_bytes is not None or config.num_kv_blocks is not None:
         return False
-    return device_type == "cuda" or bool(os.environ.get(SIMULATED_DEVICE_MEMORY_ENV))
+    return device_type == "cuda" or read_int(SIMULATED_DEVICE_MEMORY_ENV) is not None

@@ -20,6 +20,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from pagoda.environment import read
 
 #: The worker's CPUs, as "0-3,8": set by the executor, read by the worker.
 WORKER_CPUS_ENV = "PAGODA_WORKER_CPUS"
@@ -101,7 +102,7 @@ def parse_cpus(text: str) -> frozenset[int]:
 def take_worker_cpus() -> None:
     """In the worker, before torch is imported: runs on the CPUs the executor named, if any.
     A set the kernel refuses (none of them allowed here) leaves the inherited mask."""
-    text = os.environ.get(WORKER_CPUS_ENV)
+    text = read(WORKER_CPUS_ENV)
     if text and hasattr(os, "sched_setaffinity"):
         try:
             os.sched_setaffinity(0, parse_cpus(text))

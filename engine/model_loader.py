@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pagoda import environment
 from pagoda.engine.families import BY_GGUF_ARCHITECTURE, Family
 from pagoda.engine.platform import resolve_dtype
 
@@ -137,8 +138,7 @@ def default_gguf_path() -> Path:
 
 def default_cache_dir() -> Path:
     """Returns ``$PAGODA_CACHE_DIR`` or ``~/.cache/pagoda``."""
-    env = os.environ.get("PAGODA_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagoda"
+    return environment.cache_dir()
 
 
 def convert_gguf(gguf_path: Path, *, cache_dir: Path | None = None) -> Path:

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from pagoda.environment import cache_dir, read, read_flag
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ MARCH_ENV = "PAGODA_CPU_MARCH"
 
 def _flags() -> list[str]:
     """The compiler flags: the tuning above, for this CPU or the one MARCH_ENV names."""
-    return [f"-march={os.environ.get(MARCH_ENV) or 'native'}", *_FLAGS]
+    return [f"-march={read(MARCH_ENV) or 'native'}", *_FLAGS]
 
 
 class KernelUnavailable(RuntimeError):
@@ -61,9 +62,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def _cache_dir() -> Path:
-    env = os.environ.get("PAGODA_CACHE_DIR")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "pagoda"
-    return root / "native"
+    return cache_dir() / "native"
 
 
 def cpu_flags() -> str:
@@ -122,7 +121,7 @@ def library_path() -> Path:
     Raises:
         KernelUnavailable: As load().
     """
-    if os.environ.get(DISABLE_ENV):
+    if read_flag(DISABLE_ENV):
         raise KernelUnavailable(f"disabled by {DISABLE_ENV}")
     return _build(_compiler())
 

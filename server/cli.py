@@ -10,9 +10,9 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 
+from pagoda.environment import read
 from pagoda.engine.args import add_engine_args, configure_logging, engine_config_from_args
 from pagoda.engine.sampling_params import MAX_LOGPROBS, MAX_N
 from pagoda.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
@@ -146,7 +146,7 @@ def _json_list(value: str) -> list[str]:
 
 def _api_key(flag: str | None) -> str | None:
     """--api-key, else PAGODA_API_KEY; an empty one is an error, not a server without a key."""
-    key, source = (flag, "--api-key") if flag is not None else (os.environ.get(API_KEY_ENV), API_KEY_ENV)
+    key, source = (flag, "--api-key") if flag is not None else (read(API_KEY_ENV), API_KEY_ENV)
     if key is not None and not key.strip():
         raise ValueError(f"{source} is empty: give a key, or leave it out to serve without one")
     return key

@@ -26,7 +26,7 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    files = [ROOT / "__init__.py", ROOT / "__main__.py"]
+    files = [ROOT / "__init__.py", ROOT / "__main__.py", ROOT / "environment.py"]
     for folder in PACKAGE_FOLDERS:
         files += sorted((ROOT / folder).rglob("*.py"))
     return {_module_name(path): path for path in files}
@@ -97,6 +97,8 @@ RULES = [
     (["pagoda.simulator"], ["torch", f"{E}.frontend", f"{E}.worker", f"{E}.models", f"{E}.executor",
                             "pagoda.attention_backends", "pagoda.server"],
      "the simulator runs the engine core alone, in place of the worker, without torch"),
+    (["pagoda.environment"], ["torch", *(f"pagoda.{folder}" for folder in PACKAGE_FOLDERS)],
+     "the environment registry imports nothing of Pagoda's, so that every layer may read it"),
 ]
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 
 import pluggy
 
+from pagoda.environment import read_flag
 from pagoda.plugins import PROJECT_NAME, hookspecs
 from pagoda.plugins.builtin import BuiltinPolicies
 from pagoda.plugins.fair import FairShare
@@ -59,7 +59,7 @@ def create_plugin_manager(plugins: list[str] | tuple[str, ...] = (), load_entry_
     pm.add_hookspecs(hookspecs)
     pm.register(BuiltinPolicies(), name=BUILTIN_NAME)
     pm.register(FairShare(), name=FAIR_NAME)  # NOTE: stateful, so one instance per engine
-    if load_entry_points and not os.environ.get(DISABLE_AUTOLOAD_ENV):
+    if load_entry_points and not read_flag(DISABLE_AUTOLOAD_ENV):
         pm.load_setuptools_entrypoints(PROJECT_NAME)
     for spec in plugins:
         obj = _import_object(spec)

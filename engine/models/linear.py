@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.environment import read, read_int
 from pagoda.native import library as kernel_library
 from pagoda.native import linear as linear_kernels
 from pagoda.engine.models.quantized import QUANT_PACKINGS, GroupQuantized
@@ -137,13 +138,13 @@ def choose_packing(device: torch.device, dtype: torch.dtype, batch_invariant: bo
             raise ValueError("batch_invariant needs bfloat16 on a CPU with AVX512-BF16 (Pagoda's blocked matrix "
                              f"kernel); this is {device.type} in {str(dtype).removeprefix('torch.')}"
                              + ("" if packing_available("blocked") else ", without the kernel"))
-        requested = os.environ.get(PACKING_ENV)
+        requested = read(PACKING_ENV)
         if requested in BLOCKED_LAYOUT and packing_available(requested):
             return requested  # NOTE: both are invariant; the override picks one to test it
         return "amx" if packing_available("amx") else "blocked"
     if device.type != "cpu" or dtype != torch.bfloat16:
         return None
-    requested = os.environ.get(PACKING_ENV)
+    requested = read(PACKING_ENV)
     if requested:
         if requested == "none":
             return None
@@ -268,8 +269,9 @@ def quant_amx_min_rows(weight: torch.Tensor, packing: str, out_features: int, in
 def quant_tile_rows(weight: torch.Tensor, packing: str, out_features: int, in_features: int,
                     fused_silu_mul: bool = False) -> int:
     """quant_amx_min_rows, or the count $PAGODA_QUANT_TILES_MIN_ROWS gives instead (0: never)."""
-    if os.environ.get(QUANT_TILES_ENV):
-        return int(os.environ[QUANT_TILES_ENV])
+    rows = read_int(QUANT_TILES_ENV)
+    if rows is not None:
+        return rows
     return quant_amx_min_rows(weight, packing, out_features, in_features, fused_silu_mul)
 
 

@@ -25,10 +25,10 @@ runs layer by layer where the backend has no tiles for the shared part (head siz
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
+from pagoda.environment import read_flag
 from pagoda.attention_backends import cpu_kernels
 from pagoda.native import library as kernel_library
 from pagoda.native import linear as linear_kernels
@@ -57,7 +57,7 @@ def architecture_reason(config) -> str | None:
 
 def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     """Why ``model`` (a DecoderForCausalLM) cannot take the one-call path over ``kv_caches``, or None."""
-    if os.environ.get(ENV, "1") == "0":
+    if not read_flag(ENV):
         return f"{ENV}=0"
     if model.tp.is_parallel:
         return "tensor parallelism"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 import traceback
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pagoda.environment import read_int
 from pagoda.attention_backends import AttentionMetadata, get_attention_backend
 from pagoda.engine.tensor_parallel import head_share
 from pagoda.engine.worker.distributed import init_tensor_parallel
@@ -295,8 +295,8 @@ class ModelRunner:
         """
         config = self._init.config
         if self.device.type != "cuda":
-            simulated = os.environ.get(SIMULATED_DEVICE_MEMORY_ENV)
-            if not simulated:
+            simulated = read_int(SIMULATED_DEVICE_MEMORY_ENV)
+            if simulated is None:
                 raise RuntimeError("the KV cache is sized from the device's memory only on a GPU")
             models = [self.model] + ([self.draft] if self.draft is not None else [])
             weights = sum(t.nbytes for model in models for t in (*model.parameters(), *model.buffers()))
