@@ -167,6 +167,22 @@ def test_sigterm_stops_listening_and_drains_in_flight_requests(serve, tiny_llama
     assert any("draining 2 in-flight requests" in line for line in drained), drained
 
 
+def test_a_second_signal_ends_the_requests_at_once(serve, tiny_llama_dir):
+    server = serve(str(tiny_llama_dir), *TINY_FLAGS, "--shutdown-timeout", "60")
+    client = server.client()
+    reader = StreamReader(client, client.models.list().data[0].id, 240)
+    reader.start()
+    assert reader.started.wait(30)
+    server.proc.send_signal(signal.SIGTERM)  # drains: the stream would go on to its 240 tokens
+    time.sleep(0.3)
+    started = time.time()
+    server.proc.send_signal(signal.SIGTERM)  # now
+    reader.join(30)
+    assert isinstance(reader.error, openai.APIError) and reader.error.body["code"] == "shutting_down", reader.error
+    server.assert_stopped_cleanly(timeout=30)
+    assert time.time() - started < 30 and "a second signal" in server.log()
+
+
 def test_shutdown_timeout_ends_every_request_in_a_way_its_client_understands(tiny_llama_dir):
     engine_config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=1024,
                                  block_size=8, num_kv_blocks=256)
