@@ -168,13 +168,13 @@ def test_sigterm_stops_listening_and_drains_in_flight_requests(serve, tiny_llama
 
 
 def test_a_second_signal_ends_the_requests_at_once(serve, tiny_llama_dir):
-    server = serve(str(tiny_llama_dir), *TINY_FLAGS, "--shutdown-timeout", "60")
+    server = serve(str(tiny_llama_dir), *TINY_FLAGS, "--max-model-len", "1024", "--shutdown-timeout", "60")
     client = server.client()
-    reader = StreamReader(client, client.models.list().data[0].id, 240)
+    reader = StreamReader(client, client.models.list().data[0].id, 1000)
     reader.start()
     assert reader.started.wait(30)
-    server.proc.send_signal(signal.SIGTERM)  # drains: the stream would go on to its 240 tokens
-    time.sleep(0.3)
+    server.proc.send_signal(signal.SIGTERM)  # drains: the stream would go on to its 1000 tokens
+    time.sleep(0.2)
     started = time.time()
     server.proc.send_signal(signal.SIGTERM)  # now
     reader.join(30)
