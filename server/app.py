@@ -435,6 +435,13 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
                     state.engine.describe())
 
     signals: list[int] = []
+    stopped: list[bool] = []
+
+    def stop() -> None:
+        # NOTE: once: a GracefulExit raised while run_app cleans up would escape it (status 1).
+        if not stopped:
+            stopped.append(True)
+            raise web.GracefulExit()  # raised from a loop callback, it ends run_app's loop
 
     def on_signal() -> None:
         # NOTE: aiohttp's own handler stops listening at once, so /health would refuse
@@ -444,15 +451,15 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         signals.append(1)
         state = app.get(STATE_KEY)
         if state is None and len(signals) == 1:
-            raise web.GracefulExit()  # still starting: nothing to drain
+            stop()  # still starting: nothing to drain
         if len(signals) == 1:
-            loop.create_task(_drain_then_exit(state, config.shutdown_timeout))
+            loop.create_task(_drain_then_exit(state, config.shutdown_timeout, lambda: loop.call_soon(stop)))
         elif len(signals) == 2:
             logger.warning("a second signal: ending every request now")
             if state is not None:
                 state.interrupted = True
                 state.engine.interrupt_all(RequestInterrupted("a second stop signal came"))
-            raise web.GracefulExit()
+            stop()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal)
@@ -464,11 +471,9 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     return 1 if engine_died else 0
 
 
-async def _drain_then_exit(state: ServerState, timeout: float) -> None:
-    def stop() -> None:
-        raise web.GracefulExit()  # NOTE: raised from a loop callback, it ends run_app's loop
-
+async def _drain_then_exit(state: ServerState, timeout: float, stop: Callable[[], object]) -> None:
     try:
         await state.drain(timeout)
-    finally:
-        asyncio.get_running_loop().call_soon(stop)
+    except Exception:  # noqa: BLE001 - the server stops whatever the drain met
+        logger.exception("the drain failed; stopping")
+    stop()
