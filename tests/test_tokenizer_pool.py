@@ -36,15 +36,13 @@ def test_long_jobs_are_taken_in_turn_by_client_and_small_ones_never_wait_behind_
         hog = [asyncio.create_task(pool.run(job, f"a{i}", 0.1, client="a", cost=big)) for i in range(6)]
         await asyncio.sleep(0.01)
         other = asyncio.create_task(pool.run(job, "b0", 0.1, client="b", cost=big))
-        started = time.perf_counter()
         assert await pool.run(job, "small", 0.001, client="c", cost=10) == "small"
-        small_wait = time.perf_counter() - started
         await asyncio.gather(*hog, other)
         pool.shutdown()
-        return finished, small_wait
+        return finished
 
-    finished, small_wait = run(scenario())
-    assert small_wait < 0.08, small_wait  # not behind a 0.1 s job, let alone six
+    finished = run(scenario())
+    assert finished[0] == "small", finished  # not behind the long job running, let alone six
     large = [name for name in finished if name != "small"]
     assert large.index("b0") == 1, finished  # b waits for one job of a's, not six
     assert sorted(n for n in finished if n.startswith("a")) == [f"a{i}" for i in range(6)]
@@ -60,12 +58,12 @@ def test_a_waiter_that_leaves_does_not_stall_the_lane():
         await asyncio.sleep(0.01)
         leaving.cancel()
         await first
-        started = time.perf_counter()
-        await asyncio.wait_for(pool.run(time.sleep, 0, client="c", cost=big), 1)
+        # NOTE: a stalled lane would never answer: the timeout is the failure, not a speed bound.
+        answer = await asyncio.wait_for(pool.run(str.upper, "ok", client="c", cost=big), 10)
         pool.shutdown()
-        return time.perf_counter() - started
+        return answer, leaving.cancelled()
 
-    assert run(scenario()) < 0.05
+    assert run(scenario()) == ("OK", True)
 
 
 @pytest.fixture(scope="module")
@@ -113,5 +111,6 @@ def test_six_long_prompts_from_one_client_leave_a_small_request_near_its_alone_l
           f"(the six took {hog_seconds:.1f} s)")
     # Tokenized (about 140k tokens each), then refused as longer than the context.
     assert statuses == [(400, "context_length_exceeded")] * 6
-    assert beside < alone + 0.5, (alone, beside, hog_seconds)
-    assert beside < hog_seconds / 3
+    # NOTE: in the same sitting, against the six's own time: behind them it would wait for most
+    # of it (a single thread in arrival order: 2.4 s of 2.7 s here); beside them it waits for none.
+    assert beside < hog_seconds / 4, (alone, beside, hog_seconds)
