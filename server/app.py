@@ -27,7 +27,6 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pagoda.engine.exceptions import RequestInterrupted
 from pagoda.engine.frontend.data_parallel import create_engine
 from pagoda.engine.config import EngineConfig
 from pagoda.server.config import ServerConfig
@@ -457,8 +456,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         elif len(signals) == 2:
             logger.warning("a second signal: ending every request now")
             if state is not None:
-                state.interrupted = True
-                state.engine.interrupt_all(RequestInterrupted("a second stop signal came"))
+                state.interrupt("a second stop signal came")
             stop()
 
     for signum in (signal.SIGINT, signal.SIGTERM):

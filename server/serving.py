@@ -44,6 +44,7 @@ from pagoda.server.tracing import RequestSpan
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(slots=True)
 class _Job:
     """One prompt's engine request."""

@@ -176,8 +176,7 @@ class ServerState:
         with suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.idle.wait(), timeout)
             return
-        self.interrupted = True
-        ended = self.engine.interrupt_all(RequestInterrupted(f"--shutdown-timeout ({timeout:g} s) ran out"))
+        ended = self.interrupt(f"--shutdown-timeout ({timeout:g} s) ran out")
         logger.warning("ending %d requests still running after %.0f s (--shutdown-timeout): %d in the engine",
                        len(self.inflight), timeout, ended)
         with suppress(asyncio.TimeoutError):
@@ -187,6 +186,13 @@ class ServerState:
             task.cancel()
         with suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.idle.wait(), 5)
+
+    def interrupt(self, why: str) -> int:
+        """Ends every request still running (``why`` completes "this request was still running
+        when ..."): their handlers answer 503 shutting_down or an error event, and requests not
+        yet in the engine get the 503; returns how many engine requests it ended."""
+        self.interrupted = True
+        return self.engine.interrupt_all(RequestInterrupted(why))
 
     # -- checks -----------------------------------------------------------------------
 
