@@ -1,6 +1,7 @@
-"""The built-in policies, registered as plugins like any third-party one.
+"""The built-in policies, registered as a plugin like any third-party one.
 
-Scheduling: ``fcfs`` (default), ``priority`` and ``shortest-prompt-first``.
+Scheduling: ``fcfs`` (default), ``priority``, ``shortest-prompt-first`` and ``fair``
+(plugins/fair.py).
 Eviction: ``lru`` (default) and ``retention-priority``.
 Preemption mode: the chooser in ``plugins.preemption``.
 """
@@ -11,7 +12,9 @@ from collections.abc import Sequence
 
 from pagoda.plugins import hookimpl
 from pagoda.plugins.eviction import Evictor, LRUEvictor, RetentionPriorityEvictor
+from pagoda.plugins.fair import FAIR, FairShare
 from pagoda.plugins.preemption import choose_preemption_mode
+from pagoda.plugins.scheduling import PolicyFactory, SchedulingPolicy
 from pagoda.plugins.views import KVCacheView, RequestView
 
 FCFS = "fcfs"
@@ -21,41 +24,39 @@ LRU = "lru"
 RETENTION_PRIORITY = "retention-priority"
 
 
+class Priority(SchedulingPolicy):
+    """Lower ``priority`` first, ties by arrival. The victim is the lowest priority (the latest
+    arrival among equals); a waiting request preempts only a strictly lower priority."""
+
+    def sort_key(self, request: RequestView) -> tuple:
+        return (request.priority, request.arrival_time)
+
+    def select_victim(self, running: Sequence[RequestView], needing: RequestView,
+                      needing_is_running: bool) -> RequestView | None:
+        victim = max(running, key=lambda r: (r.priority, r.arrival_time))
+        if needing_is_running or victim.priority > needing.priority:
+            return victim
+        return None
+
+
+class ShortestPromptFirst(SchedulingPolicy):
+    """Fewest prompt tokens first, ties by arrival; victims as fcfs."""
+
+    def sort_key(self, request: RequestView) -> tuple:
+        return (request.num_prompt_tokens, request.arrival_time)
+
+
 class BuiltinPolicies:
-    """fcfs, priority and shortest-prompt-first scheduling; lru and retention eviction."""
+    """The built-in scheduling policies, lru and retention eviction, the preemption-mode chooser."""
 
     @hookimpl
-    def pagoda_scheduling_policies(self) -> list[str]:
-        return [FCFS, PRIORITY, SHORTEST_PROMPT_FIRST]
+    def pagoda_scheduling_policies(self) -> dict[str, PolicyFactory]:
+        return {FCFS: SchedulingPolicy, PRIORITY: Priority, SHORTEST_PROMPT_FIRST: ShortestPromptFirst,
+                FAIR: FairShare}
 
     @hookimpl
     def pagoda_eviction_policies(self) -> list[str]:
         return [LRU, RETENTION_PRIORITY]
-
-    @hookimpl(trylast=True)
-    def pagoda_request_sort_key(self, policy: str, request: RequestView) -> tuple | None:
-        if policy == FCFS:
-            return (request.arrival_time,)
-        if policy == PRIORITY:
-            return (request.priority, request.arrival_time)
-        if policy == SHORTEST_PROMPT_FIRST:
-            return (request.num_prompt_tokens, request.arrival_time)
-        return None
-
-    @hookimpl(trylast=True)
-    def pagoda_select_victim(self, policy: str, running: Sequence[RequestView], needing: RequestView,
-                             needing_is_running: bool) -> RequestView | None:
-        if policy in (FCFS, SHORTEST_PROMPT_FIRST):
-            # The most recently admitted; a waiting request never preempts.
-            return running[-1] if needing_is_running else None
-        if policy == PRIORITY:
-            # The lowest priority (largest value), latest arrival among equals ...
-            victim = max(running, key=lambda r: (r.priority, r.arrival_time))
-            if needing_is_running:
-                return victim
-            # ... and a waiting request preempts only a strictly lower priority.
-            return victim if victim.priority > needing.priority else None
-        return None
 
     @hookimpl(trylast=True)
     def pagoda_preemption_mode(self, victim: RequestView, kv_cache: KVCacheView) -> str | None:

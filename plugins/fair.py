@@ -25,14 +25,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from pagoda.plugins import hookimpl
+from pagoda.plugins.scheduling import SchedulingPolicy
 from pagoda.plugins.views import RequestView, StepView
 
 FAIR = "fair"
 
 
-class FairShare:
-    """The ``fair`` policy's counters and hooks (one instance per engine's plugin manager)."""
+class FairShare(SchedulingPolicy):
+    """The ``fair`` policy and its counters (one instance per engine)."""
+
+    keys_change = True
 
     def __init__(self) -> None:
         #: Tokens computed per client so far (the virtual token counters).
@@ -40,18 +42,7 @@ class FairShare:
         self._client_of: dict[str, str | None] = {}
         self._num_active: Counter[str | None] = Counter()
 
-    @hookimpl
-    def pagoda_scheduling_policies(self) -> list[str]:
-        return [FAIR]
-
-    @hookimpl
-    def pagoda_sort_keys_change(self, policy: str) -> bool | None:
-        return True if policy == FAIR else None
-
-    @hookimpl
-    def pagoda_request_sort_key(self, policy: str, request: RequestView) -> tuple | None:
-        if policy != FAIR:
-            return None
+    def sort_key(self, request: RequestView) -> tuple:
         client = request.client
         if request.request_id not in self._client_of:
             if not self._num_active[client]:
@@ -62,11 +53,8 @@ class FairShare:
             self._num_active[client] += 1
         return (self.served.get(client, 0.0), request.arrival_time)
 
-    @hookimpl
-    def pagoda_select_victim(self, policy: str, running: Sequence[RequestView], needing: RequestView,
-                             needing_is_running: bool) -> RequestView | None:
-        if policy != FAIR:
-            return None
+    def select_victim(self, running: Sequence[RequestView], needing: RequestView,
+                      needing_is_running: bool) -> RequestView | None:
         served = self.served
         victim = max(running, key=lambda r: (served.get(r.client, 0.0), r.arrival_time))
         if needing_is_running:
@@ -75,10 +63,7 @@ class FairShare:
             return None
         return victim
 
-    @hookimpl
-    def pagoda_step_finished(self, step: StepView) -> None:
-        if not self._client_of:
-            return  # another policy runs (or nothing waits or runs): nothing to count
+    def step_finished(self, step: StepView) -> None:
         # NOTE: by the step's own client_of, so that the samples of an n > 1 request, which
         # fork from the first without passing through the queue, count too.
         served, client_of = self.served, step.client_of
@@ -86,8 +71,7 @@ class FairShare:
             client = client_of(request_id)
             served[client] = served.get(client, 0.0) + num_tokens
 
-    @hookimpl
-    def pagoda_request_finished(self, request: RequestView, finish_reason: str) -> None:
+    def request_finished(self, request: RequestView, finish_reason: str) -> None:
         if request.request_id not in self._client_of:
             return
         client = self._client_of.pop(request.request_id)

@@ -6,14 +6,13 @@ engine's step loop, and must be cheap: a policy hook runs once per waiting reque
 once per preemption, never per token. They receive read-only views
 (``plugins.views``), never the engine's own objects.
 
-Scheduling hooks take the active policy's name (``--scheduling-policy``) and return None
-when the name is not theirs, so several policies can be installed at once and the user
-picks one. Decision hooks stop at the first non-None result.
+Scheduling policies are objects (``plugins.scheduling.SchedulingPolicy``) registered by name:
+several can be installed at once, the user picks one (``--scheduling-policy``), and only that
+one's code runs. Decision hooks stop at the first non-None result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -21,6 +20,7 @@ import pluggy
 if TYPE_CHECKING:
     from pagoda.plugins.admission import RetryLater
     from pagoda.plugins.eviction import Evictor
+    from pagoda.plugins.scheduling import PolicyFactory
     from pagoda.plugins.views import KVCacheView, RequestView, StepView
 
 PROJECT_NAME = "pagoda"
@@ -29,14 +29,17 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
 
 @hookspec
-def pagoda_scheduling_policies() -> list[str]:
-    """Names of the scheduling policies this plugin implements.
+def pagoda_scheduling_policies() -> dict[str, PolicyFactory]:
+    """The scheduling policies this plugin implements, by name.
 
-    Called once at start-up; ``--scheduling-policy`` must name one that some plugin (or the
-    built-ins: fcfs, priority, shortest-prompt-first) lists, or the engine refuses to start.
+    Called once at start-up. ``--scheduling-policy`` must name one that some plugin (or the
+    built-ins: fcfs, priority, shortest-prompt-first, fair) registers, or the engine refuses
+    to start; the engine then calls that name's factory once and its scheduler holds the
+    object (a ``plugins.scheduling.SchedulingPolicy``) for its life.
 
     Returns:
-        The names (the lists of every plugin are merged).
+        ``{name: factory}``: a factory takes no arguments (a SchedulingPolicy subclass is
+        one). Two plugins registering one name is an error at start-up.
     """
 
 
@@ -49,68 +52,6 @@ def pagoda_eviction_policies() -> list[str]:
 
     Returns:
         The names (the lists of every plugin are merged).
-    """
-
-
-@hookspec(firstresult=True)
-def pagoda_request_sort_key(policy: str, request: RequestView) -> tuple | None:
-    """Orders the waiting queue: requests with smaller keys are admitted first.
-
-    Called once each time a request enters the waiting queue (on arrival, and again
-    when it is preempted), not on every step. A preempted request keeps its place ahead
-    of later arrivals as long as its key does not change (fcfs keys by arrival time).
-
-    Args:
-        policy: The active scheduling policy's name.
-        request: The request.
-
-    Returns:
-        A sortable tuple, or None if ``policy`` is not this plugin's.
-        Stops at first non-None result. When no plugin answers, the request gets fcfs's
-        key (its arrival time); when one raises, the error is logged once and counted, and
-        the same fallback applies.
-    """
-
-
-@hookspec(firstresult=True)
-def pagoda_sort_keys_change(policy: str) -> bool | None:
-    """Says whether a scheduling policy's sort keys change while requests wait.
-
-    A policy whose order depends on what has been served since a request was queued (fair
-    share) answers True; the engine then asks pagoda_request_sort_key again for every
-    waiting request before each step admits any. Asked once, at start-up.
-
-    Args:
-        policy: The scheduling policy's name.
-
-    Returns:
-        True to have keys asked again every step; None (the fallback: False) otherwise.
-        Stops at the first non-None result.
-    """
-
-
-@hookspec(firstresult=True)
-def pagoda_select_victim(policy: str, running: Sequence[RequestView], needing: RequestView,
-                         needing_is_running: bool) -> RequestView | None:
-    """Picks the running request to preempt so that ``needing`` can proceed.
-
-    Called when a running request cannot get a KV block (``needing_is_running`` is True,
-    and ``needing`` may be its own victim), and when the first waiting request cannot be
-    admitted for lack of memory or of a running slot (``needing_is_running`` is False:
-    returning None means it waits).
-
-    Args:
-        policy: The active scheduling policy's name.
-        running: Running requests in admission order (the last admitted last).
-        needing: The request that needs memory or a running slot.
-        needing_is_running: Whether ``needing`` is one of ``running``.
-
-    Returns:
-        One of ``running``; or None: "not my policy", or, for a waiting ``needing``, "preempt
-        nothing". Stops at first non-None result. When no plugin answers for a running
-        ``needing``, the built-in choice applies (fcfs: the most recently admitted), silently:
-        a policy may implement only a sort key. A plugin that raises or returns a request
-        that is not running gets the same fallback, logged once and counted.
     """
 
 

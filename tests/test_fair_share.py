@@ -72,7 +72,7 @@ def test_fair_admits_the_least_served_client_first():
         add(scheduler, f"a{i}", "a", max_tokens=50)
     for _ in range(3):
         step(scheduler)
-    fair = scheduler.policy.pm.get_plugin("pagoda-builtin-fair")
+    fair = scheduler.policy.scheduling
     served_a = fair.served["a"]
     late_a = add(scheduler, "a-late", "a", max_tokens=5)
     b = add(scheduler, "b0", "b", max_tokens=5)
@@ -129,7 +129,7 @@ def test_fair_counts_every_sample_of_an_n_request():
     add(scheduler, "b0", "b", max_tokens=20)  # keeps the fair plugin counting
     for _ in range(10):
         step(scheduler)
-    fair = scheduler.policy.pm.get_plugin("pagoda-builtin-fair")
+    fair = scheduler.policy.scheduling
     computed = sum(r.num_computed_tokens for r in samples)
     assert computed > 8 + 3 * 5  # the forks decoded too
     assert fair.served["a"] == computed - 3 * 7  # NOTE: the forks share the first sample's 7 prompt tokens

@@ -17,6 +17,7 @@ from pagoda.engine.core.plugin_manager import create_plugin_manager, plugin_name
 from pagoda.engine.core.policy import Policy
 from pagoda.engine.exceptions import RequestRejected
 from pagoda.plugins import RetryLater, hookimpl
+from pagoda.plugins.scheduling import SchedulingPolicy
 
 EXAMPLE = Path(__file__).parent / "plugin_example"
 
@@ -89,31 +90,40 @@ def test_unknown_policy_lists_the_known_ones(tiny_llama_dir):
         LLM(str(tiny_llama_dir), eviction_policy="random")
 
 
-class Broken:
-    """A plugin whose every decision raises."""
+class Exploding(SchedulingPolicy):
+    """A scheduling policy whose every decision raises."""
 
-    @hookimpl(tryfirst=True)
-    def pagoda_select_victim(self, policy, running, needing):
+    def sort_key(self, request):
+        raise RuntimeError("sort key exploded")
+
+    def select_victim(self, running, needing, needing_is_running):
         raise RuntimeError("victim chooser exploded")
 
-    @hookimpl(tryfirst=True)
-    def pagoda_request_sort_key(self, policy, request):
-        raise RuntimeError("sort key exploded")
+
+class Broken:
+    """A plugin with the exploding policy and an observer that raises."""
+
+    @hookimpl
+    def pagoda_scheduling_policies(self):
+        return {"exploding": Exploding}
 
     @hookimpl
     def pagoda_step_finished(self, step):
         raise RuntimeError("observer exploded")
 
 
-def test_a_raising_plugin_falls_back_to_the_builtin_policy(tiny_llama_dir):
+def test_a_raising_plugin_falls_back_to_the_builtin_policy(tiny_llama_dir, caplog):
     pm = create_plugin_manager(load_entry_points=False, extra=[Broken()])
     prompts = [f"Request {i} with a few words to fill the cache" for i in range(12)]
     with LLM(str(tiny_llama_dir), plugin_manager=pm, enforce_eager=True, dtype="float32", block_size=4, num_kv_blocks=40,
-             max_model_len=64, preemption_mode="recompute") as llm:
+             max_model_len=64, preemption_mode="recompute", scheduling_policy="exploding") as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
         assert all(len(o.outputs[0].token_ids) == 20 for o in outputs)
         assert llm.engine.scheduler.stats.num_preemptions > 0
         assert llm.engine.policy.num_plugin_errors > 0
+        errors = {r.getMessage().split(" failed")[0] for r in caplog.records if r.levelname == "ERROR"}
+        assert errors == {"scheduling policy 'exploding': sort_key", "scheduling policy 'exploding': select_victim",
+                          "plugin hook pagoda_step_finished"}, errors  # each logged once, named
         kv = llm.engine.scheduler.kv_cache_manager
         assert kv.get_num_free_blocks() == kv.num_blocks
 
@@ -135,6 +145,49 @@ def test_admission_plugin_rejects_with_its_reason(tiny_llama_dir):
 def test_policy_without_plugins_uses_builtins():
     policy = Policy()
     assert policy.make_evictor().__class__.__name__ == "LRUEvictor"
+    assert type(policy.scheduling) is SchedulingPolicy  # fcfs
+
+
+def test_each_engine_builds_its_own_policy_object():
+    pm = create_plugin_manager(load_entry_points=False)
+    first, second = Policy(pm, "fair"), Policy(pm, "fair")
+    assert first.scheduling is not second.scheduling and first.sort_keys_change
+
+
+class OldStyle:
+    """A plugin written to the hooks before scheduling policies were objects."""
+
+    @hookimpl
+    def pagoda_scheduling_policies(self):
+        return ["newest-first"]
+
+    @hookimpl
+    def pagoda_request_sort_key(self, policy, request):
+        return (-request.arrival_time,) if policy == "newest-first" else None
+
+
+class OldStyleListOnly:
+    @hookimpl
+    def pagoda_scheduling_policies(self):
+        return ["newest-first"]
+
+
+class Twice:
+    @hookimpl
+    def pagoda_scheduling_policies(self):
+        return {"fcfs": SchedulingPolicy}
+
+
+def test_a_plugin_on_the_old_scheduling_hooks_gets_a_message_that_says_what_replaced_them():
+    with pytest.raises(ValueError, match="implements pagoda_request_sort_key, which Pagoda no longer calls.*"
+                                         "SchedulingPolicy.*name: factory"):
+        create_plugin_manager(load_entry_points=False, extra=[OldStyle()])
+    pm = create_plugin_manager(load_entry_points=False, extra=[OldStyleListOnly()])
+    with pytest.raises(ValueError, match=r"must return \{name: factory\}.*not \['newest-first'\]"):
+        Policy(pm, "newest-first")
+    pm = create_plugin_manager(load_entry_points=False, extra=[Twice()])
+    with pytest.raises(ValueError, match="'fcfs' is registered by both pagoda-builtin and"):
+        Policy(pm)
 
 
 @pytest.fixture(scope="module")
@@ -243,16 +296,17 @@ def test_plugin_rejection_is_a_403_clients_do_not_retry_and_retry_later_a_429(ti
         assert server.call(kv.get_num_free_blocks) == kv.num_blocks
 
 
-class SortKeyOnly:
-    """A policy that only orders the queue: victims are left to the built-in choice."""
+class NewestFirst(SchedulingPolicy):
+    """A policy that only orders the queue: victims are the base class's (fcfs)."""
 
+    def sort_key(self, request):
+        return (-request.arrival_time,)
+
+
+class SortKeyOnly:
     @hookimpl
     def pagoda_scheduling_policies(self):
-        return ["newest-first"]
-
-    @hookimpl
-    def pagoda_request_sort_key(self, policy, request):
-        return (-request.arrival_time,) if policy == "newest-first" else None
+        return {"newest-first": NewestFirst}
 
 
 def test_policy_with_only_a_sort_key_preempts_without_plugin_errors(tiny_llama_dir, caplog):

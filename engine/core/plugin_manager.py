@@ -10,14 +10,15 @@ import pluggy
 from pagoda.environment import read_flag
 from pagoda.plugins import PROJECT_NAME, hookspecs
 from pagoda.plugins.builtin import BuiltinPolicies
-from pagoda.plugins.fair import FairShare
+from pagoda.plugins.scheduling import PolicyFactory
 
 logger = logging.getLogger(__name__)
 
 #: Set to a non-empty value to skip plugins installed under the `pagoda` entry-point group.
 DISABLE_AUTOLOAD_ENV = "PAGODA_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_NAME = "pagoda-builtin"
-FAIR_NAME = "pagoda-builtin-fair"
+#: Hooks of the scheduling API before policies were objects, for the error that says what replaced them.
+_REMOVED_HOOKS = ("pagoda_request_sort_key", "pagoda_select_victim", "pagoda_sort_keys_change")
 
 
 def _import_object(spec: str) -> object:
@@ -58,7 +59,6 @@ def create_plugin_manager(plugins: list[str] | tuple[str, ...] = (), load_entry_
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     pm.register(BuiltinPolicies(), name=BUILTIN_NAME)
-    pm.register(FairShare(), name=FAIR_NAME)  # NOTE: stateful, so one instance per engine
     if load_entry_points and not read_flag(DISABLE_AUTOLOAD_ENV):
         pm.load_setuptools_entrypoints(PROJECT_NAME)
     for spec in plugins:
@@ -74,11 +74,24 @@ def create_plugin_manager(plugins: list[str] | tuple[str, ...] = (), load_entry_
     for obj in extra:
         if _registered_as(pm, obj) is None:
             pm.register(obj)
+    _refuse_removed_hooks(pm)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         raise ValueError(f"a plugin implements a hook Pagoda does not have: {exc}") from exc
     return pm
+
+
+def _refuse_removed_hooks(pm: pluggy.PluginManager) -> None:
+    """Raises ValueError, saying what replaced them, for plugins written to the old scheduling hooks."""
+    for hook in _REMOVED_HOOKS:
+        caller = getattr(pm.hook, hook, None)
+        if caller is not None and caller.get_hookimpls():
+            plugins = ", ".join(sorted({impl.plugin_name for impl in caller.get_hookimpls()}))
+            raise ValueError(
+                f"plugin {plugins} implements {hook}, which Pagoda no longer calls: a scheduling policy is "
+                f"now an object (pagoda.plugins.scheduling.SchedulingPolicy, with sort_key and select_victim) "
+                f"that pagoda_scheduling_policies() returns as {{name: factory}} (docs/plugins.md)")
 
 
 def _registered_as(pm: pluggy.PluginManager, obj: object) -> str | None:
@@ -92,12 +105,36 @@ def _registered_as(pm: pluggy.PluginManager, obj: object) -> str | None:
 
 def plugin_names(pm: pluggy.PluginManager) -> list[str]:
     """The names of the loaded plugins other than the built-ins, in registration order."""
-    return [name for name, _ in pm.list_name_plugin() if name not in (BUILTIN_NAME, FAIR_NAME)]
+    return [name for name, _ in pm.list_name_plugin() if name != BUILTIN_NAME]
+
+
+def scheduling_policy_factories(pm: pluggy.PluginManager) -> dict[str, PolicyFactory]:
+    """Every registered scheduling policy's factory, by name.
+
+    Raises:
+        ValueError: A plugin answers something other than ``{name: factory}`` (a list of names,
+            as the hook returned before policies were objects), or two plugins register one name.
+    """
+    factories: dict[str, PolicyFactory] = {}
+    owners: dict[str, str] = {}
+    for impl in pm.hook.pagoda_scheduling_policies.get_hookimpls():  # in registration order
+        # NOTE: an object registered without a name (extra=) is named by its id.
+        owner = impl.plugin_name if not impl.plugin_name.isdigit() else type(impl.plugin).__name__
+        answer = impl.function()
+        if not isinstance(answer, dict) or not all(isinstance(k, str) and callable(v) for k, v in answer.items()):
+            raise ValueError(
+                f"plugin {owner}: pagoda_scheduling_policies() must return {{name: factory}} "
+                f"(a SchedulingPolicy subclass is a factory), not {answer!r} (docs/plugins.md)")
+        for name, factory in answer.items():
+            if name in factories:
+                raise ValueError(f"scheduling policy {name!r} is registered by both {owners[name]} and {owner}")
+            factories[name], owners[name] = factory, owner
+    return factories
 
 
 def known_policies(pm: pluggy.PluginManager) -> tuple[list[str], list[str]]:
     """(scheduling policy names, eviction policy names) registered with ``pm``."""
-    scheduling = sorted({name for names in pm.hook.pagoda_scheduling_policies() for name in names})
+    scheduling = sorted(scheduling_policy_factories(pm))
     eviction = sorted({name for names in pm.hook.pagoda_eviction_policies() for name in names})
     return scheduling, eviction
 

@@ -26,7 +26,7 @@ from pagoda.engine.config import EngineConfig, sizes_kv_from_memory
 from pagoda.engine.core.engine_core import EngineCore, StepStats
 from pagoda.engine.core.grammar import BitmaskFiller, GrammarCompiler
 from pagoda.engine.core.kv_sizing import KVCacheSize, kv_cache_budget, size_kv_cache
-from pagoda.engine.core.plugin_manager import check_policy_names, create_plugin_manager, plugin_names
+from pagoda.engine.core.plugin_manager import create_plugin_manager, plugin_names
 from pagoda.engine.core.policy import Policy
 from pagoda.engine.core.request import Request
 from pagoda.engine.core.scheduler import Scheduler
@@ -81,7 +81,6 @@ class AsyncEngine:
         config = self.config
         if self.plugin_manager is None:
             self.plugin_manager = create_plugin_manager(config.plugins)
-        check_policy_names(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
         self.policy = Policy(self.plugin_manager, config.scheduling_policy, config.eviction_policy)
         device = resolve_device(config.device)
         # NOTE: fails early on a bad name, or a backend that cannot store the cache's dtype

@@ -11,30 +11,23 @@ from __future__ import annotations
 import os
 
 from pagoda.plugins import hookimpl
+from pagoda.plugins.scheduling import SchedulingPolicy
 
-POLICY = "longest-prompt-first"
+
+class LongestPromptFirst(SchedulingPolicy):
+    def sort_key(self, request):
+        return (-request.num_prompt_tokens, request.arrival_time)
+
+    def select_victim(self, running, needing, needing_is_running):
+        if not needing_is_running:
+            return None  # waiting requests never preempt
+        # Preempt the request with the shortest prompt: it is the cheapest to redo.
+        return min(running, key=lambda r: (r.num_prompt_tokens, -r.arrival_time))
 
 
 @hookimpl
 def pagoda_scheduling_policies():
-    return [POLICY]
-
-
-@hookimpl
-def pagoda_request_sort_key(policy, request):
-    if policy != POLICY:
-        return None
-    return (-request.num_prompt_tokens, request.arrival_time)
-
-
-@hookimpl
-def pagoda_select_victim(policy, running, needing, needing_is_running):
-    if policy != POLICY:
-        return None
-    if not needing_is_running:
-        return None  # waiting requests never preempt
-    # Preempt the request with the shortest prompt: it is the cheapest to redo.
-    return min(running, key=lambda r: (r.num_prompt_tokens, -r.arrival_time))
+    return {"longest-prompt-first": LongestPromptFirst}
 
 
 @hookimpl
