@@ -13,9 +13,10 @@ SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import TYPE_CHECKING
+
+from pagoda.benchmarks.progress import emit, table
 
 if TYPE_CHECKING:  # NOTE: torch loads when a bench runs, not when `pagoda --help` builds the parsers
     import torch
@@ -78,6 +79,7 @@ def run_cascade_bench(args: argparse.Namespace) -> int:
     print(f"decode attention, {args.layers} layers, {args.dtype}, {args.num_heads} heads / {args.num_kv_heads} KV "
           f"heads x {args.head_dim}, {args.own} tokens of each request's own, {args.apart} apart; "
           f"ms (best of {args.repeats})")
+    records = []
     try:
         for requests, shared in args.cases:
             backend, kv_cache, metadata, inputs = _step(requests, shared, args.own, args, gen)
@@ -89,12 +91,20 @@ def run_cascade_bench(args: argparse.Namespace) -> int:
             cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS = saved
             taken = cpu_paged.find_shared_prefix(metadata, *cpu_paged.cascade_thresholds(
                 None if path == "torch" else path, backend.torch_cascade_pays), subsets=path != "torch")
-            print(json.dumps({"requests": requests, "shared_tokens": shared, "apart": min(args.apart, requests),
-                              "shared_part": path,
-                              "kernel_ms": round(kernel * 1e3, 2), "cascade_ms": round(cascade * 1e3, 2),
-                              "speedup": round(kernel / cascade, 2), "taken_by_default": taken is not None}))
+            record = {"requests": requests, "shared_tokens": shared, "apart": min(args.apart, requests),
+                      "shared_part": path,
+                      "kernel_ms": round(kernel * 1e3, 2), "cascade_ms": round(cascade * 1e3, 2),
+                      "speedup": round(kernel / cascade, 2), "taken_by_default": taken is not None}
+            records.append(record)
+            emit(args, record, f"{requests} requests, {shared} shared tokens: kernel {record['kernel_ms']} ms, "
+                               f"cascade {record['cascade_ms']} ms ({record['speedup']}x)")
     finally:
         cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS = saved
+    print()
+    print(table(records, [("requests", "requests", "d"), ("shared", "shared_tokens", "d"), ("apart", "apart", "d"),
+                          ("shared part", "shared_part", "s"), ("kernel ms", "kernel_ms", ".2f"),
+                          ("cascade ms", "cascade_ms", ".2f"), ("speed-up", "speedup", ".2f"),
+                          ("taken by default", "taken_by_default", "")]))
     return 0
 
 

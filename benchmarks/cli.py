@@ -12,6 +12,7 @@ def add_bench_parser(sub) -> None:
     from pagoda.benchmarks.linear import add_linear_bench_parser
     from pagoda.benchmarks.overhead import add_overhead_parser
     from pagoda.benchmarks.plugins import add_plugins_bench_parser
+    from pagoda.benchmarks.progress import add_json_flag
     from pagoda.benchmarks.random_model import add_random_model_parser
     from pagoda.benchmarks.scoring import add_scoring_bench_parser
     from pagoda.benchmarks.serve import add_serve_bench_parser
@@ -35,3 +36,6 @@ def add_bench_parser(sub) -> None:
     add_speculative_bench_parser(bench_sub)
     add_step_time_bench_parser(bench_sub)
     add_random_model_parser(bench_sub)
+    for name in ("compare", "throughput", "kv-utilization", "preemption", "overhead", "fairness", "linear", "cascade",
+                 "kv-cache-dtype"):
+        add_json_flag(bench_sub.choices[name])

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pagoda.environment import read
+from pagoda.benchmarks.progress import emit, note
 from pagoda.benchmarks.workloads import WORKLOADS, Workload
 from pagoda.engine.args import add_engine_args, engine_config_from_args
 
@@ -74,6 +75,13 @@ def draw_runs(workload: Workload, runs: int, seed: int, vocab_size: int) -> list
     return out
 
 
+def run_line(record: dict, runs: int, index: int) -> str:
+    """One run, readable: ``pagoda  single   warm-up  0.85 s  150.6 tok/s``."""
+    which = "warm-up" if record["warmup"] else f"run {index}/{runs}"
+    return (f"{record['engine']:<9}{record['workload']:<12}{which:<10}{record['seconds']:>8.2f} s"
+            f"{record['output_tokens'] / record['seconds']:>10.1f} tok/s")
+
+
 def run_pagoda(args: argparse.Namespace, plan: list[dict]) -> list[dict]:
     from pagoda.engine.frontend.llm import LLM
     from pagoda.engine.sampling_params import SamplingParams
@@ -81,11 +89,12 @@ def run_pagoda(args: argparse.Namespace, plan: list[dict]) -> list[dict]:
     config = engine_config_from_args(args)
     results = []
     start = time.perf_counter()
+    note(args, f"pagoda: starting the engine on {args.model or 'the default model'} (its stages are logged below)")
     with LLM(**asdict(config)) as llm:
-        print(json.dumps({"engine": "pagoda", "event": "started", "seconds": time.perf_counter() - start}),
-              flush=True)
+        seconds = time.perf_counter() - start
+        emit(args, {"engine": "pagoda", "event": "started", "seconds": seconds}, f"pagoda: started in {seconds:.1f} s")
         for workload in plan:
-            for run in workload["runs"]:
+            for index, run in enumerate(workload["runs"]):
                 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in run["output_lens"]]
                 llm.reset_prefix_cache()
                 stats = llm.engine.scheduler.stats
@@ -104,7 +113,7 @@ def run_pagoda(args: argparse.Namespace, plan: list[dict]) -> list[dict]:
                     "prefix_cache_hit_tokens": stats.prefix_cache_hits - hits,
                     "prefix_cache_query_tokens": stats.prefix_cache_queries - queries,
                 }
-                print(json.dumps(result), flush=True)
+                emit(args, result, run_line(result, len(workload["runs"]) - 1, index))
                 results.append(result)
     return results
 
@@ -128,6 +137,8 @@ def run_peer(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_mo
                    path, "--threads", str(args.num_threads or os.cpu_count() or 1),
                    "--n-batch", str(args.max_num_batched_tokens)]
     results = []
+    index: dict[str, int] = {}
+    note(args, f"{args.peer}: starting, in its own environment (its start-up can take minutes; its log is below)")
     # NOTE: the peer's records are read as they come (its start-up alone can take minutes); its
     # other output (logs, warnings) passes through to stderr, so the wait is never silent.
     try:
@@ -138,9 +149,12 @@ def run_peer(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_mo
                     continue
                 record = json.loads(line)
                 record["engine"] = args.peer
-                print(json.dumps(record), flush=True)
                 if record.get("event") == "run":
+                    index[record["workload"]] = index.get(record["workload"], -1) + 1
+                    emit(args, record, run_line(record, args.runs, index[record["workload"]]))
                     results.append(record)
+                else:
+                    emit(args, record, f"{args.peer}: started in {record.get('seconds', 0):.1f} s")
     finally:
         os.unlink(path)
     if process.returncode != 0:

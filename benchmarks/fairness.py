@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 from dataclasses import replace
 
+from pagoda.benchmarks.progress import emit, note
 from pagoda.engine.args import add_engine_args, engine_config_from_args
 
 
@@ -61,12 +61,15 @@ def run_fairness(args: argparse.Namespace) -> int:
     base = engine_config_from_args(args)
     results = []
     for policy in args.policies.split(","):
+        note(args, f"{policy}: two clients, {args.ratio * args.num_light + args.num_light} requests ...")
         loop = new_event_loop()
         try:
             results.append(loop.run_until_complete(_run(replace(base, scheduling_policy=policy), args)))
         finally:
             loop.close()
-        print(json.dumps(results[-1]), flush=True)
+        r = results[-1]
+        emit(args, r, f"{policy}: both backlogged for {r['both_backlogged_s']:.1f} s; light client done after "
+                      f"{r['light']['last_finished_s']:.1f} s, heavy after {r['heavy']['last_finished_s']:.1f} s")
     print(f"\nheavy client: {args.ratio * args.num_light} requests, light client: {args.num_light}, each "
           f"{args.input_len} prompt + {args.output_len} output tokens, max_num_seqs {base.max_num_seqs}")
     print(f"{'policy':<10}{'both backlogged s':>19}{'heavy tok/s':>13}{'light tok/s':>13}"

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
+from pagoda.benchmarks.progress import emit, note
 from pagoda.engine.args import add_engine_args, engine_config_from_args
 
 
@@ -109,6 +109,7 @@ def run_preemption(args: argparse.Namespace) -> int:
 
     results = []
     for mode in args.modes.split(","):
+        note(args, f"{mode}: {args.num_requests} requests ...")
         config = engine_config_from_args(args)
         config.preemption_mode = mode
         with LLM(**asdict(config)) as llm:
@@ -123,7 +124,8 @@ def run_preemption(args: argparse.Namespace) -> int:
             results.append({"mode": mode, "seconds": elapsed, "preemptions": stats.num_preemptions,
                             "swapped": stats.num_swapped_out, "recomputed": stats.num_recomputed,
                             "prompt_tokens_computed": stats.num_prefill_tokens_computed})
-        print(json.dumps(results[-1]), flush=True)
+        r = results[-1]
+        emit(args, r, f"{mode}: {r['seconds']:.2f} s, {r['preemptions']} preemptions")
     base = results[0]["seconds"]
     print(f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output), "
           f"{args.num_kv_blocks} KV blocks of {args.block_size}")

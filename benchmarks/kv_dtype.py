@@ -12,9 +12,9 @@ Shapes default to SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
+from pagoda.benchmarks.progress import emit, table
 from pagoda.benchmarks.cascade import _cases, _step, add_decode_step_args
 from pagoda.engine.config import KV_CACHE_DTYPES
 
@@ -30,6 +30,7 @@ def run_kv_dtype_bench(args: argparse.Namespace) -> int:
     print(f"decode attention, {args.layers} layers, {args.dtype} queries, {args.num_heads} heads / "
           f"{args.num_kv_heads} KV heads x {args.head_dim}; ms (best of {args.repeats}), ratio to the "
           f"{args.kv_cache_dtypes[0]} cache")
+    records = []
     for requests, context in args.cases:
         backend, (key_cache, value_cache), metadata, inputs = _step(requests, 0, context, args, gen)
         backend.prepare(metadata)
@@ -47,9 +48,15 @@ def run_kv_dtype_bench(args: argparse.Namespace) -> int:
             del caches
             baseline = baseline or seconds
             read = 2 * requests * context * args.num_kv_heads * args.head_dim * dtype.itemsize
-            print(json.dumps({"requests": requests, "context": context, "kv_cache_dtype": name,
-                              "ms": _figure(seconds * 1e3), "speedup": round(baseline / seconds, 2),
-                              "cache_gb_per_s": _figure(read * args.layers / seconds / 1e9)}))
+            record = {"requests": requests, "context": context, "kv_cache_dtype": name,
+                      "ms": _figure(seconds * 1e3), "speedup": round(baseline / seconds, 2),
+                      "cache_gb_per_s": _figure(read * args.layers / seconds / 1e9)}
+            records.append(record)
+            emit(args, record, f"{requests} requests x {context} tokens, {name} cache: {record['ms']} ms, "
+                               f"{record['speedup']}x, {record['cache_gb_per_s']} GB/s")
+    print()
+    print(table(records, [("requests", "requests", "d"), ("context", "context", "d"), ("KV cache", "kv_cache_dtype", "s"),
+                          ("ms", "ms", ""), ("speed-up", "speedup", ".2f"), ("cache GB/s", "cache_gb_per_s", "")]))
     return 0
 
 

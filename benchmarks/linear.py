@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 
+from pagoda.benchmarks.progress import emit, table
 from pagoda.native import library as kernel_library
 from pagoda.native import linear as linear_kernels
 from pagoda.engine.models import linear  # the packings, and the pagoda:: ops they run
@@ -126,6 +126,7 @@ def run_linear_bench(args: argparse.Namespace) -> int:
     print(f"{args.layers} layers x (qkv {qkv}x{hidden}, o {hidden}x{args.num_heads * args.head_dim}, "
           f"gate/up {2 * inter}x{hidden} + SiLU-mul, down {hidden}x{inter}), bfloat16 activations, "
           f"{torch.get_num_threads()} threads; ms (best of {args.repeats}) and GFLOP/s")
+    records = []
     with torch.inference_mode():
         for rows in args.rows:
             x = torch.randn(rows, hidden, dtype=torch.bfloat16)
@@ -152,7 +153,12 @@ def run_linear_bench(args: argparse.Namespace) -> int:
                 # NOTE: three significant digits, not a fixed decimal: a tiny shape's rate
                 # is well below 0.1 GFLOP/s and must not print as 0.
                 result[f"{name}_gflops"] = float(f"{flop_per_row * rows / seconds / 1e9:.3g}")
-            print(json.dumps(result))
+            records.append(result)
+            emit(args, result, f"{rows} rows: " + ", ".join(f"{name} {result[f'{name}_ms']} ms" for name in best))
+    print()
+    print(table(records, [("rows", "rows", "d")] + [(f"{name} {unit}", f"{name}_{key}", "")
+                                                  for name in variants for unit, key in (("ms", "ms"),
+                                                                                        ("GFLOP/s", "gflops"))]))
     return 0
 
 

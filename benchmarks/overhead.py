@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 from dataclasses import asdict
 
+from pagoda.benchmarks.progress import emit, note
 from pagoda.engine.args import add_engine_args, engine_config_from_args
 
 
@@ -95,9 +95,13 @@ def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
 
 
 def run_overhead(args: argparse.Namespace) -> int:
-    results = [measure(args, False), measure(args, True)]
-    for r in results:
-        print(json.dumps(r), flush=True)
+    results = []
+    for async_scheduling in (False, True):
+        note(args, f"async scheduling {'on' if async_scheduling else 'off'}: {args.num_requests} requests ...")
+        r = measure(args, async_scheduling)
+        results.append(r)
+        emit(args, r, f"async scheduling {'on' if async_scheduling else 'off'}: {r['steps']} steps, "
+                      f"{r['wall_ms_per_step']:.2f} ms per step, engine {r['engine_ms_per_step']:.2f} ms")
     print(f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output), "
           f"{args.output_kind} outputs, structured output: {args.structured_output}; per step (ms):")
     print(f"{'async scheduling':<18}{'engine':>9}{'schedule':>10}{'update':>9}{'worker idle':>13}"

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import time
 
+from pagoda.benchmarks.progress import emit, note
 from pagoda.engine.args import add_engine_args, engine_config_from_args
 
 
@@ -77,11 +77,13 @@ def run_throughput(args: argparse.Namespace) -> int:
     prompts = random_prompts(args.num_requests, args.input_len, vocab_size, args.bench_seed)
     results = []
     for dtype in args.dtypes.split(","):
-        results.append(bench_pagoda(args, dtype, prompts))
-        print(json.dumps(results[-1]), flush=True)
-        if args.compare_transformers:
-            results.append(bench_transformers(args, dtype, prompts))
-            print(json.dumps(results[-1]), flush=True)
+        engines = [("pagoda", bench_pagoda)] + ([("transformers", bench_transformers)] if args.compare_transformers
+                                                else [])
+        for engine, bench in engines:
+            note(args, f"{engine} {dtype}: {args.num_requests} requests ...")
+            results.append(bench(args, dtype, prompts))
+            r = results[-1]
+            emit(args, r, f"{engine} {dtype}: {r['seconds']:.2f} s, {r['output_tokens_per_s']:.1f} output tok/s")
     baseline = next((r for r in results if r["engine"] == "transformers"), results[0])
     print(f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output) tokens")
     print(f"{'engine':<14}{'dtype':<10}{'seconds':>9}{'out tok/s':>11}{'vs ' + baseline['engine'] + ' ' + baseline['dtype']:>30}")

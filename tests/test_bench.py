@@ -28,7 +28,7 @@ def test_plugins_bench_times_every_hook(capsys):
 
 def test_overhead_bench_streams_deltas_and_accounts_for_the_step(capsys, tiny_llama_dir):
     assert main(["bench", "overhead", "--model", str(tiny_llama_dir), "--num-requests", "12", "--input-len", "5",
-                 "--output-len", "7", "--output-kind", "delta", "--dtype", "float32", "--enforce-eager"]) == 0
+                 "--output-len", "7", "--output-kind", "delta", "--dtype", "float32", "--enforce-eager", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["async_scheduling"] for r in rows] == [False, True]
     for r in rows:
@@ -61,7 +61,7 @@ def test_linear_bench_times_every_packing_this_machine_has(capsys):
     from pagoda.engine.models import linear
 
     status = main(["bench", "linear", "--rows", "1,7", "--layers", "2", "--repeats", "1", "--hidden-size", "64",
-                   "--intermediate-size", "96", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8"])
+                   "--intermediate-size", "96", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8", "--json"])
     out = capsys.readouterr().out
     available = {packing for packing in linear.PACKINGS if linear.packing_available(packing)}
     if kernel_library.available():
@@ -82,7 +82,7 @@ def test_linear_bench_times_every_packing_this_machine_has(capsys):
 def test_fairness_bench_serves_the_light_client_sooner_under_fair(capsys, tiny_llama_dir):
     assert main(["bench", "fairness", "--model", str(tiny_llama_dir), "--num-light", "2", "--ratio", "5",
                  "--input-len", "5", "--output-len", "12", "--max-num-seqs", "2", "--dtype", "float32",
-                 "--enforce-eager"]) == 0
+                 "--enforce-eager", "--json"]) == 0
     rows = {r["policy"]: r for r in (json.loads(line) for line in capsys.readouterr().out.splitlines()
                                      if line.startswith("{"))}
     assert rows["fcfs"]["heavy"]["requests"] == 10 and rows["fair"]["light"]["requests"] == 2
@@ -99,10 +99,25 @@ def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llam
     assert cpu["model_name"] in flags and cpu["cores"] >= 1
     assert ("amx_bf16" in cpu["features"]) == (" amx_bf16" in flags)
     output = tmp_path / "compare.json"
-    assert main(["bench", "compare", "--model", str(tiny_llama_dir), "--workloads", "single", "--runs", "1",
+    assert main(["bench", "compare", "--model", str(tiny_llama_dir), "--workloads", "single,prefill", "--runs", "1",
                  "--dtype", "float32", "--enforce-eager", "--output", str(output)]) == 0
-    assert f"CPU: {cpu['model_name']}" in capsys.readouterr().out
-    assert json.loads(output.read_text())[0] == {"engine": "machine", "event": "cpu", **cpu}
+    out = capsys.readouterr().out
+    assert f"CPU: {cpu['model_name']}" in out
+    records = json.loads(output.read_text())
+    assert records[0] == {"engine": "machine", "event": "cpu", **cpu}
+    # As it goes: a line before the engine starts, one when it has, one per run (warm-up and
+    # timed), in order, each with its time; then the table, a row per workload.
+    lines = out.splitlines()
+    assert lines[0].startswith("pagoda: starting the engine on") and re.fullmatch(r"pagoda: started in [0-9.]+ s",
+                                                                                  lines[1])
+    runs = [re.fullmatch(r"pagoda +(\S+) +(warm-up|run 1/1) +([0-9.]+) s +([0-9.]+) tok/s", line) for line in lines[2:6]]
+    assert [(m[1], m[2]) for m in runs] == [("single", "warm-up"), ("single", "run 1/1"), ("prefill", "warm-up"),
+                                            ("prefill", "run 1/1")], lines
+    timed = [r for r in records[1:] if r.get("event") == "run" and not r["warmup"]]
+    assert [float(runs[i][3]) for i in (1, 3)] == [round(r["seconds"], 2) for r in timed]
+    assert not any(line.startswith("{") for line in lines)  # JSON only with --json
+    table = lines[lines.index(next(line for line in lines if line.startswith("workload"))):]
+    assert len(table) == 3 and table[1].startswith("1 x ") and "prompt" in table[2]
 
 
 def test_the_peer_gets_the_dtype_dense_weights_run_in_here():
@@ -117,7 +132,7 @@ def test_the_peer_gets_the_dtype_dense_weights_run_in_here():
 
 def test_kv_cache_dtype_bench_times_each_cache_dtype(capsys):
     assert main(["bench", "kv-cache-dtype", "--cases", "4x64", "--kv-cache-dtypes", "auto,fp8,fp8_e5m2",
-                 "--layers", "2", "--repeats", "1"]) == 0
+                 "--layers", "2", "--repeats", "1", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["kv_cache_dtype"] for r in rows] == ["auto", "fp8", "fp8_e5m2"]
     assert rows[0]["speedup"] == 1.0 and all(r["ms"] > 0 and r["cache_gb_per_s"] > 0 for r in rows)
@@ -130,7 +145,8 @@ def test_cascade_bench_times_the_kernel_against_the_cascade(capsys):
     if not kernel_library.available():
         pytest.skip("no C compiler for the CPU kernels")
     thresholds = cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS
-    assert main(["bench", "cascade", "--cases", "2x32,9x256", "--own", "8", "--layers", "2", "--repeats", "1"]) == 0
+    assert main(["bench", "cascade", "--cases", "2x32,9x256", "--own", "8", "--layers", "2", "--repeats", "1",
+                 "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["requests"], r["shared_tokens"]) for r in rows] == [(2, 32), (9, 256)]
     assert all(r["kernel_ms"] > 0 and r["cascade_ms"] > 0 for r in rows)
@@ -142,7 +158,7 @@ def test_cascade_bench_times_the_kernel_against_the_cascade(capsys):
     assert (cpu_paged.CASCADE_MIN_REQUESTS, cpu_paged.CASCADE_MIN_TOKENS) == thresholds  # put back
     # One of 9 requests over blocks of its own: the other 8, a cascade of members, on the same tiles.
     assert main(["bench", "cascade", "--cases", "9x256", "--apart", "1", "--own", "8", "--layers", "2",
-                 "--repeats", "1"]) == 0
+                 "--repeats", "1", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["apart"], r["taken_by_default"]) for r in rows] == [(1, tiles in ("amx", "avx2"))]
 

@@ -61,3 +61,24 @@ def test_a_definition_that_drifts_from_the_interface_does_not_compile(tmp_path):
     result = subprocess.run([kernel_library._compiler(), f"-I{kernel_library.HEADER.parent}", "-c", "-o",
                              str(tmp_path / "drift.o"), str(source)], capture_output=True, text=True)
     assert result.returncode != 0 and "conflicting types" in result.stderr
+
+
+def test_the_build_names_each_file_as_it_compiles_and_the_one_that_fails(tmp_path, monkeypatch, caplog):
+    # A stand-in compiler (a shell script): every file "compiles" at once but tile_attention.c,
+    # which fails with a message. The real build is the one every other test here loads.
+    compiler = tmp_path / "cc"
+    compiler.write_text('#!/bin/sh\n'
+                        'case "$*" in *--version*) echo stand-in; exit 0;; esac\n'
+                        'case "$*" in *tile_attention.c*) echo "tile_attention.c:1: error: broken" >&2; exit 1;; esac\n'
+                        'while [ "$1" != "-o" ]; do shift; done; : > "$2"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel_library, "_parallel_builds", lambda: 1)  # NOTE: one at a time: a fixed order
+    caplog.set_level("INFO", logger=kernel_library.__name__)
+    with pytest.raises(kernel_library.KernelUnavailable, match="compiling tile_attention.c failed:\n.*error: broken"):
+        kernel_library._build(str(compiler))
+    compiled = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("compiled ")]
+    assert compiled == ["paged_attention.c", "packed_linear.c"], caplog.text
+    assert any("building the CPU kernels with" in r.getMessage() and "5 files" in r.getMessage()
+               for r in caplog.records)
+    assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built is left to load
