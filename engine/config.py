@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, fields
 
 from pagoda.environment import read_int
+from pagoda.engine import compatibility
 from pagoda.engine.speculative import SpeculativeConfig
 from pagoda.engine.reasoning import REASONING_PARSERS
 from pagoda.engine.sampling_params import POOLING_METHODS
@@ -184,6 +185,7 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
+        compatibility.check(self)  # NOTE: last: it reads the fields checked above
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -164,8 +164,6 @@ class AsyncEngine:
         spec = self.config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None, None
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding with a draft model does not run under tensor parallelism yet")
         draft_dir = resolve_model(spec.model)
         draft_config = ModelConfig.from_dir(draft_dir)
         if draft_config.vocab_size != model_config.vocab_size:

@@ -67,9 +67,8 @@ class ModelRunner:
         self.tp = tp = init_tensor_parallel(init.rank, init.world_size, init.dist_init_method, self.device)
         attention_backend = config.attention_backend
         if config.batch_invariant:
-            # NOTE: cpu_paged computes each query row alone, in fixed partitions of keys.
-            if attention_backend not in ("auto", "cpu_paged"):
-                raise ValueError(f"batch_invariant runs the cpu_paged attention backend, not {attention_backend!r}")
+            # NOTE: cpu_paged computes each query row alone, in fixed partitions of keys
+            # (engine/compatibility.py refuses any other backend named with it).
             attention_backend = "cpu_paged"
         backend_cls = get_attention_backend(attention_backend, self.device, fp8_cache,
                                             attention_shape(model_config, self.dtype))
