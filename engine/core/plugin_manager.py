@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import types
 
 import pluggy
 
@@ -104,8 +105,17 @@ def _registered_as(pm: pluggy.PluginManager, obj: object) -> str | None:
 
 
 def plugin_names(pm: pluggy.PluginManager) -> list[str]:
-    """The names of the loaded plugins other than the built-ins, in registration order."""
-    return [name for name, _ in pm.list_name_plugin() if name != BUILTIN_NAME]
+    """The loaded plugins other than the built-ins, in registration order, each by one name
+    however it was loaded (entry point, --plugin or an object handed in): its module, and for
+    an object its class (``mypkg.policies:Lottery``)."""
+    return [_display_name(plugin) for name, plugin in pm.list_name_plugin() if name != BUILTIN_NAME]
+
+
+def _display_name(plugin: object) -> str:
+    if isinstance(plugin, types.ModuleType):
+        return plugin.__name__
+    kind = plugin if isinstance(plugin, type) else type(plugin)
+    return f"{kind.__module__}:{kind.__qualname__}"
 
 
 def scheduling_policy_factories(pm: pluggy.PluginManager) -> dict[str, PolicyFactory]:
