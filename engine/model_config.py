@@ -21,10 +21,12 @@ from pagoda.engine.families import BY_ARCHITECTURE, FAMILIES
 SUPPORTED_ARCHITECTURES: dict[str, str] = {arch: family.name for arch, family in BY_ARCHITECTURE.items()}
 
 #: RoPE variants implemented by `engine.models.rope.compute_inv_freq`.
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 # Types whose parameters need the pretraining context length.
-_ROPE_TYPES_WITH_ORIGINAL_MAX = ("llama3", "yarn")
+_ROPE_TYPES_WITH_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
+# Older names of a RoPE type in configs ("su": Phi-3's first 128k checkpoints).
+_ROPE_TYPE_ALIASES = {"su": "longrope"}
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class ModelConfig:
         attn_logit_softcapping: Attention scores s become cap * tanh(s / cap) (None: not).
         final_logit_softcapping: The same for the LM head's logits.
         local_rope_theta: The RoPE base of the sliding layers where it differs (Gemma 3).
+        partial_rotary_factor: The share of each head that RoPE rotates (Phi-4-mini: 0.75).
     """
 
     architecture: str
@@ -111,6 +114,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     local_rope_theta: float | None = None
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILIES:
@@ -137,6 +141,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and give an "
+                             f"even number of rotated dimensions of the {self.head_dim} of a head")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
         if self.num_experts:
@@ -177,6 +184,12 @@ class ModelConfig:
     def layer_is_moe(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts."""
         return self.num_experts > 0 and layer not in self.dense_mlp_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head that RoPE rotates, the first ones (Phi-4-mini's
+        partial_rotary_factor rotates three quarters); the others pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def rope_type(self) -> str:
@@ -242,7 +255,7 @@ class ModelConfig:
         num_heads = int(raw["num_attention_heads"])
         hidden_size = int(raw["hidden_size"])
         max_positions = int(raw.get("max_position_embeddings") or family.default_max_positions)
-        rope_theta, rope_scaling = _rope(raw, max_positions, source)
+        rope_theta, rope_scaling, partial_rotary_factor = _rope(raw, max_positions, source)
         try:
             extra = family.read_config(raw)
         except (KeyError, TypeError, ValueError) as exc:
@@ -276,6 +289,7 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             hidden_act=hidden_act,
+            partial_rotary_factor=partial_rotary_factor,
             **{"attention_bias": False, **extra},
         )
 
@@ -306,8 +320,8 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
     )
 
 
-def _rope(raw: dict[str, Any], max_positions: int, source: str) -> tuple[float, dict | None]:
-    """Returns ``(rope_theta, rope_scaling)`` from either config layout."""
+def _rope(raw: dict[str, Any], max_positions: int, source: str) -> tuple[float, dict | None, float]:
+    """Returns ``(rope_theta, rope_scaling, partial_rotary_factor)`` from either config layout."""
     params = raw.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
         raise ValueError(f"{source}: rope_parameters must be an object")
@@ -318,22 +332,20 @@ def _rope(raw: dict[str, Any], max_positions: int, source: str) -> tuple[float, 
         if not isinstance(params, dict):
             raise ValueError(f"{source}: per-layer-type rope_parameters without a full_attention entry")
     scaling = dict(params or raw.get("rope_scaling") or {})
-    partial = scaling.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
-    if float(partial) != 1.0:
-        raise ValueError(f"{source}: partial_rotary_factor {partial} (RoPE over part of each head) is not "
-                         "supported")
+    partial = float(scaling.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0)
     theta = scaling.pop("rope_theta", None)
     if theta is None:
         theta = raw.get("rope_theta", 10000.0)
     # Legacy configs say "type"; transformers normalizes to "rope_type".
     legacy_type = scaling.pop("type", None)
     rope_type = scaling.pop("rope_type", None) or legacy_type or "default"
+    rope_type = _ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if rope_type == "default":
-        return float(theta), None
+        return float(theta), None, partial
     if rope_type in _ROPE_TYPES_WITH_ORIGINAL_MAX:
         original = raw.get("original_max_position_embeddings", max_positions)
         scaling.setdefault("original_max_position_embeddings", original)
-    return float(theta), {"rope_type": rope_type, **scaling}
+    return float(theta), {"rope_type": rope_type, **scaling}, partial
 
 
 def _as_id_list(value: Any) -> list[int]:

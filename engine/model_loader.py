@@ -52,6 +52,8 @@ FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 # Bump when the converted layout changes so stale cache entries are ignored.
 _CONVERTER_VERSION = 4  # 2: the quantized blocks; 3: in gguf/; 4: the families' names
 
+#: LongRoPE's per-frequency factors, which llama.cpp's Phi-3 converter writes as tensors.
+_GGUF_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _GGUF_TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -204,7 +206,10 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     }
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     family = _gguf_family(fields, gguf_path)
-    config = _hf_config(fields, shapes, gguf_path, family)
+    # NOTE: LongRoPE's factors are tensors in a GGUF file and config values in a checkpoint.
+    rope_factors = {t.name: [float(x) for x in np.asarray(t.data, dtype=np.float32)]
+                    for t in reader.tensors if t.name in _GGUF_ROPE_FACTORS}
+    config = _hf_config(fields, shapes, gguf_path, family, rope_factors)
 
     permute = family.gguf_permutes_qk
     tensors: dict[str, torch.Tensor] = {}
@@ -220,6 +225,8 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
     # NOTE: a bar on a terminal only (disable=None); logs get the stage lines around it.
     for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=None, leave=False):
+        if tensor.name in rope_factors:
+            continue
         name = _hf_tensor_name(tensor.name, gguf_path, family)
         shape = shapes[tensor.name]
         data = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
@@ -299,9 +306,11 @@ def _gguf_family(fields: dict[str, Any], gguf_path: Path) -> Family:
 
 
 def _hf_config(
-    fields: dict[str, Any], shapes: dict[str, tuple[int, ...]], gguf_path: Path, family: Family
+    fields: dict[str, Any], shapes: dict[str, tuple[int, ...]], gguf_path: Path, family: Family,
+    rope_factors: dict[str, list[float]] | None = None,
 ) -> dict[str, Any]:
-    """Builds a Hugging Face ``config.json`` dict from GGUF metadata and tensor shapes."""
+    """Builds a Hugging Face ``config.json`` dict from GGUF metadata, tensor shapes and the
+    file's LongRoPE factors (``rope_factors_long.weight``/``_short``, where it has them)."""
     arch = fields.get("general.architecture")
     hf_arch, model_type = family.architectures[0], family.name
 
@@ -330,8 +339,8 @@ def _hf_config(
         "num_hidden_layers": num_blocks,
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(meta("attention.head_count_kv", num_heads)),
-        "head_dim": int(fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count")
-                        or hidden // num_heads),
+        # NOTE: llama.cpp's converters write key_length wherever the checkpoint states head_dim.
+        "head_dim": int(fields.get(f"{arch}.attention.key_length") or hidden // num_heads),
         "hidden_act": "silu",
         # NOTE: GGUF stores float32; str() of the float32 gives back e.g. 1e-05.
         "rms_norm_eps": _round_f32(meta("attention.layer_norm_rms_epsilon")),
@@ -350,8 +359,20 @@ def _hf_config(
         # width of their own, and llama.cpp renormalizes their top k weights.
         config["moe_intermediate_size"] = int(meta("expert_feed_forward_length", config["intermediate_size"]))
         config["norm_topk_prob"] = True
+    rotated = fields.get(f"{arch}.rope.dimension_count")
+    if rotated is not None and int(rotated) != config["head_dim"]:
+        config["partial_rotary_factor"] = int(rotated) / config["head_dim"]  # Phi-4-mini's kind
     scaling_type = fields.get(f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none"):
+    if rope_factors:
+        if set(rope_factors) != set(_GGUF_ROPE_FACTORS):
+            raise ValueError(f"{gguf_path}: LongRoPE needs both {' and '.join(_GGUF_ROPE_FACTORS)}")
+        scaling = {"rope_type": "longrope", "long_factor": rope_factors["rope_factors_long.weight"],
+                   "short_factor": rope_factors["rope_factors_short.weight"],
+                   "original_max_position_embeddings": int(meta("rope.scaling.original_context_length"))}
+        if fields.get(f"{arch}.rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = _round_f32(fields[f"{arch}.rope.scaling.attn_factor"])
+        config["rope_scaling"] = scaling
+    elif scaling_type not in (None, "none"):
         if scaling_type not in ("linear", "yarn"):
             raise ValueError(f"{gguf_path}: unsupported GGUF rope scaling {scaling_type!r}")
         factor = float(meta("rope.scaling.factor"))

@@ -380,6 +380,7 @@ def write_gguf(model_dir: Path, path: Path) -> Path:
     Returns:
         ``path``.
     """
+    import math
     import re
 
     import gguf
@@ -402,9 +403,19 @@ def write_gguf(model_dir: Path, path: Path) -> Path:
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    rope = config.get("rope_parameters") or {}
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    writer.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor")
+                                                    or config.get("partial_rotary_factor") or 1.0)))
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
+        # As llama.cpp's Phi-3 converter: the factors as tensors, the stretch's attention factor.
+        original = config.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
+        stretch = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(stretch) / math.log(original)) if stretch > 1
+                                             else 1.0)
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if family.moe:
         writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])

@@ -181,3 +181,38 @@ def test_gemma_layers_keep_their_windows_past_the_window(family):
         assert llm.engine.worker.ready.attention_backend == "naive"
         assert llm.engine.max_model_len == 64
         assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+
+
+def test_phi3_longrope_over_part_of_each_head_matches_transformers(tmp_path):
+    # Phi-4-mini's RoPE at a tiny size: LongRoPE's factors over the first half of each head, the
+    # short factors within the 48-token pretraining context, the long ones past it (transformers
+    # switches by the sequence's length; the engine by its max_model_len: the same choice for
+    # sequences that stay on one side of the context, as these do).
+    model_dir = make_tiny_model_dir(
+        tmp_path / "phi4-mini-like", "phi3", seed=3, partial_rotary_factor=0.5, max_position_embeddings=128,
+        original_max_position_embeddings=48,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [1.5, 2.5, 4.0, 9.0]})
+    config = ModelConfig.from_dir(model_dir)
+    assert (config.rope_type, config.rotary_dim, config.head_dim) == ("longrope", 8, 16)
+    hf = make_hf_model(model_dir)
+    within, past = PROMPTS[:3], [list(range(400, 460)), [7 + 13 * i for i in range(70)]]
+    for prompts, max_model_len in ((within, 48), (past, 128)):
+        with LLM(str(model_dir), dtype="float32", enforce_eager=True, max_model_len=max_model_len) as llm:
+            assert token_ids(llm.generate(prompts, GREEDY)) == [hf_greedy(hf, p, NUM_NEW) for p in prompts]
+
+
+def test_phi3_longrope_gguf_reads_its_factor_tensors_and_partial_rotation(tmp_path):
+    from helpers import GGUF_TEST_VOCAB_SIZE, write_gguf
+
+    model_dir = make_tiny_model_dir(
+        tmp_path / "hf", "phi3", seed=4, vocab_size=GGUF_TEST_VOCAB_SIZE, partial_rotary_factor=0.5,
+        max_position_embeddings=128, original_max_position_embeddings=48,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [1.5, 2.5, 4.0, 9.0]})
+    hf = make_hf_model(model_dir)
+    prompts = [[3 + (5 * i + 7 * j) % 250 for j in range(50 + 11 * i)] for i in range(2)]  # past the 48
+    path = write_gguf(model_dir, tmp_path / "phi4-mini-like.gguf")
+    with LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=128) as llm:
+        config = llm.engine.model_config
+        assert (config.rope_type, config.rotary_dim, config.rope_scaling["long_factor"]) == (
+            "longrope", 8, [1.5, 2.5, 4.0, 9.0])
+        assert token_ids(llm.generate(prompts, GREEDY)) == [hf_greedy(hf, p, NUM_NEW) for p in prompts]

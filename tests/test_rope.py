@@ -166,3 +166,40 @@ def test_unsupported_type_raises() -> None:
     config.rope_scaling = {"rope_type": "longrope"}
     with pytest.raises(ValueError, match="longrope"):
         compute_inv_freq(config)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+@pytest.mark.parametrize("stated_factor", [None, 8.0])
+def test_longrope_short_and_long_factors_match_transformers(partial: float, stated_factor: float | None) -> None:
+    """Phi-3's 128k RoPE (and Phi-4-mini's, over half of each head): the short factors within the
+    pretraining context, the long ones past it, chosen by the engine's longest sequence."""
+    from transformers import Phi3Config
+
+    rotated = int(16 * partial)
+    scaling = {"type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(rotated // 2)],
+               "long_factor": [1.5 + 1.1 * i for i in range(rotated // 2)]}
+    if stated_factor is not None:
+        scaling["factor"] = stated_factor
+    hf_config = Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                           max_position_embeddings=4096, original_max_position_embeddings=256,
+                           partial_rotary_factor=partial, rope_scaling=scaling)
+    config = ModelConfig.from_dict(hf_config.to_dict())
+    assert config.rotary_dim == rotated and config.rope_type == "longrope"
+    for engine_max, seq_len in ((256, None), (4096, 257)):
+        expected, expected_scaling = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=seq_len)
+        inv_freq, scaling_factor = compute_inv_freq(config, engine_max)
+        assert inv_freq.shape == (rotated // 2,)
+        torch.testing.assert_close(inv_freq, expected.float(), rtol=0, atol=1e-6)
+        assert scaling_factor == pytest.approx(expected_scaling, abs=1e-6) and scaling_factor > 1
+    assert not torch.equal(compute_inv_freq(config, 256)[0], compute_inv_freq(config, 257)[0])
+
+
+def test_longrope_factors_of_the_wrong_length_are_refused() -> None:
+    raw = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 4096,
+           "original_max_position_embeddings": 256,
+           "rope_scaling": {"type": "su", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}}
+    config = ModelConfig.from_dict(raw)  # "su": the first 128k checkpoints' name of longrope
+    assert config.rope_type == "longrope"
+    with pytest.raises(ValueError, match="short_factor has 3 entries; the head rotates 16 dimensions, which needs 8"):
+        compute_inv_freq(config, 256)

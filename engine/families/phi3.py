@@ -1,6 +1,7 @@
-"""Phi-3 (mini, small-context variants) and Phi-4-mini's block: the Llama block whose checkpoint
-stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``; cut into the decoder's parts
-as they load."""
+"""Phi-3 (mini and medium, 4k and 128k), Phi-3.5-mini and Phi-4-mini: the Llama block whose
+checkpoint stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``, cut into the
+decoder's parts as they load. The 128k models' LongRoPE and Phi-4-mini's RoPE over part of each
+head are read with the common RoPE fields (engine/model_config.py)."""
 
 from __future__ import annotations
 

@@ -89,9 +89,9 @@ class RotaryEmbedding(nn.Module):
         if torch.get_default_device().type == "meta":
             # NOTE: placeholders, like every tensor of a model built on the meta device: the
             # ops would only be traced there, and tracing them imports torch._dynamo (2 s).
-            cos = sin = torch.empty(max_positions, config.head_dim)
+            cos = sin = torch.empty(max_positions, config.rotary_dim)
         else:
-            inv_freq, attention_scaling = compute_inv_freq(config)
+            inv_freq, attention_scaling = compute_inv_freq(config, max_positions)
             freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos() * attention_scaling, emb.sin() * attention_scaling
@@ -138,6 +138,7 @@ class Attention(nn.Module):
         self.window = config.layer_window(index) if config.sliding_layers is not None else None
         self.softcap = config.attn_logit_softcapping
         self.local_rope = self.window is not None and config.local_rope_theta is not None
+        self.rotary_dim = config.rotary_dim
 
     def attend(self, q, k, v, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         """The backend's attention, within this layer's window and soft cap where it has them."""
@@ -151,7 +152,15 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(-1, self.num_kv_heads, self.head_dim)
+        return self.rope(q, cos, sin), self.rope(k, cos, sin), v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE over the head's first ``rotary_dim`` dimensions (all of them but in Phi-4-mini's
+        kind); the others pass through."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rope(x, cos, sin)
+        rotated, passed = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat((apply_rope(rotated, cos, sin), passed), dim=-1)
 
 
 class MLP(nn.Module):

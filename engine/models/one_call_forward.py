@@ -52,6 +52,8 @@ def architecture_reason(config) -> str | None:
         return "sliding-window layers beside global ones, or soft-capping"
     if config.embedding_multiplier is not None or config.query_pre_attn_scalar is not None:
         return "scaled embeddings or attention scale"
+    if config.rotary_dim != config.head_dim:
+        return "RoPE over part of each head"
     return None
 
 

@@ -5,9 +5,10 @@ The model code builds its cos/sin tables as
 the returned attention scaling factor, exactly like transformers'
 ``LlamaRotaryEmbedding.forward`` (rotate-half layout).
 
-Supported ``rope_type`` values: ``default``, ``linear``, ``dynamic``, ``llama3``
-and ``yarn``. The formulas follow transformers' ``ROPE_INIT_FUNCTIONS`` and are
-tested against it to 1e-6.
+Supported ``rope_type`` values: ``default``, ``linear``, ``dynamic``, ``llama3``,
+``yarn`` and ``longrope`` (Phi-3's 128k models, Phi-4-mini). The formulas follow transformers'
+``ROPE_INIT_FUNCTIONS`` and are tested against it to 1e-6. The frequencies span the head's
+``rotary_dim`` (all of it unless the model rotates only part of each head).
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ if TYPE_CHECKING:
     from pagoda.engine.model_config import ModelConfig
 
 
-def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(config: ModelConfig, max_positions: int | None = None) -> tuple[torch.Tensor, float]:
     """Computes the RoPE inverse frequencies and attention scaling of a model.
 
     Args:
-        config: The model configuration; ``head_dim``, ``rope_theta``,
+        config: The model configuration; ``rotary_dim``, ``rope_theta``,
             ``rope_scaling`` and ``max_position_embeddings`` are used.
+        max_positions: The longest sequence the engine runs (its max_model_len). ``longrope``
+            takes its long factors for every position when this passes the pretraining
+            context, its short ones otherwise (llama.cpp's choice, by context size; transformers
+            switches per forward, by the batch's longest sequence).
 
     Returns:
         ``(inv_freq, attention_scaling)``: a float32 CPU tensor of shape
-        ``[head_dim // 2]`` and the factor ("mscale") that multiplies cos and
-        sin. The factor is 1.0 for every type except ``yarn``.
+        ``[rotary_dim // 2]`` and the factor ("mscale") that multiplies cos and
+        sin. The factor is 1.0 for every type except ``yarn`` and ``longrope``.
 
     Raises:
         ValueError: If the RoPE type is unknown or a required parameter is
@@ -44,7 +49,7 @@ def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         frequencies; positions beyond that length are not rescaled, because
         the engine never schedules past ``max_position_embeddings``.
     """
-    dim = config.head_dim
+    dim = config.rotary_dim
     base = float(config.rope_theta)
     params: dict[str, Any] = dict(config.rope_scaling or {})
     rope_type = params.get("rope_type", "default")
@@ -57,6 +62,8 @@ def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return _llama3(base, dim, params, config.max_position_embeddings), 1.0
     if rope_type == "yarn":
         return _yarn(base, dim, params, config.max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope(base, dim, params, config.max_position_embeddings, max_positions)
     raise ValueError(f"unsupported rope_type {rope_type!r}")
 
 
@@ -137,6 +144,26 @@ def _yarn(
         + inv_freq_extrapolation * extrapolation_weight
     )
     return inv_freq, float(attention_factor)
+
+
+def _longrope(base: float, dim: int, params: dict[str, Any], max_positions: int,
+              engine_max: int | None) -> tuple[torch.Tensor, float]:
+    """LongRoPE: each frequency divided by a factor of its own, from ``long_factor`` past the
+    pretraining context and ``short_factor`` within it; cos and sin scaled by
+    sqrt(1 + ln(stretch) / ln(original context)) unless the config gives ``attention_factor``."""
+    original = int(_require(params, "original_max_position_embeddings"))
+    long = engine_max is not None and engine_max > original
+    factors = torch.tensor(_require(params, "long_factor" if long else "short_factor"), dtype=torch.float32)
+    if factors.shape != (dim // 2,):
+        raise ValueError(f"rope_scaling longrope: {'long' if long else 'short'}_factor has {factors.numel()} "
+                         f"entries; the head rotates {dim} dimensions, which needs {dim // 2}")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        # NOTE: the stretch is "factor", or (Phi-3, which states no factor) the config's context
+        # over the original one.
+        stretch = float(params.get("factor") or max_positions / original)
+        attention_factor = 1.0 if stretch <= 1 else math.sqrt(1 + math.log(stretch) / math.log(original))
+    return _base_inv_freq(base, dim) / factors, float(attention_factor)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
