@@ -231,6 +231,8 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         shape = shapes[tensor.name]
         data = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
                                          dtype=np.float32).reshape(shape))
+        if family.gguf_norm_offset and name.endswith("norm.weight"):
+            data = data - family.gguf_norm_offset
         if "{}" in name:  # a layer's experts stacked in one tensor: one tensor an expert
             tensors.update((name.format(expert), part.contiguous()) for expert, part in enumerate(data.unbind(0)))
             continue
@@ -359,6 +361,8 @@ def _hf_config(
         # width of their own, and llama.cpp renormalizes their top k weights.
         config["moe_intermediate_size"] = int(meta("expert_feed_forward_length", config["intermediate_size"]))
         config["norm_topk_prob"] = True
+    if family.gguf_config is not None:
+        config.update(family.gguf_config(lambda key: fields.get(f"{arch}.{key}"), config))
     rotated = fields.get(f"{arch}.rope.dimension_count")
     if rotated is not None and int(rotated) != config["head_dim"]:
         config["partial_rotary_factor"] = int(rotated) / config["head_dim"]  # Phi-4-mini's kind

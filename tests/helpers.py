@@ -422,6 +422,12 @@ def write_gguf(model_dir: Path, path: Path) -> Path:
         writer.add_expert_used_count(config["num_experts_per_tok"])
         if "moe_intermediate_size" in config:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if family.gguf_norm_offset:  # Gemma: its window, its layers' pattern and soft caps, as llama.cpp's converter
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if config.get(key) is not None:
+                getattr(writer, f"add_{key}")(config[key])
     tokens = _gguf_test_tokens()
     if config["vocab_size"] != len(tokens):
         raise ValueError(f"write_gguf writes a tokenizer of {len(tokens)} tokens: make the model with "
@@ -450,6 +456,8 @@ def write_gguf(model_dir: Path, path: Path) -> Path:
         return tensor.reshape(n, 2, tensor.shape[0] // n // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
 
     for name, tensor in sorted(weights.items()):
+        if name.endswith("norm.weight"):
+            tensor = tensor + family.gguf_norm_offset  # Gemma's norms are stored as 1 + weight
         if name in top_level:
             writer.add_tensor(top_level[name], tensor.float().numpy())
             continue

@@ -19,8 +19,8 @@ from pagoda.engine.model_config import ModelConfig
 from helpers import GREEDY, NUM_NEW, hf_greedy, make_hf_model, make_tiny_model_dir
 
 FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3_text"]
-#: The families whose GGUF files Pagoda reads (llama.cpp writes Gemma's norms as 1 + weight: not yet).
-GGUF_FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "phi3"]
+#: The families whose GGUF files Pagoda reads.
+GGUF_FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3_text"]
 
 # Two prompts share a 20-token prefix (five blocks of 4): the second finds it in the cache.
 PREFIX = [3000 + 11 * i for i in range(20)]
@@ -130,7 +130,9 @@ def test_gguf_file_of_the_family_loads_and_matches(name, tmp_path):
     # directory of the family's own checkpoint names (engine/model_loader.py), then loaded.
     from helpers import GGUF_TEST_VOCAB_SIZE, write_gguf
 
-    model_dir = make_tiny_model_dir(tmp_path / "hf", name, seed=4, vocab_size=GGUF_TEST_VOCAB_SIZE)
+    # NOTE: Gemma's attention scale as llama.cpp knows it for a model of this size: head_dim.
+    overrides = {"query_pre_attn_scalar": 16} if name.startswith("gemma") else {}
+    model_dir = make_tiny_model_dir(tmp_path / "hf", name, seed=4, vocab_size=GGUF_TEST_VOCAB_SIZE, **overrides)
     prompts = [[3 + (5 * i + 7 * j) % 250 for j in range(6 + 11 * i)] for i in range(3)]
     hf = make_hf_model(model_dir)
     expected = [hf_greedy(hf, p, NUM_NEW) for p in prompts]

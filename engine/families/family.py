@@ -54,6 +54,11 @@ class Family:
         gguf_names: llama.cpp's names of a layer's tensors (``blk.N.<name>.weight``) -> this
             family's Hugging Face names, where they differ from the Llama ones; "{}" in a name
             stands for the expert (llama.cpp stacks a layer's experts in one 3-D tensor).
+        gguf_norm_offset: What llama.cpp's converter added to every norm's weight (Gemma's
+            checkpoints store w of a norm that multiplies by 1 + w; its GGUF files 1 + w).
+        gguf_config: The config.json keys this family reads from a GGUF file's metadata beyond
+            the common ones: (``meta``, the common config) -> keys, where ``meta(key)`` is the
+            file's ``<arch>.<key>`` or None.
     """
 
     name: str
@@ -66,6 +71,8 @@ class Family:
     gguf_architecture: str | None = None
     gguf_permutes_qk: bool = False
     gguf_names: tuple[tuple[str, str], ...] = ()
+    gguf_norm_offset: float = 0.0
+    gguf_config: Callable[[Callable[[str], Any], dict[str, Any]], dict[str, Any]] | None = None
 
     def checkpoint_name(self, name: str) -> str:
         """The decoder's name of a checkpoint tensor (``model.`` already stripped)."""

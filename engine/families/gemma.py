@@ -9,6 +9,11 @@ layers a RoPE base of their own.
 The checkpoint's ``post_attention_layernorm`` is the attention output's norm and its
 ``pre_feedforward_layernorm`` the MLP input's, which the decoder calls ``attn_out_norm`` and
 ``post_attention_layernorm`` (Llama's name for the norm before the MLP).
+
+llama.cpp's GGUF files store every norm's weight plus one, and leave out what its loader knows by
+the model's size: which layers slide (every 2nd global for Gemma 2, every 6th for Gemma 3, unless
+the file states the pattern) and the attention scale (hidden / heads for the 27B models, head_dim
+for the others).
 """
 
 from __future__ import annotations
@@ -52,10 +57,34 @@ def _gemma3(raw: dict[str, Any]) -> dict[str, Any]:
             "local_rope_theta": float(local)}
 
 
+def _gguf(large_layers: int):
+    """The GGUF reader of a Gemma generation whose 27B model has ``large_layers`` layers."""
+
+    def read(meta, config: dict[str, Any]) -> dict[str, Any]:
+        extra = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": meta("attention.sliding_window"),
+                 "attn_logit_softcapping": meta("attn_logit_softcapping"),
+                 "final_logit_softcapping": meta("final_logit_softcapping")}
+        pattern = meta("attention.sliding_window_pattern")
+        if pattern is not None:
+            extra["layer_types"] = ["sliding_attention" if slides else "full_attention" for slides in pattern]
+        large = config["num_hidden_layers"] == large_layers
+        extra["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if large
+                                          else config["head_dim"])
+        return extra
+
+    return read
+
+
+_GGUF_NAMES = (("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
+               ("post_ffw_norm", "post_feedforward_layernorm"))
+
 _RENAMES = ((r"\.post_attention_layernorm\.", ".attn_out_norm."),
             (r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),
             (r"\.post_feedforward_layernorm\.", ".mlp_out_norm."))
 
-GEMMA2 = Family("gemma2", ("Gemma2ForCausalLM",), 8192, _gemma2, renames=_RENAMES)
-GEMMA3 = Family("gemma3_text", ("Gemma3ForCausalLM",), 131072, _gemma3, renames=_RENAMES)
+GEMMA2 = Family("gemma2", ("Gemma2ForCausalLM",), 8192, _gemma2, renames=_RENAMES, gguf_architecture="gemma2",
+                gguf_names=_GGUF_NAMES, gguf_norm_offset=1.0, gguf_config=_gguf(large_layers=46))
+GEMMA3 = Family("gemma3_text", ("Gemma3ForCausalLM",), 131072, _gemma3, renames=_RENAMES, gguf_architecture="gemma3",
+                gguf_names=(*_GGUF_NAMES, ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm")),
+                gguf_norm_offset=1.0, gguf_config=_gguf(large_layers=62))
 FAMILIES = (GEMMA2, GEMMA3)
