@@ -7,6 +7,7 @@ only what changed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -124,16 +125,51 @@ class SchedulerOutput:
                     or self.swap_out or self.swap_in or self.copy_blocks)
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One token's logprob in vLLM's shape (what ``TokenLogprobs[token_id]`` gives).
+
+    Attributes:
+        logprob: Its log probability.
+        rank: 1 for the likeliest token; None where not known (a sampled token outside the top).
+        decoded_token: Its text; None (Pagoda's outputs leave it to the tokenizer).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass(slots=True)
-class TokenLogprobs:
+class TokenLogprobs(Mapping):
     """Logprobs of one token (sampled, or of the prompt): its own, then the top ones (most
-    likely first); a prompt token's rank among the vocabulary (1: the likeliest) too."""
+    likely first); a prompt token's rank among the vocabulary (1: the likeliest) too.
+
+    It is also vLLM's ``{token_id: Logprob}`` for the same position (the token and the top
+    ones), so code written for vLLM's outputs (``entry[token_id].logprob``, ``entry.items()``)
+    reads it as it is."""
 
     token_id: int
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
     rank: int | None = None
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        if token_id in self.top_token_ids:
+            i = self.top_token_ids.index(token_id)
+            return Logprob(self.top_logprobs[i], i + 1)
+        if token_id == self.token_id:
+            return Logprob(self.logprob, self.rank)
+        raise KeyError(token_id)
+
+    def __iter__(self):
+        if self.token_id not in self.top_token_ids:
+            yield self.token_id
+        yield from self.top_token_ids
+
+    def __len__(self) -> int:
+        return len(self.top_token_ids) + (self.token_id not in self.top_token_ids)
 
 
 @dataclass(slots=True)

@@ -41,6 +41,14 @@ class SamplingParams:
         include_stop_str_in_output: Keep a matched stop string in the text.
         structured_outputs: Constrain the output to a JSON schema, a regex, a choice or a
             grammar (see StructuredOutputsParams; a dict of its fields is taken too).
+        logit_bias: Token id -> a value in [-100, 100] added to its logit before sampling
+            (OpenAI's ``logit_bias``; -100 in practice bans the token, 100 forces it).
+        allowed_token_ids: Only these tokens may be generated (vLLM's).
+        bad_words: Words never generated: each word's last token is suppressed wherever the
+            output ends with the tokens before it (the word tokenized with and without a
+            leading space, as vLLM does).
+        bad_words_token_ids: ``bad_words`` tokenized, set by the engine when it takes the
+            request.
         pooling: Set by the embedding paths (``LLM.embed``, ``/v1/embeddings``): the request
             also returns its prompt's final hidden states pooled into one vector ("last":
             the last token's, "mean": the average, "cls": the first token's). Mean and cls
@@ -66,6 +74,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     pooling: str | None = None
 
     def __post_init__(self) -> None:
@@ -99,6 +111,21 @@ class SamplingParams:
                                                 and not isinstance(self.prompt_logprobs, bool)
                                                 and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
                "prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")
+            try:
+                self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias must map token ids (integers, or their strings) to numbers") from None
+            _check(all(t >= 0 and -100 <= v <= 100 for t, v in self.logit_bias.items()), "logit_bias",
+                   "values must be in [-100, 100], for non-negative token ids")
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                   and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
+                   "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                   "bad_words", "must be a list of non-empty strings")
         _check(self.pooling in (None, *POOLING_METHODS), "pooling",
                f"must be one of {', '.join(POOLING_METHODS)}, got {self.pooling!r}")
 

@@ -35,8 +35,9 @@ from pagoda.server.errors import APIError, bad_request, error_middleware
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Body, parse_messages
 from pagoda.server.responses import TokenStrings
+from pagoda.server import messages_api, responses_api
 from pagoda.server.embeddings import embeddings
-from pagoda.server.serving import chat_completions, client_key, completions, read_json
+from pagoda.server.serving import cancel_request, chat_completions, client_key, completions, read_json
 from pagoda.server.state import STATE_KEY, ServerState, load_chat_template, served_model_names, shutting_down
 from pagoda.server.tracing import Tracing, build_tracer_provider
 
@@ -66,7 +67,8 @@ def _version() -> str:
 
 
 def auth_middleware(api_key: str):
-    """Requires ``Authorization: Bearer <api_key>`` on every path but /health.
+    """Requires ``Authorization: Bearer <api_key>`` (or ``x-api-key: <api_key>``, as Anthropic's
+    clients send it) on every path but /health.
 
     The keys are compared as SHA-256 digests with ``hmac.compare_digest``, so the time
     taken depends on neither the key's content nor its length.
@@ -78,6 +80,8 @@ def auth_middleware(api_key: str):
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         if request.path not in PUBLIC_PATHS:
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if "x-api-key" in request.headers and not token.strip():
+                scheme, token = "bearer", request.headers["x-api-key"]
             if scheme.lower() != "bearer" or not token.strip():
                 raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
                                code="invalid_api_key", headers=challenge)
@@ -287,7 +291,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     chat_template = load_chat_template(config.chat_template)
     model_names, accepted_names = served_model_names(engine_config.model, config.served_model_names)
 
-    middlewares = [error_middleware]
+    middlewares = [error_middleware({messages_api.PREFIX: messages_api.error_body})]
     on_prepare = None
     if config.allowed_origins:
         preflight, on_prepare = cors(config.allowed_origins, config.allowed_methods, config.allowed_headers,
@@ -358,6 +362,9 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/requests/{request_id}/cancel", cancel_request)
+    responses_api.add_routes(app, config.responses_store_size)
+    messages_api.add_routes(app)
     return app
 
 

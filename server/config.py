@@ -64,6 +64,8 @@ class ServerConfig:
         client_header: A request header that names the client (for the fair policy and
             the per-key limits), e.g. one a gateway sets; None: the API key, else the
             client's address.
+        responses_store_size: Responses (/v1/responses) kept in memory for
+            ``previous_response_id`` and retrieval, the newest first; 0 keeps none.
     """
 
     host: str = "127.0.0.1"
@@ -97,6 +99,7 @@ class ServerConfig:
     max_tokens_per_request: int | None = None
     max_sequences_per_client: int | None = None
     max_tokens_per_client: int | None = None
+    responses_store_size: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -113,6 +116,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None; got {value!r}")
+        if not isinstance(self.responses_store_size, int) or self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be a non-negative integer; got {self.responses_store_size!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0; got {self.max_waiting_requests!r}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:

@@ -97,17 +97,31 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> APIErr
     return APIError(status, exc.text or exc.reason)
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Sends every error as OpenAI's ``{"error": {...}}``; logs unexpected ones."""
-    try:
-        return await handler(request)
-    except APIError as exc:
-        return exc.to_response()
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _from_http_exception(request, exc).to_response()
-    except Exception:  # noqa: BLE001 - a bug must still answer in the API's shape
-        logger.exception("unhandled error in %s %s", request.method, request.path)
-        return APIError(500, "Internal server error; see the server log.", code="internal_error").to_response()
+def error_middleware(shapes: dict[str, object] | None = None):
+    """Sends every error as OpenAI's ``{"error": {...}}``, or on a path under a prefix of
+    ``shapes`` in that API's shape (``shapes[prefix](error) -> body``); logs unexpected ones."""
+    shapes = shapes or {}
+
+    def respond(request: web.Request, error: APIError) -> web.Response:
+        for prefix, shape in shapes.items():
+            if request.path == prefix or request.path.startswith(prefix + "/"):
+                return web.Response(status=error.status, body=orjson.dumps(shape(error)),
+                                    content_type="application/json", headers=error.headers)
+        return error.to_response()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return respond(request, exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return respond(request, _from_http_exception(request, exc))
+        except Exception:  # noqa: BLE001 - a bug must still answer in the API's shape
+            logger.exception("unhandled error in %s %s", request.method, request.path)
+            return respond(request, APIError(500, "Internal server error; see the server log.",
+                                             code="internal_error"))
+
+    return middleware

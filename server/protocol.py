@@ -8,7 +8,7 @@ Unknown fields are rejected with a 400 naming the field, as OpenAI does ("Unreco
 request argument supplied: foo"): a misspelt ``max_token`` must not silently fall back to
 the default. Fields OpenAI defines that only label the request (``user``, ``metadata``,
 ``store``...) are accepted and ignored; fields whose effect Pagoda cannot honour
-(``tools``, ``logit_bias``...) are rejected with a 400 when set to anything but their
+(``functions``, ``audio``...) are rejected with a 400 when set to anything but their
 no-op value. ``response_format``, ``structured_outputs`` and vLLM's ``guided_*`` fields
 constrain the output (docs/structured-outputs.md).
 """
@@ -42,7 +42,7 @@ _COMMON_FIELDS = _SAMPLING_FIELDS + (
     "model", "stream", "stream_options", "user", "priority", "cache_salt", "kv_retention", "logprobs", "echo",
     "add_special_tokens", "logit_bias", "metadata", "store", "service_tier", "prompt_cache_key",
     "safety_identifier", "response_format", "prompt_logprobs", "structured_outputs", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar",
+    "guided_choice", "guided_grammar", "allowed_token_ids", "bad_words",
 )
 COMPLETION_FIELDS = frozenset(_COMMON_FIELDS + ("prompt", "best_of", "suffix"))
 CHAT_FIELDS = frozenset(_COMMON_FIELDS + (
@@ -336,7 +336,12 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
         # NOTE: other keys are ignored, as OpenAI's API does (it adds options over time).
         include_usage = Body(options).bool_("include_usage", False)
         continuous_usage = Body(options).bool_("continuous_usage_stats", False)
-    b.unsupported("logit_bias")
+    logit_bias = b.get("logit_bias")
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+        raise bad_request("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
+    for name in ("allowed_token_ids", "bad_words"):
+        if b.get(name) is not None and not isinstance(b.get(name), list):
+            raise bad_request(f"'{name}' must be a list", name)
     prompt_logprobs = b.int_("prompt_logprobs", None, 0, config.max_logprobs)
     if prompt_logprobs is not None and stream:
         raise bad_request("'prompt_logprobs' is not available when 'stream' is true (with 'echo' and 'logprobs', "
@@ -380,6 +385,9 @@ def _parse_common(b: Body, config: ServerConfig, logprobs: int | None, max_token
             skip_special_tokens=b.bool_("skip_special_tokens", True),
             include_stop_str_in_output=b.bool_("include_stop_str_in_output", False),
             structured_outputs=structured,
+            logit_bias=logit_bias or None,
+            allowed_token_ids=b.get("allowed_token_ids"),
+            bad_words=b.get("bad_words"),
         )
     except ValueError as exc:
         error = from_value_error(exc)

@@ -62,6 +62,50 @@ class _Job:
     finish_reasons: list[str | None] = field(default_factory=list)
 
 
+class ChatShape:
+    """How an engine endpoint's request reads and its answer is sent: OpenAI's chat and
+    completions APIs as they are. The Responses and Anthropic Messages APIs
+    (server/responses_api.py, server/messages_api.py) subclass it: each turns its request into a
+    chat request, and the chat answer (a ``chat.completion`` payload, or the stream of its
+    chunks, which then always end with the usage) into its own."""
+
+    #: The API's name for a chat request's field, in error messages (``max_tokens`` ->
+    #: ``max_output_tokens``).
+    params: dict[str, str] = {}
+
+    def to_chat(self, body: Any) -> Any:
+        return body
+
+    def param(self, name: str | None) -> str | None:
+        """``name`` in the API's terms (the first part of a path: ``messages[2].content`` ->
+        ``input``)."""
+        if name is None:
+            return None
+        head = name.split("[", 1)[0].split(".", 1)[0]
+        return self.params[head] if head in self.params else name
+
+    def respond(self, payload: dict[str, Any]) -> web.StreamResponse:
+        return web.Response(body=orjson.dumps(payload), content_type="application/json",
+                            headers={"X-Request-Id": payload["id"]})
+
+    async def open(self, request: web.Request, head: dict[str, Any], usage: dict[str, Any]) -> web.StreamResponse:
+        """Starts the stream (``usage``: the prompt's, nothing generated yet)."""
+        return await open_sse(request, {"X-Request-Id": head["id"]})
+
+    async def chunk(self, response: web.StreamResponse, chunk: dict[str, Any]) -> None:
+        await send_event(response, chunk)
+
+    async def fail(self, response: web.StreamResponse, error: APIError) -> None:
+        await send_event(response, error.to_dict())
+        await send_done(response)
+
+    async def end(self, response: web.StreamResponse) -> None:
+        await send_done(response)
+
+
+CHAT = ChatShape()
+
+
 async def read_json(request: web.Request) -> Any:
     """The request body as JSON; 400 when it does not parse (413 comes from aiohttp's size limit)."""
     timeout = request.app[STATE_KEY].config.body_timeout
@@ -116,6 +160,27 @@ async def serve_tracked(request: web.Request, operation: str, handler) -> web.St
         span.end(status, error)
 
 
+async def cancel_request(request: web.Request) -> web.Response:
+    """POST /v1/requests/{request_id}/cancel: ends a running request by the id its client saw
+    (the response's ``id``, or ``X-Request-Id``). Its samples finish with ``finish_reason``
+    "abort" (a stream gets that chunk and its end), and its KV blocks are freed before the
+    next step."""
+    cancel(request.app[STATE_KEY], request.match_info["request_id"])
+    return web.Response(body=orjson.dumps({"id": request.match_info["request_id"], "object": "request",
+                                           "status": "cancelled"}), content_type="application/json")
+
+
+def cancel(state: ServerState, request_id: str) -> None:
+    """Aborts the running request its client knows as ``request_id``; 404 when none runs."""
+    engine_ids = state.running.get(request_id)
+    if engine_ids is None:
+        raise APIError(404, f"No request with id {request_id!r} is running (it may have finished).",
+                       param="request_id", code="request_not_found")
+    for engine_id in engine_ids:
+        state.engine.abort(engine_id)
+    logger.info("request %s cancelled by its id", request_id)
+
+
 def client_key(request: web.Request, header: str | None = None) -> str:
     """Who a request is from, for the per-client limits and the fair policy: the value of
     ``header`` (--client-header) when set and present, else its API key, else its address."""
@@ -124,15 +189,32 @@ def client_key(request: web.Request, header: str | None = None) -> str:
         if value:
             return "client:" + value[:256]
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
+    if scheme.lower() != "bearer" or not token.strip():
+        token = request.headers.get("x-api-key", "")  # Anthropic's clients send the key so
+    if token.strip():
         return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
     return "addr:" + (request.remote or "unknown")
 
 
 async def _generate(request: web.Request, state: ServerState, span: RequestSpan, client: str, *,
-                    chat: bool) -> web.StreamResponse:
+                    chat: bool, shape: ChatShape = CHAT) -> web.StreamResponse:
+    try:
+        return await _generate_as(request, state, span, client, chat, shape)
+    except APIError as exc:
+        exc.param = shape.param(exc.param)
+        raise
+
+
+async def generate_in_shape(request: web.Request, state: ServerState, span: RequestSpan, client: str,
+                            shape: ChatShape) -> web.StreamResponse:
+    """A chat request in another API's shape (``shape`` reads it and writes the answer)."""
+    return await _generate(request, state, span, client, chat=True, shape=shape)
+
+
+async def _generate_as(request: web.Request, state: ServerState, span: RequestSpan, client: str, chat: bool,
+                       shape: ChatShape) -> web.StreamResponse:
     config, engine = state.config, state.engine
-    body = await read_json(request)
+    body = shape.to_chat(await read_json(request))
     gen = parse_chat(body, config, state.tool_syntax) if chat else parse_completion(body, config)
     model = state.resolve_model(gen.model)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -144,7 +226,7 @@ async def _generate(request: web.Request, state: ServerState, span: RequestSpan,
     state.limits.check_tokens(num_tokens, gen.max_tokens_param)
     state.budget.charge(client, num_sequences, num_tokens)
     try:
-        return await _run(request, state, gen, chat, span, request_id, jobs, model, client)
+        return await _run(request, state, gen, chat, span, request_id, jobs, model, client, shape)
     finally:
         state.budget.release(client, num_sequences, num_tokens)
 
@@ -161,7 +243,7 @@ def _cost(gen: GenerateRequest, jobs: list[_Job], max_model_len: int) -> tuple[i
 
 
 async def _run(request: web.Request, state: ServerState, gen: GenerateRequest, chat: bool, span: RequestSpan,
-               request_id: str, jobs: list[_Job], model: str, client: str) -> web.StreamResponse:
+               request_id: str, jobs: list[_Job], model: str, client: str, shape: ChatShape) -> web.StreamResponse:
     """Submits a validated request's prompts and streams or collects the answer."""
     engine = state.engine
     reasoning = engine.config.reasoning_parser
@@ -190,13 +272,19 @@ async def _run(request: web.Request, state: ServerState, gen: GenerateRequest, c
         raise from_value_error(exc, "messages" if chat else "prompt") from None
     created = int(time.time())
     head = {"id": request_id, "object": _object(chat, gen.stream), "created": created, "model": model}
+    names = {request_id, getattr(shape, "id", request_id)}  # NOTE: the ids its client may cancel it by
+    for name in names:
+        state.running[name] = [job.request_id for job in jobs]
     try:
         if gen.stream:
-            return await _stream(request, state, gen, jobs, builder, head, span, watch)
-        return await _collect(state, gen, jobs, builder, head, span, watch)
+            return await _stream(request, state, gen, jobs, builder, head, span, watch, shape)
+        return shape.respond(await _collect(state, gen, jobs, builder, head, span, watch))
     except BaseException as exc:
         _abandon(state, jobs, gen.params.n, "abort" if isinstance(exc, asyncio.CancelledError) else "error")
         raise
+    finally:
+        for name in names:
+            state.running.pop(name, None)
 
 
 def rejection_error(exc: RequestRejected) -> APIError:
@@ -241,18 +329,7 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
             if isinstance(prompt, str):
                 limits.check_chars(len(prompt), "prompt")
     if chat:
-        messages, kwargs, template = gen.messages, gen.chat_template_kwargs, None
-        syntax = state.tool_syntax
-        if syntax is not None and (gen.tools is not None or uses_tools(messages)):
-            tools = gen.tools.tools if gen.tools is not None else None
-            if syntax.in_system:
-                messages = tools_in_system(messages, tools)
-            elif tools is not None:
-                kwargs = {**kwargs, "tools": tools}
-            template = syntax.template
-        text = await state.run_tokenizer(state.render_chat, messages, gen.add_generation_prompt,
-                                         gen.continue_final_message, kwargs, template, client=client, cost=num_chars)
-        ids = await state.run_tokenizer(state.encode, text, gen.add_special_tokens, client=client, cost=len(text))
+        text, ids = await _render_chat(state, gen, client, num_chars)
         last = gen.messages[-1]
         echo = last["content"] if gen.echo and last["role"] == "assistant" else ""
         prompts = [(text, ids, echo)]
@@ -289,6 +366,33 @@ async def _prepare(state: ServerState, gen: GenerateRequest, chat: bool, request
         job_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
         jobs.append(_Job(job_id, prompt, ids, echo, state.metrics.tracker()))
     return jobs
+
+
+async def _render_chat(state: ServerState, gen: GenerateRequest, client: str, cost: int) -> tuple[str, list[int]]:
+    """A chat request's prompt: its messages (and tools) through the chat template, tokenized."""
+    messages, kwargs, template = gen.messages, gen.chat_template_kwargs, None
+    syntax = state.tool_syntax
+    if syntax is not None and (gen.tools is not None or uses_tools(messages)):
+        tools = gen.tools.tools if gen.tools is not None else None
+        if syntax.in_system:
+            messages = tools_in_system(messages, tools)
+        elif tools is not None:
+            kwargs = {**kwargs, "tools": tools}
+        template = syntax.template
+    text = await state.run_tokenizer(state.render_chat, messages, gen.add_generation_prompt,
+                                     gen.continue_final_message, kwargs, template, client=client, cost=cost)
+    ids = await state.run_tokenizer(state.encode, text, gen.add_special_tokens, client=client, cost=len(text))
+    return text, ids
+
+
+async def count_prompt_tokens(request: web.Request, state: ServerState, body: dict[str, Any]) -> int:
+    """The tokens of a chat request's prompt as the model would see it (nothing generated)."""
+    gen = parse_chat(body, state.config, state.tool_syntax)
+    state.resolve_model(gen.model)
+    num_chars = sum(len(m.get("content") or "") for m in gen.messages)
+    state.limits.check_chars(num_chars, "messages")
+    _, ids = await _render_chat(state, gen, client_key(request, state.config.client_header), num_chars)
+    return len(ids)
 
 
 def _check_tool_schemas(engine, tools: ToolRequest) -> None:
@@ -367,7 +471,7 @@ def _end_at_repeat(builder: ChoiceBuilder, out: RequestOutput, text: str) -> boo
 
 
 async def _collect(state: ServerState, gen: GenerateRequest, jobs: list[_Job], builder: ChoiceBuilder,
-                   head: dict[str, Any], span: RequestSpan, watch: bool) -> web.Response:
+                   head: dict[str, Any], span: RequestSpan, watch: bool) -> dict[str, Any]:
     engine = state.engine
     try:
         async with aclosing(merge([engine.stream_outputs(job.stream) for job in jobs])) as outputs:
@@ -390,14 +494,14 @@ async def _collect(state: ServerState, gen: GenerateRequest, jobs: list[_Job], b
         else:
             for choice in choices:
                 choice["prompt_logprobs"] = asked[choice["index"] // n]
-    return web.Response(body=orjson.dumps(payload), content_type="application/json",
-                        headers={"X-Request-Id": head["id"]})
+    return payload
 
 
 async def _stream(request: web.Request, state: ServerState, gen: GenerateRequest, jobs: list[_Job],
-                  builder: ChoiceBuilder, head: dict[str, Any], span: RequestSpan, watch: bool) -> web.StreamResponse:
+                  builder: ChoiceBuilder, head: dict[str, Any], span: RequestSpan, watch: bool,
+                  shape: ChatShape) -> web.StreamResponse:
     engine, n = state.engine, gen.params.n
-    response = await open_sse(request, {"X-Request-Id": head["id"]})
+    response = await shape.open(request, head, _usage(jobs))
     states = {index * n + i: ChoiceState(prefix=job.echo, text_offset=len(job.echo))
               for index, job in enumerate(jobs) for i in range(n)}
 
@@ -405,7 +509,7 @@ async def _stream(request: web.Request, state: ServerState, gen: GenerateRequest
         chunk = {**head, "choices": [choice]}
         if gen.include_usage:
             chunk["usage"] = _usage(jobs) if gen.continuous_usage else None
-        await send_event(response, chunk)
+        await shape.chunk(response, chunk)
 
     try:
         if builder.chat:
@@ -428,8 +532,7 @@ async def _stream(request: web.Request, state: ServerState, gen: GenerateRequest
         error = _engine_error(exc)
         span.fail(error.message)
         _abandon(state, jobs, n, "error")
-        await send_event(response, error.to_dict())
-        await send_done(response)
+        await shape.fail(response, error)
         return response
     except ConnectionError:
         # NOTE: the client left between two writes, before aiohttp cancelled the handler.
@@ -437,6 +540,6 @@ async def _stream(request: web.Request, state: ServerState, gen: GenerateRequest
         _abandon(state, jobs, n, "abort")
         return response
     if gen.include_usage:
-        await send_event(response, {**head, "choices": [], "usage": _usage(jobs)})
-    await send_done(response)
+        await shape.chunk(response, {**head, "choices": [], "usage": _usage(jobs)})
+    await shape.end(response)
     return response

@@ -90,6 +90,8 @@ class ServerState:
         inflight: The tasks running generation requests (for the drain on shutdown).
         idle: Set while no generation request runs.
         inflight_per_key: Generation requests in flight per client key (API key or address).
+        running: The engine request ids of each running generation request, by the ids its
+            client sees (``chatcmpl-...``, ``resp_...``, ``msg_...``), for cancelling by id.
         limits: Characters, sequences and tokens allowed (server/limits.py).
         budget: Sequences and tokens in flight per client.
     """
@@ -110,6 +112,7 @@ class ServerState:
     inflight: set[asyncio.Task] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     inflight_per_key: dict[str, int] = field(default_factory=dict)
+    running: dict[str, list[str]] = field(default_factory=dict)
     limits: Limits = field(init=False)
     budget: ClientBudget = field(init=False)
 

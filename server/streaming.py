@@ -39,6 +39,12 @@ async def send_event(response: web.StreamResponse, payload: dict[str, Any]) -> N
     await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
 
+async def send_named_event(response: web.StreamResponse, name: str, payload: dict[str, Any]) -> None:
+    """Writes one ``event: <name>`` / ``data: {json}`` event (the Responses and Anthropic
+    Messages streams name each event; OpenAI's chat stream does not)."""
+    await response.write(b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n")
+
+
 async def send_done(response: web.StreamResponse) -> None:
     """Writes ``data: [DONE]`` and ends the response."""
     await response.write(DONE)

@@ -275,9 +275,9 @@ def test_each_draft_position_counts_the_drafts_before_it_as_output():
             expected[position, token] += 1
     assert np.array_equal(counts.numpy(), expected)
     # Two outputs are known: positions 0 and 1 are short of min_tokens (4), 2 and 3 are not.
-    suppressed = sorted(set(md.min_tokens_rows.tolist()))
+    suppressed = sorted(set(md.edit_rows.tolist()))
     assert suppressed == [0, 1]
-    assert set(md.min_tokens_token_ids.tolist()) == {2, 9}
+    assert set(md.edit_token_ids.tolist()) == {2, 9} and set(md.edit_values.tolist()) == {float("-inf")}
 
 
 # -- a draft model -----------------------------------------------------------------------------

@@ -346,6 +346,11 @@ class AsyncEngine:
         vocab_size = self.model_config.vocab_size
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids of this model, in [0, {vocab_size})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            if any(t >= vocab_size for t in getattr(params, name) or ()):
+                raise ValueError(f"{name} must name token ids of this model, in [0, {vocab_size})")
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         matchers, reasoning_end = [None] * params.n, None
         if params.structured_outputs is not None:
             matchers = self._grammars().matchers(params.structured_outputs, params.n)
@@ -427,6 +432,16 @@ class AsyncEngine:
             stream.error = error
             stream.event.set()
         return len(streams)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens, alone and after a space (the two ways it starts in a text)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def abort(self, request_id: str) -> None:
         """Aborts a request (all its samples); it frees its blocks before the next step."""

@@ -80,6 +80,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's name for it)."""
+        return self.engine.tokenizer
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Sequence[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:

@@ -62,6 +62,8 @@ class InputBatch:
         self.has_penalty = np.zeros(max_num_reqs, dtype=bool)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        #: Rows with logit_bias, allowed_token_ids or bad words (their edits are built per step).
+        self.has_logit_edits = np.zeros(max_num_reqs, dtype=bool)
         # Prompt scoring: top logprobs per prompt token (-1: none) and the pooling of
         # embedding requests (0: none, else 1 + its index in POOLING_METHODS); the count of
         # rows using either, so that a batch without them checks nothing more.
@@ -110,6 +112,7 @@ class InputBatch:
         self.has_penalty[row] = has_penalty
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.min_tokens[row] = p.min_tokens
+        self.has_logit_edits[row] = bool(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids)
         self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.pooling[row] = 0 if p.pooling is None else 1 + POOLING_METHODS.index(p.pooling)
         if p.prompt_logprobs is not None or p.pooling is not None:
@@ -165,6 +168,36 @@ class InputBatch:
                 r = to_device(rows[penalized], self.device, torch.int64)
                 t = to_device(token_ids[penalized], self.device, torch.int64)
                 self.output_counts.index_put_((r, t), torch.ones_like(r, dtype=torch.float32), accumulate=True)
+
+    def _logit_edits(self, md: SamplingMetadata, rows: np.ndarray, num_output: np.ndarray,
+                     edits: list[tuple[int, int, float]]) -> None:
+        """Adds the edits of the rows with logit_bias or bad words to ``edits``, and limits the
+        rows with allowed_token_ids. A bad word's last token is suppressed where the output
+        (drafts before the position included) ends with the rest of it, as vLLM does."""
+        allowed_rows: list[int] = []
+        allowed_ids: list[int] = []
+        allowed_of: list[int] = []
+        for i in np.flatnonzero(self.has_logit_edits[rows]).tolist():
+            row = int(rows[i])
+            p = self.params[row]
+            if p.logit_bias:
+                edits += [(i, t, float(v)) for t, v in p.logit_bias.items()]
+            if p.allowed_token_ids:
+                allowed_of += [len(allowed_rows)] * len(p.allowed_token_ids)
+                allowed_rows.append(i)
+                allowed_ids += p.allowed_token_ids
+            if p.bad_words_token_ids:
+                end = int(self.num_prompt_tokens[row] + num_output[i])
+                output = self.token_ids[row, self.num_prompt_tokens[row]:end].tolist()
+                for word in p.bad_words_token_ids:
+                    head = word[:-1]
+                    if not head or output[len(output) - len(head):] == head:
+                        edits.append((i, word[-1], float("-inf")))
+        if allowed_rows:
+            device = self.device
+            md.allowed_rows = torch.tensor(allowed_rows, dtype=torch.int64, device=device)
+            md.allowed_token_ids = torch.tensor(allowed_ids, dtype=torch.int64, device=device)
+            md.allowed_of = torch.tensor(allowed_of, dtype=torch.int64, device=device)
 
     def _count_drafts(self, counts: torch.Tensor, rows: np.ndarray, offsets: np.ndarray) -> None:
         """Adds to each penalized logits row's output counts the drafts before its position
@@ -232,19 +265,18 @@ class InputBatch:
         num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
         if offsets is not None:
             num_output = num_output + offsets
-        short = np.nonzero(num_output < self.min_tokens[rows])[0]
-        if len(short):
-            suppressed_rows: list[int] = []
-            suppressed_ids: list[int] = []
-            for i in short.tolist():
-                p = self.params[rows[i]]
-                banned = set(p.stop_token_ids) if p.ignore_eos else {*p.stop_token_ids, *self.eos_token_ids}
-                banned = sorted(t for t in banned if 0 <= t < self.vocab_size)
-                suppressed_rows += [i] * len(banned)
-                suppressed_ids += banned
-            if suppressed_rows:
-                md.min_tokens_rows = torch.tensor(suppressed_rows, dtype=torch.int64, device=device)
-                md.min_tokens_token_ids = torch.tensor(suppressed_ids, dtype=torch.int64, device=device)
+        edits: list[tuple[int, int, float]] = []  # (row in the step, token, added to its logit)
+        for i in np.nonzero(num_output < self.min_tokens[rows])[0].tolist():
+            p = self.params[rows[i]]
+            banned = set(p.stop_token_ids) if p.ignore_eos else {*p.stop_token_ids, *self.eos_token_ids}
+            edits += [(i, t, float("-inf")) for t in sorted(banned) if 0 <= t < self.vocab_size]
+        if self.has_logit_edits[rows].any():
+            self._logit_edits(md, rows, num_output, edits)
+        if edits:
+            r, t, v = zip(*edits)
+            md.edit_rows = torch.tensor(r, dtype=torch.int64, device=device)
+            md.edit_token_ids = torch.tensor(t, dtype=torch.int64, device=device)
+            md.edit_values = torch.tensor(v, dtype=torch.float32, device=device)
         if self.has_penalty[rows].any():
             index = tensor(rows.astype(np.int64))
             md.repetition_penalties = tensor(self.repetition_penalty[rows])

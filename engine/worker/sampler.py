@@ -8,7 +8,9 @@ request is reproducible whatever it is batched with.
 
 Order of operations (as in vLLM V1):
     1. logprobs from the raw logits (``log_softmax`` before any penalty or temperature);
-    2. min_tokens: EOS and stop token ids of rows still short of ``min_tokens`` get -inf;
+    2. logit edits: EOS and stop token ids of rows still short of ``min_tokens`` get -inf, as do
+       bad words' last tokens; ``logit_bias`` is added; rows with ``allowed_token_ids`` keep those
+       only;
     3. repetition, presence and frequency penalties;
     4. greedy rows: argmax of the penalized logits;
     5. random rows: temperature, top-k, top-p, min-p, then exponential-race sampling
@@ -66,12 +68,16 @@ class Sampler:
         assert logits.shape == (md.num_reqs, md.vocab_size), (logits.shape, md.num_reqs, md.vocab_size)
         if self.plain_greedy(md):
             return SamplerOutput(sampled_token_ids=_argmax(logits))  # the common path
-        no_edits = md.min_tokens_rows is None and md.repetition_penalties is None
+        no_edits = md.edit_rows is None and md.allowed_rows is None and md.repetition_penalties is None
         # NOTE: copy, so the in-place edits below never touch the caller's tensor.
         logits = logits.to(torch.float32, copy=not no_edits or not md.all_greedy)
         raw_logprobs = None if md.max_num_logprobs is None else logits.log_softmax(dim=-1)
-        if md.min_tokens_rows is not None:
-            logits[md.min_tokens_rows, md.min_tokens_token_ids] = float("-inf")
+        if md.edit_rows is not None:
+            logits.index_put_((md.edit_rows, md.edit_token_ids), md.edit_values, accumulate=True)
+        if md.allowed_rows is not None:
+            keep = torch.zeros(len(md.allowed_rows), md.vocab_size, dtype=torch.bool, device=logits.device)
+            keep[md.allowed_of, md.allowed_token_ids] = True
+            logits[md.allowed_rows] = logits[md.allowed_rows].masked_fill(~keep, float("-inf"))
         if md.repetition_penalties is not None:
             _apply_penalties(logits, md)
 
@@ -93,8 +99,8 @@ class Sampler:
     @staticmethod
     def plain_greedy(md: SamplingMetadata) -> bool:
         """Whether every row takes its largest logit as it comes: greedy, with no penalties,
-        no min_tokens and no logprobs (the model may then pick the tokens itself)."""
-        return (md.all_greedy and md.min_tokens_rows is None and md.repetition_penalties is None
+        no logit edits and no logprobs (the model may then pick the tokens itself)."""
+        return (md.all_greedy and md.edit_rows is None and md.allowed_rows is None and md.repetition_penalties is None
                 and md.max_num_logprobs is None)
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

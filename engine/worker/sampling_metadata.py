@@ -35,8 +35,13 @@ class SamplingMetadata:
         seeded_rows: ``(row, step_seed)`` for random rows with a seed; ``step_seed``
             mixes the request seed with its number of output tokens.
         max_num_logprobs: Largest ``logprobs`` requested in the batch; None if none.
-        min_tokens_rows: ``[N]`` int64 row index of each (row, token) to suppress.
-        min_tokens_token_ids: ``[N]`` int64 token id of each (row, token) to suppress.
+        edit_rows: ``[N]`` int64 row of each (row, token) whose logit changes: min_tokens'
+            suppressed EOS and stop ids, logit_bias, bad words; None when no row has any.
+        edit_token_ids: ``[N]`` int64 the token of each.
+        edit_values: ``[N]`` float32 what is added to its logit (-inf: suppressed).
+        allowed_rows: ``[R]`` int64 rows limited to their allowed_token_ids; None when none is.
+        allowed_token_ids: ``[M]`` int64 the allowed tokens, and ``allowed_of`` ``[M]`` the
+            index into ``allowed_rows`` of the row each belongs to.
         repetition_penalties: ``[B]`` float32; None when no row uses any penalty.
         presence_penalties: ``[B]`` float32; None when no row uses any penalty.
         frequency_penalties: ``[B]`` float32; None when no row uses any penalty.
@@ -58,8 +63,12 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None
     seeded_rows: list[tuple[int, int]] | None = None
     max_num_logprobs: int | None = None
-    min_tokens_rows: torch.Tensor | None = None
-    min_tokens_token_ids: torch.Tensor | None = None
+    edit_rows: torch.Tensor | None = None
+    edit_token_ids: torch.Tensor | None = None
+    edit_values: torch.Tensor | None = None
+    allowed_rows: torch.Tensor | None = None
+    allowed_token_ids: torch.Tensor | None = None
+    allowed_of: torch.Tensor | None = None
     repetition_penalties: torch.Tensor | None = None
     presence_penalties: torch.Tensor | None = None
     frequency_penalties: torch.Tensor | None = None

@@ -1,0 +1,54 @@
+"""Cancelling a running request by the id its client saw: the request ends with finish_reason
+"abort" (its stream gets the chunk and its end), its KV blocks are freed, and the requests beside
+it run on."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+
+from pagoda.engine.config import EngineConfig
+from pagoda.server.testing import ServerThread, http_request
+
+LONG = dict(max_tokens=400, extra_body={"ignore_eos": True}, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=512,
+                          num_kv_blocks=128)
+    with ServerThread(config) as server:
+        yield server
+
+
+def test_a_cancelled_stream_ends_with_abort_its_kv_freed_while_another_runs_on(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    other: dict = {}
+
+    def run_other():
+        out = client.completions.create(model=model, prompt="another request", **LONG)
+        other["finish"], other["tokens"] = out.choices[0].finish_reason, out.usage.completion_tokens
+
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "go on"}],
+                                            stream=True, **LONG)
+    chunks = iter(stream)
+    first = next(chunks)
+    answer = http_request(server.url + f"/v1/requests/{first.id}/cancel", "POST")
+    assert answer.status == 200 and answer.json()["status"] == "cancelled"
+    rest = list(chunks)
+    finishes = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["abort"]
+    assert sum(1 for c in rest if c.choices and c.choices[0].delta.content) < 390  # cut short
+    thread.join(timeout=120)
+    assert other == {"finish": "length", "tokens": 400}
+    kv = server.call(lambda: server.engine.scheduler.kv_cache_manager)
+    assert server.call(kv.get_num_free_blocks) == kv.num_blocks
+    # Ended requests are no longer known; neither is a made-up id.
+    for request_id in (first.id, "chatcmpl-nowhere"):
+        gone = http_request(server.url + f"/v1/requests/{request_id}/cancel", "POST")
+        assert gone.status == 404 and gone.json()["error"]["code"] == "request_not_found"
