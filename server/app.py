@@ -35,7 +35,7 @@ from pagoda.server.errors import APIError, bad_request, error_middleware
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Body, parse_messages
 from pagoda.server.responses import TokenStrings
-from pagoda.server import messages_api, responses_api
+from pagoda.server import messages_api, responses_api, scoring_api
 from pagoda.server.embeddings import embeddings
 from pagoda.server.serving import cancel_request, chat_completions, client_key, completions, read_json
 from pagoda.server.state import STATE_KEY, ServerState, load_chat_template, served_model_names, shutting_down
@@ -365,6 +365,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     app.router.add_post("/v1/requests/{request_id}/cancel", cancel_request)
     responses_api.add_routes(app, config.responses_store_size)
     messages_api.add_routes(app)
+    scoring_api.add_routes(app)
     return app
 
 

@@ -32,29 +32,14 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
 
 
 async def _embed(request: web.Request, state: ServerState, span: RequestSpan, client: str) -> web.Response:
-    engine, limits = state.engine, state.limits
+    engine = state.engine
     emb = parse_embedding(await read_json(request), state.config)
     model = state.resolve_model(emb.model)
     hidden_size = engine.model_config.hidden_size
     if emb.dimensions is not None and emb.dimensions != hidden_size:
         raise bad_request(f"'dimensions' must be {hidden_size} (this model's embedding size) or left out: the "
                           "model was not trained to shorten its embeddings", "dimensions")
-    state.check_can_serve()
-    state.budget.check_room(client)
-    limits.check_sequences(len(emb.inputs), "input")
-    for text in emb.inputs:
-        if isinstance(text, str):
-            limits.check_chars(len(text), "input")
-    ids_list = await _tokenize(state, emb, client)
-    for ids in ids_list:
-        state.check_length(len(ids), None, "input")
-    num_tokens = sum(len(ids) + 1 for ids in ids_list)
-    limits.check_tokens(num_tokens, "input")
-    state.budget.charge(client, len(ids_list), num_tokens)
-    try:
-        vectors = await _run(state, emb, ids_list, client)
-    finally:
-        state.budget.release(client, len(ids_list), num_tokens)
+    vectors, ids_list = await embed(state, emb, client, "input")
     data = [{"object": "embedding", "index": i, "embedding": _encode(vector, emb.encoding_format)}
             for i, vector in enumerate(vectors)]
     num_prompt = sum(len(ids) for ids in ids_list)
@@ -63,7 +48,30 @@ async def _embed(request: web.Request, state: ServerState, span: RequestSpan, cl
     return web.Response(body=orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), content_type="application/json")
 
 
-async def _tokenize(state: ServerState, emb: EmbeddingRequest, client: str) -> list[list[int]]:
+async def embed(state: ServerState, emb: EmbeddingRequest, client: str, field: str
+                ) -> tuple[list[np.ndarray], list[list[int]]]:
+    """``emb``'s inputs embedded (and their token ids), under the same limits and per-client
+    budget as generation; errors name ``field``."""
+    limits = state.limits
+    state.check_can_serve()
+    state.budget.check_room(client)
+    limits.check_sequences(len(emb.inputs), field)
+    for text in emb.inputs:
+        if isinstance(text, str):
+            limits.check_chars(len(text), field)
+    ids_list = await _tokenize(state, emb, client, field)
+    for ids in ids_list:
+        state.check_length(len(ids), None, field)
+    num_tokens = sum(len(ids) + 1 for ids in ids_list)
+    limits.check_tokens(num_tokens, field)
+    state.budget.charge(client, len(ids_list), num_tokens)
+    try:
+        return await _run(state, emb, ids_list, client, field), ids_list
+    finally:
+        state.budget.release(client, len(ids_list), num_tokens)
+
+
+async def _tokenize(state: ServerState, emb: EmbeddingRequest, client: str, field: str) -> list[list[int]]:
     texts = [i for i in emb.inputs if isinstance(i, str)]
     encoded = iter(await asyncio.gather(*(state.run_tokenizer(state.encode, t, emb.add_special_tokens, client=client,
                                                               cost=len(t)) for t in texts)))
@@ -75,11 +83,12 @@ async def _tokenize(state: ServerState, emb: EmbeddingRequest, client: str) -> l
         try:
             ids_list.append(state.engine.encode_prompt(item))
         except ValueError as exc:
-            raise bad_request(str(exc), "input") from None
+            raise bad_request(str(exc), field) from None
     return ids_list
 
 
-async def _run(state: ServerState, emb: EmbeddingRequest, ids_list: list[list[int]], client: str) -> list[np.ndarray]:
+async def _run(state: ServerState, emb: EmbeddingRequest, ids_list: list[list[int]], client: str,
+               field: str) -> list[np.ndarray]:
     engine = state.engine
     params = embedding_params(engine.config)
     base_id = f"embd-{uuid.uuid4().hex}"
@@ -110,7 +119,7 @@ async def _run(state: ServerState, emb: EmbeddingRequest, ids_list: list[list[in
         if isinstance(exc, StepError):
             raise APIError(500, f"Embedding failed: {exc}", code="embedding_failed") from None
         if isinstance(exc, ValueError):
-            raise bad_request(str(exc), "input") from None
+            raise bad_request(str(exc), field) from None
         raise
     return [embedding_of(out, engine.config) for out in finals]
 
