@@ -143,7 +143,7 @@ def parse_embedding(body: Any, config: ServerConfig) -> EmbeddingRequest:
     Raises:
         APIError: 400 naming the field at fault.
     """
-    b = _check_fields(body, EMBEDDING_FIELDS)
+    b = check_fields(body, EMBEDDING_FIELDS)
     value = body.get("input")
     if isinstance(value, list) and not value:
         raise bad_request("'input' must not be an empty list", "input")
@@ -221,7 +221,7 @@ def parse_completion(body: Any, config: ServerConfig) -> GenerateRequest:
     Raises:
         APIError: 400 naming the field at fault.
     """
-    b = _check_fields(body, COMPLETION_FIELDS)
+    b = check_fields(body, COMPLETION_FIELDS)
     prompts = _parse_prompts(body.get("prompt"), config)
     b.unsupported("suffix")
     logprobs = b.int_("logprobs", None, 0, config.max_logprobs)
@@ -256,7 +256,7 @@ def parse_chat(body: Any, config: ServerConfig, tool_syntax: ToolSyntax | None =
     Raises:
         APIError: 400 naming the field at fault.
     """
-    b = _check_fields(body, CHAT_FIELDS)
+    b = check_fields(body, CHAT_FIELDS)
     messages = parse_messages(body.get("messages"))
     for name in ("functions", "audio", "prediction", "web_search_options"):
         b.unsupported(name, what=" (Pagoda has no legacy function calling ('tools' it has), audio or web search)")
@@ -303,7 +303,7 @@ def parse_chat(body: Any, config: ServerConfig, tool_syntax: ToolSyntax | None =
     return request
 
 
-def _check_fields(body: Any, known: frozenset[str]) -> Body:
+def check_fields(body: Any, known: frozenset[str]) -> Body:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     for name in body:

@@ -21,6 +21,7 @@ import orjson
 from aiohttp import web
 
 from pagoda.server.errors import APIError, bad_request
+from pagoda.server.protocol import check_fields
 from pagoda.server.serving import ChatShape, cancel, generate_in_shape, serve_tracked
 from pagoda.server.state import STATE_KEY
 from pagoda.server.streaming import open_sse, send_named_event
@@ -200,12 +201,7 @@ class ResponsesShape(ChatShape):
     # -- the request --------------------------------------------------------------------
 
     def to_chat(self, body: Any) -> dict[str, Any]:
-        if not isinstance(body, dict):
-            raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-        for name in body:
-            if name not in KNOWN:
-                raise bad_request(f"Unrecognized request argument supplied: {name}", name,
-                                  code="unrecognized_argument")
+        check_fields(body, KNOWN)
         for name in ("conversation", "prompt"):
             if body.get(name) is not None:
                 raise bad_request(f"'{name}' is not supported by this server (use previous_response_id, and send the "

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from pagoda.server.embeddings import embed
 from pagoda.server.errors import bad_request
-from pagoda.server.protocol import Body, EmbeddingRequest
+from pagoda.server.protocol import Body, EmbeddingRequest, check_fields
 from pagoda.server.serving import read_json, serve_tracked
 from pagoda.server.state import ServerState
 from pagoda.server.tracing import RequestSpan
@@ -27,15 +27,6 @@ SCORE_FIELDS = frozenset({"model", "text_1", "text_2", "encoding_format", "trunc
                           "priority", "add_special_tokens"})
 RERANK_FIELDS = frozenset({"model", "query", "documents", "top_n", "return_documents", "max_chunks_per_doc",
                            "rank_fields", "truncate_prompt_tokens", "user", "priority"})
-
-
-def _check(body: Any, known: frozenset[str]) -> Body:
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    for name in body:
-        if name not in known:
-            raise bad_request(f"Unrecognized request argument supplied: {name}", name, code="unrecognized_argument")
-    return Body(body)
 
 
 def _texts(value: Any, name: str) -> list[str]:
@@ -64,7 +55,7 @@ async def score(request: web.Request) -> web.StreamResponse:
 
 
 async def _score(request: web.Request, state: ServerState, span: RequestSpan, client: str) -> web.Response:
-    b = _check(await read_json(request), SCORE_FIELDS)
+    b = check_fields(await read_json(request), SCORE_FIELDS)
     first, second = _texts(b.get("text_1"), "text_1"), _texts(b.get("text_2"), "text_2")
     if len(first) == 1:
         first = first * len(second)
@@ -90,7 +81,7 @@ async def rerank(request: web.Request) -> web.StreamResponse:
 
 
 async def _rerank(request: web.Request, state: ServerState, span: RequestSpan, client: str) -> web.Response:
-    b = _check(await read_json(request), RERANK_FIELDS)
+    b = check_fields(await read_json(request), RERANK_FIELDS)
     query = b.get("query")
     if not isinstance(query, str) or not query:
         raise bad_request("'query' must be a non-empty string", "query")
