@@ -331,6 +331,7 @@ def paged_kernel_for(march: str, directory):
     return lib
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
 def test_avx2_and_portable_builds_of_the_paged_kernel_match_this_ones(tmp_path, march):
     """The paged kernel built for an AVX2 CPU (x86-64-v3: the vector tiles on two 8-lane halves,
@@ -393,6 +394,7 @@ def _attention_reference(query, keys, values, last, scale):
                                                 ("x86-64-v2", None, (6, 2, 64)),
                                                 # NOTE: a tile of 2 tokens x 2 heads: 4 rows, as a decode's
                                                 ("x86-64-v3", None, (4, 2, 128))])
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_avx2_and_portable_builds_of_the_tiles(tmp_path, march, budget, shape, dtype):
     """csrc/tile_attention.c built for an AVX2 CPU (x86-64-v3: the float32 tiles alone; the other

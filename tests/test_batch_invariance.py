@@ -79,6 +79,7 @@ def assert_every_cell_equal(cells: dict[str, list[tuple]]) -> None:
 
 # NOTE: both invariant paths of the kernel where the machine has them: AMX tiles for every row
 # (Intel from Sapphire Rapids), AVX512-BF16 vectors (everywhere the kernel runs).
+@pytest.mark.slow
 @pytest.mark.parametrize("packing", [packing for packing in BLOCKED_LAYOUT if packing_available(packing)])
 def test_tiny_model_outputs_are_the_same_in_every_cell(tiny_llama_dir, packing, monkeypatch):
     monkeypatch.setenv(PACKING_ENV, packing)

@@ -18,6 +18,8 @@ from helpers import GREEDY, NUM_NEW, hf_greedy, make_hf_model
 from pagoda.plugins import hookimpl
 from pagoda.server.testing import ServerThread, http_request
 
+pytestmark = pytest.mark.slow  # NOTE: `python -m pytest -m slow` runs it (CI runs both sets)
+
 PROMPTS = [[1000 + 7 * i + j for j in range(5 + 9 * i)] for i in range(4)]
 TP2 = dict(enforce_eager=True, dtype="float32", tensor_parallel_size=2)
 

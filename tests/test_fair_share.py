@@ -85,6 +85,7 @@ def test_fair_admits_the_least_served_client_first():
     assert b.status == RequestStatus.RUNNING and late_a.status == RequestStatus.WAITING
     assert b.view.client == "b" and late_a.view.client == "a"
 
+@pytest.mark.slow
 def test_fair_on_a_live_server_answers_a_small_request_beside_a_hog_that_fills_every_slot(tiny_llama_dir):
     engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True, max_model_len=256,
                           num_kv_blocks=1024, max_num_seqs=64, scheduling_policy="fair")

@@ -67,6 +67,7 @@ def test_greedy_matches_transformers_chunked_with_prefix_hits_and_preemption(fam
 
 # NOTE: two of the families: Mixtral's and Phi-3's layers compile to the same code as Qwen3-MoE's
 # and Llama's.
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"], indirect=True)
 def test_greedy_matches_transformers_compiled(family):
     # The default path: the model's regions compiled (q/k norms inside them, the MoE op opaque
@@ -76,6 +77,7 @@ def test_greedy_matches_transformers_compiled(family):
         assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
 
 
+@pytest.mark.slow
 def test_tp2_matches_transformers(family):
     name, model_dir, _, expected = family
     with LLM(str(model_dir), dtype="float32", enforce_eager=True, tensor_parallel_size=2, max_model_len=64) as llm:
@@ -124,6 +126,7 @@ def test_moe_experts_op_matches_a_token_by_token_reference():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GGUF_FAMILIES)
 def test_gguf_file_of_the_family_loads_and_matches(name, tmp_path):
     # The file as llama.cpp's converter lays it out for the family, in float32: converted to a
@@ -203,6 +206,7 @@ def test_phi3_longrope_over_part_of_each_head_matches_transformers(tmp_path):
             assert token_ids(llm.generate(prompts, GREEDY)) == [hf_greedy(hf, p, NUM_NEW) for p in prompts]
 
 
+@pytest.mark.slow
 def test_phi3_longrope_gguf_reads_its_factor_tensors_and_partial_rotation(tmp_path):
     from helpers import GGUF_TEST_VOCAB_SIZE, write_gguf
 

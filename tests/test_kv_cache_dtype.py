@@ -146,6 +146,7 @@ def perplexity(llm) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
+@pytest.mark.slow
 def test_fp8_cache_costs_the_default_model_little_perplexity():
     """SmolLM2-135M in bfloat16: e4m3 within 3% of the bfloat16 cache's perplexity, e5m2
     (two mantissa bits) within 10% (docs/kv-cache.md gives the measured figures)."""

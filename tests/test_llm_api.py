@@ -127,6 +127,7 @@ def test_unknown_engine_option_is_rejected():
         LLM(max_num_seqz=3)
 
 
+@pytest.mark.slow
 def test_64_requests_under_preemption_all_finish_and_free_every_block(tiny_llama_dir):
     prompts = [f"Request number {i} asks for a few words about paging" for i in range(64)]
     with LLM(str(tiny_llama_dir), enforce_eager=True, dtype="float32", block_size=4, num_kv_blocks=96, max_model_len=64,
@@ -153,6 +154,7 @@ def test_a_dead_worker_past_the_restart_budget_fails_requests_instead_of_hanging
         llm.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_async_scheduling_keeps_two_steps_in_flight_and_changes_no_token(tiny_llama_dir, async_scheduling):
     prompts = [[1000 + 7 * i + j for j in range(5 + 3 * i)] for i in range(6)]
@@ -199,6 +201,7 @@ def _run_offline(model_dir, stderr_on_a_terminal: bool) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_offline_start_logs_its_stages_and_generate_shows_a_bar_on_a_terminal(tiny_llama_dir):
     for on_a_terminal in (False, True):
         stderr = _run_offline(tiny_llama_dir, on_a_terminal)

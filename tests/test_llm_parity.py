@@ -63,6 +63,7 @@ def test_greedy_matches_transformers_under_preemption(model_and_expected):
         assert kv.get_num_free_blocks() == kv.num_blocks
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_with_the_triton_kernels(tiny_llama_dir):
     # NOTE: without a GPU the kernels run under Triton's interpreter (conftest.py), which the
     # worker inherits: their logic is checked end to end on every machine (on one model: the

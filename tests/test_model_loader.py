@@ -48,6 +48,7 @@ def _assert_weights_match_hf(model_dir: Path, tied: bool) -> None:
 # --- tiny Hugging Face checkpoints ------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 def test_load_weights_matches_transformers(
@@ -204,11 +205,11 @@ def test_model_config_default_rope_parameters_is_none(tmp_path: Path) -> None:
     [
         ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
         ({"architectures": [], "model_type": "gpt_neox"}, "gpt_neox"),
-        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}}, "partial_rotary_factor"),
+        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.5}}, "partial_rotary_factor"),
         ({"model_type": "qwen2"}, "does not match"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "gelu"),
-        ({"rope_scaling": {"rope_type": "longrope"}}, "longrope"),
+        ({"rope_scaling": {"rope_type": "mrope", "mrope_section": [16, 24, 24]}}, "mrope"),
         ({"num_key_value_heads": 3}, "multiple"),
     ],
 )

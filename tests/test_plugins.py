@@ -202,6 +202,7 @@ def installed_example_plugin(tmp_path_factory):
     subprocess.run(pip + ["uninstall", "-y", "pagoda-example-plugin"], check=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_pip_installed_plugin_runs_when_named(installed_example_plugin, tiny_llama_dir):
     script = textwrap.dedent(f"""
         from pagoda import LLM, SamplingParams
@@ -226,6 +227,7 @@ def test_pip_installed_plugin_runs_when_named(installed_example_plugin, tiny_lla
     assert "REJECTED request rejected: prompts are limited to 20 tokens by the example quota" in result.stdout
 
 
+@pytest.mark.slow
 def test_plugin_named_on_the_command_line(tiny_llama_dir):
     # NOTE: the example module is found through PYTHONPATH, as a user's own module is.
     env = {**os.environ, "PAGODA_DISABLE_PLUGIN_AUTOLOAD": "1",
@@ -237,6 +239,7 @@ def test_plugin_named_on_the_command_line(tiny_llama_dir):
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 def test_installed_plugin_named_again_with_plugin_flag_is_loaded_once(installed_example_plugin, tiny_llama_dir):
     pm = create_plugin_manager(plugins=["pagoda_example_plugin", "pagoda_example_plugin"])
     example = sys.modules["pagoda_example_plugin"]

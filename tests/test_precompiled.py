@@ -12,6 +12,8 @@ from torch import nn
 from pagoda import LLM, SamplingParams
 from pagoda.engine.models.precompiled import PrecompiledRegion
 
+pytestmark = pytest.mark.slow  # NOTE: `python -m pytest -m slow` runs it (CI runs both sets)
+
 
 def norm_then_linear(norm: nn.Module, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(linear(norm(x))) * 2

@@ -496,6 +496,7 @@ def test_quantization_choice_and_its_errors(tiny_llama_dir, tmp_path):
         plan_quantization("auto", gptq, cpu)
 
 
+@pytest.mark.slow
 @needs_vector
 def test_int8_engine_runs_a_float_checkpoint(tiny_llama_dir):
     """--quantization int8 on a tiny model: every linear layer and the tied LM head in 8
@@ -561,6 +562,7 @@ def requantized_default_model(type_name: str, directory: Path) -> Path:
 PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
+@pytest.mark.slow
 @needs_vector
 def test_quantized_formats_cost_the_default_model_little_perplexity(tmp_path):
     """SmolLM2-135M: its Q4_1 file through the quantized kernel, the same weights as a Q8_0

@@ -34,7 +34,7 @@ def test_greedy_is_argmax_and_fast_path_builds_nothing():
     params = [SamplingParams(temperature=0)] * 6
     md = sampling_metadata(params, [[1]] * 6, [[2]] * 6, [EOS], 50)
     assert md.all_greedy and not md.all_random
-    assert md.temperature is None and md.repetition_penalties is None and md.min_tokens_rows is None
+    assert md.temperature is None and md.repetition_penalties is None and md.edit_rows is None and md.allowed_rows is None
     out = Sampler()(logits, md)
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
     assert out.logprobs is None and out.logprob_token_ids is None

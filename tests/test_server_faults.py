@@ -23,6 +23,8 @@ from pagoda.server.config import ServerConfig
 from pagoda.server.testing import ServerThread, http_request
 from helpers import REPO, TINY_FLAGS, free_port
 
+pytestmark = pytest.mark.slow  # NOTE: `python -m pytest -m slow` runs it (CI runs both sets)
+
 PROMPTS = [f"Fault test number {i} says" for i in range(16)]
 
 

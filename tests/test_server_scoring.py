@@ -167,6 +167,7 @@ def test_bad_scoring_requests_get_400_in_openais_shape(server, path, body, param
     assert_nothing_lost(server)
 
 
+@pytest.mark.slow
 def test_lm_eval_harness_against_the_server_equals_its_hf_model(server, model, tiny_llama_dir, tmp_path, monkeypatch):
     lm_eval = pytest.importorskip("lm_eval")  # the test extra installs it
     from lm_eval.tasks import TaskManager

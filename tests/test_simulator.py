@@ -234,6 +234,7 @@ def test_one_request_longer_than_the_context_is_rejected_not_run():
     assert result.num_output.tolist() == [0, 5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_the_simulated_schedule_equals_the_real_engines(tiny_llama_dir, tmp_path, async_scheduling):
     """The fidelity check: the same trace through the real engine (a worker process and a

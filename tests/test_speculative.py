@@ -179,6 +179,7 @@ def test_drafts_stop_at_max_tokens_and_eos(tiny_llama_dir, proposer):
     assert got[0] == reference[0][:reference[0].index(stop) + 1]
 
 
+@pytest.mark.slow
 def test_samples_keep_the_target_distribution(tiny_llama_dir, proposer):
     # The first output token comes from the prompt's step; drafts start after it. The
     # second and third tokens' distributions, over 400 samples, with and without drafts.
@@ -210,6 +211,7 @@ def test_samples_keep_the_target_distribution(tiny_llama_dir, proposer):
         assert p_value > 1e-3, (position, table, p_value)
 
 
+@pytest.mark.slow
 def test_server_streams_speculated_tokens_and_exports_vllms_counters(tiny_llama_dir, proposer):
     import openai
     from prometheus_client.parser import text_string_to_metric_families
@@ -300,6 +302,7 @@ DRAFT_SETUPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", sorted(DRAFT_SETUPS))
 def test_a_draft_models_drafts_leave_outputs_unchanged(tiny_llama_dir, draft_dir, setup):
     options = DRAFT_SETUPS[setup]
@@ -338,6 +341,7 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_llama_dir, tmp_path):
             speculative_config={"method": "draft_model", "model": str(other)})
 
 
+@pytest.mark.slow
 def test_drafts_near_the_end_of_the_context(tiny_llama_dir, draft_dir):
     # Requests that run into max_model_len: neither drafts nor the draft model's slots
     # ever pass it.

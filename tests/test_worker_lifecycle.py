@@ -12,6 +12,8 @@ import pytest
 from pagoda import LLM
 from pagoda.engine.exceptions import WorkerDiedError
 
+pytestmark = pytest.mark.slow  # NOTE: `python -m pytest -m slow` runs it (CI runs both sets)
+
 SCRIPT = """\
 from pagoda import LLM, SamplingParams
 
