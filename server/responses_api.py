@@ -207,8 +207,14 @@ class ResponsesShape(ChatShape):
                 raise bad_request(f"'{name}' is not supported by this server (use previous_response_id, and send the "
                                   f"prompt's text)", name, code="unsupported_parameter")
         if body.get("background"):
-            raise bad_request("'background' is not supported by this server yet; stream the response instead",
-                              "background", code="unsupported_parameter")
+            if body.get("store") is False:
+                raise bad_request("'background' needs 'store' (a background response is fetched by its id)",
+                                  "background")
+            if body.get("stream"):
+                raise bad_request("'background' with 'stream' is not supported by this server: stream the response, "
+                                  "or fetch the background one by its id", "background",
+                                  code="unsupported_parameter")
+            self.background = True
         if "input" not in body:
             raise bad_request("'input' is required", "input")
         self.body = body
@@ -256,7 +262,7 @@ class ResponsesShape(ChatShape):
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "error": error, "incomplete_details": incomplete,
+            "background": self.background, "error": error, "incomplete_details": incomplete,
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "max_tool_calls": body.get("max_tool_calls"), "model": self.model, "output": self.items,
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
@@ -294,6 +300,17 @@ class ResponsesShape(ChatShape):
                     {"id": item["call_id"], "type": "function",
                      "function": {"name": item["name"], "arguments": item["arguments"]}})
         self.store.put(self._response(self._status()), [*self.conversation, answer], self.input_items)
+
+    def accepted(self) -> web.StreamResponse:
+        """A background response, kept as "in_progress" until it ends (GET it by its id)."""
+        self.model = self.body.get("model") or ""
+        self.store.put(self._response("in_progress"), self.conversation, self.input_items)
+        return web.Response(body=orjson.dumps(self._response("in_progress")), content_type="application/json",
+                            headers={"X-Request-Id": self.id})
+
+    def failed(self, error: APIError) -> None:
+        self.store.put(self._response("failed", {"code": error.code or "server_error", "message": error.message}),
+                       self.conversation, self.input_items)
 
     def respond(self, payload: dict[str, Any]) -> web.StreamResponse:
         self.model, self.usage = payload["model"], payload.get("usage")
@@ -474,9 +491,13 @@ async def list_input_items(request: web.Request) -> web.Response:
 async def cancel_response(request: web.Request) -> web.Response:
     """POST /v1/responses/{id}/cancel: ends a response still being generated (streamed or not);
     it ends with status "cancelled", its KV blocks freed."""
-    cancel(request.app[STATE_KEY], request.match_info["response_id"])
-    return web.Response(body=orjson.dumps({"id": request.match_info["response_id"], "object": "response",
-                                           "status": "cancelled"}), content_type="application/json")
+    response_id = request.match_info["response_id"]
+    cancel(request.app[STATE_KEY], response_id)
+    try:
+        response = {**request.app[STORE_KEY].get(response_id)[0], "status": "cancelled"}
+    except APIError:  # NOTE: a response not kept (store false, or streamed and not ended yet)
+        response = {"id": response_id, "object": "response", "status": "cancelled"}
+    return web.Response(body=orjson.dumps(response), content_type="application/json")
 
 
 def add_routes(app: web.Application, store_size: int) -> None:

@@ -72,6 +72,16 @@ class ChatShape:
     #: The API's name for a chat request's field, in error messages (``max_tokens`` ->
     #: ``max_output_tokens``).
     params: dict[str, str] = {}
+    #: The request runs on after its handler answers (``accepted()``), its result kept by the
+    #: shape (the Responses API's ``background``).
+    background = False
+
+    def accepted(self) -> web.StreamResponse:
+        """The answer to a background request, sent at once."""
+        raise NotImplementedError
+
+    def failed(self, error: APIError) -> None:
+        """A background request failed with ``error``."""
 
     def to_chat(self, body: Any) -> Any:
         return body
@@ -225,10 +235,29 @@ async def _generate_as(request: web.Request, state: ServerState, span: RequestSp
     num_sequences, num_tokens = _cost(gen, jobs, engine.max_model_len)
     state.limits.check_tokens(num_tokens, gen.max_tokens_param)
     state.budget.charge(client, num_sequences, num_tokens)
-    try:
-        return await _run(request, state, gen, chat, span, request_id, jobs, model, client, shape)
-    finally:
-        state.budget.release(client, num_sequences, num_tokens)
+
+    async def run(request: web.Request | None, span: RequestSpan) -> web.StreamResponse:
+        try:
+            return await _run(request, state, gen, chat, span, request_id, jobs, model, client, shape)
+        finally:
+            state.budget.release(client, num_sequences, num_tokens)
+
+    if not shape.background:
+        return await run(request, span)
+
+    async def in_background() -> None:
+        try:
+            await run(None, RequestSpan())  # NOTE: the request's own span ends with its handler
+        except APIError as exc:
+            shape.failed(exc)
+        except Exception as exc:  # noqa: BLE001 - it has no handler to answer for it
+            logger.exception("background request %s failed", request_id)
+            shape.failed(APIError(500, f"Generation failed: {exc!r}", code="generation_failed"))
+        finally:
+            state.untrack(asyncio.current_task(), client)
+
+    state.adopt(asyncio.create_task(in_background(), name=f"pagoda-background-{request_id}"), client)
+    return shape.accepted()
 
 
 def _cost(gen: GenerateRequest, jobs: list[_Job], max_model_len: int) -> tuple[int, int]:

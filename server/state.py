@@ -145,6 +145,11 @@ class ServerState:
             raise APIError(429, f"Too many concurrent requests from this client: {per_key} are in flight "
                                 f"(--max-concurrent-requests-per-key {per_key}). Retry later.",
                            code="too_many_requests", headers={"Retry-After": "1"})
+        self.adopt(task, client_key)
+
+    def adopt(self, task: asyncio.Task, client_key: str) -> None:
+        """Counts a generation in flight (the drain waits for it) without the limits' checks:
+        a request admitted already that goes on in the background after its handler returns."""
         self.inflight.add(task)
         self.inflight_per_key[client_key] = self.inflight_per_key.get(client_key, 0) + 1
         self.idle.clear()

@@ -52,3 +52,32 @@ def test_a_cancelled_stream_ends_with_abort_its_kv_freed_while_another_runs_on(s
     for request_id in (first.id, "chatcmpl-nowhere"):
         gone = http_request(server.url + f"/v1/requests/{request_id}/cancel", "POST")
         assert gone.status == 404 and gone.json()["error"]["code"] == "request_not_found"
+
+
+def test_a_background_response_is_fetched_by_its_id_and_cancelled_by_it(server):
+    import time
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def wait(response_id, statuses):
+        for _ in range(600):
+            response = client.responses.retrieve(response_id)
+            if response.status in statuses:
+                return response
+            time.sleep(0.05)
+        raise AssertionError(f"{response_id} stayed {response.status}")
+
+    short = client.responses.create(model=model, input="hello", max_output_tokens=5, background=True)
+    assert short.background and short.status == "in_progress" and not short.output
+    done = wait(short.id, ("completed", "incomplete"))
+    assert done.usage.output_tokens == 5 and done.output[0].type == "message"
+    long = client.responses.create(model=model, input="go on", max_output_tokens=400, temperature=0,
+                                   background=True)
+    assert client.responses.cancel(long.id).status == "cancelled"
+    ended = wait(long.id, ("cancelled",))
+    assert ended.usage.output_tokens < 400
+    kv = server.call(lambda: server.engine.scheduler.kv_cache_manager)
+    assert server.call(kv.get_num_free_blocks) == kv.num_blocks
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=model, input="x", background=True, store=False)
