@@ -32,6 +32,7 @@ from dataclasses import asdict
 
 from pagoda.benchmarks.progress import emit, note
 from pagoda.engine.args import add_engine_args, engine_config_from_args
+from pagoda.engine.core.snapshot import STEP_LOG_SPEC
 
 
 #: The schema of --structured-output json: open-ended, so requests run to max_tokens mostly.
@@ -63,9 +64,25 @@ async def _run(config, args: argparse.Namespace) -> tuple[dict, dict, float, int
         tokens_before = engine.scheduler.stats.num_generation_tokens
         start = time.perf_counter()
         kind = OutputKind(args.output_kind)
+        watcher = asyncio.create_task(_watch(engine, args.console_interval)) if args.console_interval else None
         await asyncio.gather(*(consume(engine, p, params, kind) for p in prompts))
         wall = time.perf_counter() - start
+        if watcher is not None:
+            watcher.cancel()
         return before, asdict(engine.step_stats), wall, engine.scheduler.stats.num_generation_tokens - tokens_before
+
+
+async def _watch(engine, interval: float) -> None:
+    """What a console watching the engine costs it: the step log (registered as a plugin) and a
+    snapshot of the engine's state, serialized, every ``interval`` seconds."""
+    import orjson
+
+    from pagoda.engine.core.snapshot import engine_snapshot
+
+    step_log = engine.plugin_manager.get_plugin(STEP_LOG_SPEC)
+    while True:
+        orjson.dumps(engine_snapshot(engine.scheduler, step_log))
+        await asyncio.sleep(interval)
 
 
 def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
@@ -73,6 +90,8 @@ def measure(args: argparse.Namespace, async_scheduling: bool) -> dict:
 
     config = engine_config_from_args(args)
     config.async_scheduling = async_scheduling
+    if args.console_interval:
+        config.plugins = (*config.plugins, STEP_LOG_SPEC)
     loop = new_event_loop()
     try:
         before, after, wall, num_tokens = loop.run_until_complete(_run(config, args))
@@ -125,5 +144,8 @@ def add_overhead_parser(bench_sub) -> None:
                    help="final: one output per request (LLM.generate); delta: streamed deltas (the server)")
     p.add_argument("--structured-output", choices=["none", "json"], default="none",
                    help="json: every request constrained by a JSON schema (see the module docstring)")
+    p.add_argument("--console-interval", type=float, default=0.0, metavar="SECONDS",
+                   help="also take the console's snapshot of the engine's state every SECONDS (0: no console), "
+                        "with its step log, to measure what a watching console costs")
     add_engine_args(p)
     p.set_defaults(func=run_overhead)

@@ -11,6 +11,7 @@ aborts them in the engine) and stops the worker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import hashlib
 import hmac
@@ -27,6 +28,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pagoda.engine.core.snapshot import STEP_LOG_SPEC
 from pagoda.engine.frontend.data_parallel import create_engine
 from pagoda.engine.config import EngineConfig
 from pagoda.server.config import ServerConfig
@@ -35,7 +37,7 @@ from pagoda.server.errors import APIError, bad_request, error_middleware
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Body, parse_messages
 from pagoda.server.responses import TokenStrings
-from pagoda.server import messages_api, responses_api, scoring_api
+from pagoda.server import console, messages_api, responses_api, scoring_api
 from pagoda.server.embeddings import embeddings
 from pagoda.server.serving import cancel_request, chat_completions, client_key, completions, read_json
 from pagoda.server.state import STATE_KEY, ServerState, load_chat_template, served_model_names, shutting_down
@@ -66,9 +68,10 @@ def _version() -> str:
 # -- middlewares --------------------------------------------------------------------------
 
 
-def auth_middleware(api_key: str):
+def auth_middleware(api_key: str, public_prefix: str | None = None):
     """Requires ``Authorization: Bearer <api_key>`` (or ``x-api-key: <api_key>``, as Anthropic's
-    clients send it) on every path but /health.
+    clients send it) on every path but /health and, with the console on, its page (/console and
+    its files: they hold no data; the page asks for the key to read the engine's state).
 
     The keys are compared as SHA-256 digests with ``hmac.compare_digest``, so the time
     taken depends on neither the key's content nor its length.
@@ -78,7 +81,9 @@ def auth_middleware(api_key: str):
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        if request.path not in PUBLIC_PATHS:
+        public = request.path in PUBLIC_PATHS or (public_prefix is not None and (
+            request.path == public_prefix or request.path.startswith(public_prefix + "/")))
+        if not public:
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             if "x-api-key" in request.headers and not token.strip():
                 scheme, token = "bearer", request.headers["x-api-key"]
@@ -290,6 +295,9 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
         tracer_provider = owned_provider = build_tracer_provider(config.otlp_traces_endpoint)
     chat_template = load_chat_template(config.chat_template)
     model_names, accepted_names = served_model_names(engine_config.model, config.served_model_names)
+    if config.console and STEP_LOG_SPEC not in engine_config.plugins:
+        # NOTE: each replica's recent steps, for the console's time line (no log without one).
+        engine_config = dataclasses.replace(engine_config, plugins=(*engine_config.plugins, STEP_LOG_SPEC))
 
     middlewares = [error_middleware({messages_api.PREFIX: messages_api.error_body})]
     on_prepare = None
@@ -298,7 +306,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
                                      config.allow_credentials)
         middlewares.append(preflight)
     if config.api_key is not None:
-        middlewares.append(auth_middleware(config.api_key))
+        middlewares.append(auth_middleware(config.api_key, console.PREFIX if config.console else None))
     middlewares.append(body_size_middleware(config.max_body_bytes))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes,
                           handler_args={"keepalive_timeout": config.header_timeout})
@@ -366,6 +374,8 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     responses_api.add_routes(app, config.responses_store_size)
     messages_api.add_routes(app)
     scoring_api.add_routes(app)
+    if config.console:
+        console.add_routes(app)
     return app
 
 

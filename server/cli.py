@@ -110,6 +110,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     _add(parser, "--responses-store-size", type=int, default=1024,
          help="responses (/v1/responses) kept in memory for previous_response_id and GET, newest first "
               "(default 1024; 0 keeps none)")
+    _add(parser, "--console", action=argparse.BooleanOptionalAction, default=True,
+         help="the live console at /console and the engine's state at /v1/engine/state (--no-console: off)")
     _add(parser, "--access-log", action=argparse.BooleanOptionalAction, default=True,
          help="log one line per HTTP request")
     parser.set_defaults(func=serve)
@@ -130,7 +132,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser, client_header=args.client_header,
         max_sequences_per_request=args.max_sequences_per_request, max_tokens_per_request=args.max_tokens_per_request,
         max_sequences_per_client=args.max_sequences_per_client, max_tokens_per_client=args.max_tokens_per_client,
-        responses_store_size=args.responses_store_size,
+        responses_store_size=args.responses_store_size, console=args.console,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         keep_alive_on_engine_death=args.keep_alive_on_engine_death, header_timeout=args.header_timeout,

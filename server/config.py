@@ -64,6 +64,7 @@ class ServerConfig:
         client_header: A request header that names the client (for the fair policy and
             the per-key limits), e.g. one a gateway sets; None: the API key, else the
             client's address.
+        console: Serve the live console at /console and the engine's state at /v1/engine/state.
         responses_store_size: Responses (/v1/responses) kept in memory for
             ``previous_response_id`` and retrieval, the newest first; 0 keeps none.
     """
@@ -100,6 +101,7 @@ class ServerConfig:
     max_sequences_per_client: int | None = None
     max_tokens_per_client: int | None = None
     responses_store_size: int = 1024
+    console: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:

@@ -11,6 +11,8 @@ Every metric carries the labels ``model_name`` (the first served model name) and
 
 from __future__ import annotations
 
+from collections import deque
+
 import time
 from typing import TYPE_CHECKING
 
@@ -126,6 +128,8 @@ class ServerMetrics:
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.registry = registry = CollectorRegistry()
         self.labels = [model_name, "0"]
+        #: The latest finished requests' (finish time, TTFT, TPOT) seconds, for the console.
+        self.recent: deque[tuple[float, float | None, float | None]] = deque(maxlen=512)
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
         registry.register(_EngineCollector(engine, model_name))
@@ -233,6 +237,11 @@ class RequestTracker:
                 m.prefill_time.labels(*labels).observe(max(timing.first_token_time - timing.first_scheduled_time, 0))
         if timing.last_token_time is not None and timing.first_token_time is not None:
             m.decode_time.labels(*labels).observe(max(timing.last_token_time - timing.first_token_time, 0.0))
+        ttft = None if timing.first_token_time is None else max(timing.first_token_time - timing.arrival_time, 0.0)
+        tpot = None
+        if timing.last_token_time is not None and timing.first_token_time is not None and num_tokens[0] > 1:
+            tpot = (timing.last_token_time - timing.first_token_time) / (num_tokens[0] - 1)
+        m.recent.append((end, ttft, tpot))
         if timing.last_token_time is not None and timing.first_scheduled_time is not None:
             m.inference_time.labels(*labels).observe(max(timing.last_token_time - timing.first_scheduled_time, 0))
 

@@ -10,6 +10,7 @@ import pluggy
 
 from pagoda.environment import read_flag
 from pagoda.plugins import PROJECT_NAME, hookspecs
+from pagoda.engine.core.snapshot import STEP_LOG_SPEC
 from pagoda.plugins.builtin import BuiltinPolicies
 from pagoda.plugins.scheduling import PolicyFactory
 
@@ -18,6 +19,8 @@ logger = logging.getLogger(__name__)
 #: Set to a non-empty value to skip plugins installed under the `pagoda` entry-point group.
 DISABLE_AUTOLOAD_ENV = "PAGODA_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_NAME = "pagoda-builtin"
+#: Plugins Pagoda registers for itself (the console's step log): not listed as the user's.
+INTERNAL_NAMES = frozenset({BUILTIN_NAME, STEP_LOG_SPEC})
 #: Hooks of the scheduling API before policies were objects, for the error that says what replaced them.
 _REMOVED_HOOKS = ("pagoda_request_sort_key", "pagoda_select_victim", "pagoda_sort_keys_change")
 
@@ -108,7 +111,7 @@ def plugin_names(pm: pluggy.PluginManager) -> list[str]:
     """The loaded plugins other than the built-ins, in registration order, each by one name
     however it was loaded (entry point, --plugin or an object handed in): its module, and for
     an object its class (``mypkg.policies:Lottery``)."""
-    return [_display_name(plugin) for name, plugin in pm.list_name_plugin() if name != BUILTIN_NAME]
+    return [_display_name(plugin) for name, plugin in pm.list_name_plugin() if name not in INTERNAL_NAMES]
 
 
 def _display_name(plugin: object) -> str:
