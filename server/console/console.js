@@ -222,8 +222,11 @@ function drawSteps(state) {
     ctx.fillRect(i * width, y - 1, Math.max(1, width - 1), 2);
   });
   const last = steps[steps.length - 1];
+  const span = steps.length > 1 ? last[1] - steps[0][1] : 0;
+  const rate = span > 0 ? steps.slice(1).reduce((sum, step) => sum + step[2], 0) / span : 0;
   $("step-summary").textContent = last
-    ? `step ${last[0]}: ${last[2]} of ${budget} tokens (bars), ${last[3]} running of ${state.budget.max_num_seqs} (line)`
+    ? `step ${last[0]}: ${last[2]} of ${budget} tokens (bars), ${last[3]} running of ${state.budget.max_num_seqs} ` +
+      `(line); ${rate.toFixed(0)} tokens/s over the last ${steps.length} steps`
     : "no step yet";
 }
 
