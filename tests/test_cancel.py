@@ -48,6 +48,10 @@ def test_a_cancelled_stream_ends_with_abort_its_kv_freed_while_another_runs_on(s
     assert other == {"finish": "length", "tokens": 400}
     kv = server.call(lambda: server.engine.scheduler.kv_cache_manager)
     assert server.call(kv.get_num_free_blocks) == kv.num_blocks
+    metrics = http_request(server.url + "/metrics").text
+    for name in ("pagoda:num_requests_running", "pagoda:kv_cache_usage_perc"):
+        values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{")]
+        assert values == [0.0], (name, values)  # the metrics are back to zero
     # Ended requests are no longer known; neither is a made-up id.
     for request_id in (first.id, "chatcmpl-nowhere"):
         gone = http_request(server.url + f"/v1/requests/{request_id}/cancel", "POST")
