@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 # violation to a 400 naming the field.
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_LOGIT_BIAS = 1024
+MAX_BAD_WORDS = 128
 #: How an embedding pools a prompt's final hidden states into one vector.
 POOLING_METHODS = ("last", "mean", "cls")
 
@@ -119,6 +121,7 @@ class SamplingParams:
                 raise ValueError("logit_bias must map token ids (integers, or their strings) to numbers") from None
             _check(all(t >= 0 and -100 <= v <= 100 for t, v in self.logit_bias.items()), "logit_bias",
                    "values must be in [-100, 100], for non-negative token ids")
+            _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"may bias at most {MAX_LOGIT_BIAS} tokens")
         if self.allowed_token_ids is not None:
             _check(isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
                    and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
@@ -126,6 +129,7 @@ class SamplingParams:
         if self.bad_words is not None:
             _check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
                    "bad_words", "must be a list of non-empty strings")
+            _check(len(self.bad_words) <= MAX_BAD_WORDS, "bad_words", f"may hold at most {MAX_BAD_WORDS} words")
         _check(self.pooling in (None, *POOLING_METHODS), "pooling",
                f"must be one of {', '.join(POOLING_METHODS)}, got {self.pooling!r}")
 

@@ -148,6 +148,13 @@ def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
     if body.get("system"):
         messages.insert(0, {"role": "system", "content": _text(body["system"], "system")})
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    last = messages[-1]
+    if last["role"] == "assistant" and not last.get("tool_calls") and last["content"]:
+        # NOTE: a prefilled answer: the model continues it (the reply holds what follows).
+        chat["add_generation_prompt"], chat["continue_final_message"] = False, True
+    stops = body.get("stop_sequences")
+    if stops is not None and (not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops)):
+        raise bad_request("stop_sequences: must be a list of non-empty strings", "stop_sequences")
     if not count_only:
         chat["max_tokens"] = body["max_tokens"]
         for name in ("temperature", "top_p", "top_k"):

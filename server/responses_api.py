@@ -207,8 +207,9 @@ class ResponsesShape(ChatShape):
                 raise bad_request(f"'{name}' is not supported by this server (use previous_response_id, and send the "
                                   f"prompt's text)", name, code="unsupported_parameter")
         if body.get("background"):
-            if body.get("store") is False:
-                raise bad_request("'background' needs 'store' (a background response is fetched by its id)",
+            if body.get("store") is False or self.store.capacity <= 0:
+                raise bad_request("'background' needs 'store' (a background response is fetched by its id; the server "
+                                  "keeps none with --responses-store-size 0)",
                                   "background")
             if body.get("stream"):
                 raise bad_request("'background' with 'stream' is not supported by this server: stream the response, "
@@ -223,10 +224,15 @@ class ResponsesShape(ChatShape):
         if previous is not None:
             if not isinstance(previous, str):
                 raise bad_request("'previous_response_id' must be a string", "previous_response_id")
-            _, history, _ = self.store.get(previous)
+            stored, history, _ = self.store.get(previous)
+            if stored["status"] in ("in_progress", "failed"):
+                raise bad_request(f"'previous_response_id' {previous!r} is {stored['status']}: a turn continues a "
+                                  f"response that has ended", "previous_response_id")
         new = input_messages(body["input"])
-        self.input_items = body["input"] if isinstance(body["input"], list) else [
+        items = body["input"] if isinstance(body["input"], list) else [
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": body["input"]}]}]
+        self.input_items = [{"id": item.get("id") or _id("msg"), **item} if isinstance(item, dict) else item
+                            for item in items]
         self.conversation = [*history, *new]
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
@@ -371,7 +377,9 @@ class ResponsesShape(ChatShape):
         if self.open_kind != kind:
             item = (_message_item(_id("msg"), "", "in_progress") if kind == "message"
                     else _reasoning_item(_id("rs"), ""))
+            item["content"] = []  # NOTE: its part comes with content_part.added, as OpenAI streams it
             index = await self._open_item(response, kind, item)
+            item["content"].append(_part(part_type, ""))
             await self._emit(response, "response.content_part.added", item_id=item["id"], output_index=index,
                              content_index=0, part=_part(part_type, ""))
         index = len(self.items) - 1
@@ -481,7 +489,7 @@ async def delete_response(request: web.Request) -> web.Response:
 async def list_input_items(request: web.Request) -> web.Response:
     """GET /v1/responses/{id}/input_items: the request's input, as items."""
     _, _, items = request.app[STORE_KEY].get(request.match_info["response_id"])
-    data = [{"id": item.get("id") or _id("msg"), **item} for item in items]
+    data = list(items)
     return web.Response(body=orjson.dumps({"object": "list", "data": data, "has_more": False,
                                            "first_id": data[0]["id"] if data else None,
                                            "last_id": data[-1]["id"] if data else None}),

@@ -29,6 +29,17 @@ RERANK_FIELDS = frozenset({"model", "query", "documents", "top_n", "return_docum
                            "rank_fields", "truncate_prompt_tokens", "user", "priority"})
 
 
+#: Fields of vLLM's, Jina's and Cohere's requests that Pagoda cannot honour: a 400 unless null.
+UNSUPPORTED = ("truncate_prompt_tokens", "encoding_format", "max_chunks_per_doc", "rank_fields")
+
+
+def _refuse_unsupported(b: Body) -> None:
+    for name in UNSUPPORTED:
+        if b.get(name) is not None:
+            raise bad_request(f"'{name}' is not supported by this server (prompts longer than the context are a 400; "
+                              f"documents are plain text)", name, code="unsupported_parameter")
+
+
 def _texts(value: Any, name: str) -> list[str]:
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or not values or not all(isinstance(v, str) and v for v in values):
@@ -56,6 +67,7 @@ async def score(request: web.Request) -> web.StreamResponse:
 
 async def _score(request: web.Request, state: ServerState, span: RequestSpan, client: str) -> web.Response:
     b = check_fields(await read_json(request), SCORE_FIELDS)
+    _refuse_unsupported(b)
     first, second = _texts(b.get("text_1"), "text_1"), _texts(b.get("text_2"), "text_2")
     if len(first) == 1:
         first = first * len(second)
@@ -82,6 +94,7 @@ async def rerank(request: web.Request) -> web.StreamResponse:
 
 async def _rerank(request: web.Request, state: ServerState, span: RequestSpan, client: str) -> web.Response:
     b = check_fields(await read_json(request), RERANK_FIELDS)
+    _refuse_unsupported(b)
     query = b.get("query")
     if not isinstance(query, str) or not query:
         raise bad_request("'query' must be a non-empty string", "query")

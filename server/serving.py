@@ -236,27 +236,33 @@ async def _generate_as(request: web.Request, state: ServerState, span: RequestSp
     state.limits.check_tokens(num_tokens, gen.max_tokens_param)
     state.budget.charge(client, num_sequences, num_tokens)
 
-    async def run(request: web.Request | None, span: RequestSpan) -> web.StreamResponse:
+    if not shape.background:
         try:
             return await _run(request, state, gen, chat, span, request_id, jobs, model, client, shape)
         finally:
             state.budget.release(client, num_sequences, num_tokens)
 
-    if not shape.background:
-        return await run(request, span)
-
     async def in_background() -> None:
         try:
-            await run(None, RequestSpan())  # NOTE: the request's own span ends with its handler
+            # NOTE: a span of its own: the request's ends with its handler.
+            await _run(None, state, gen, chat, RequestSpan(), request_id, jobs, model, client, shape)
         except APIError as exc:
             shape.failed(exc)
+        except asyncio.CancelledError:
+            shape.failed(shutting_down())  # the drain ran out
+            raise
         except Exception as exc:  # noqa: BLE001 - it has no handler to answer for it
             logger.exception("background request %s failed", request_id)
             shape.failed(APIError(500, f"Generation failed: {exc!r}", code="generation_failed"))
-        finally:
-            state.untrack(asyncio.current_task(), client)
 
-    state.adopt(asyncio.create_task(in_background(), name=f"pagoda-background-{request_id}"), client)
+    def ended(task: asyncio.Task) -> None:
+        # NOTE: here, not in the coroutine: a task cancelled before it ran never enters it.
+        state.budget.release(client, num_sequences, num_tokens)
+        state.untrack(task, client)
+
+    task = asyncio.create_task(in_background(), name=f"pagoda-background-{request_id}")
+    state.adopt(task, client)
+    task.add_done_callback(ended)
     return shape.accepted()
 
 

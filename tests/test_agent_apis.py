@@ -219,6 +219,8 @@ def test_langchain_chat_anthropic_against_the_server(server):
      "'tools[0]' is not supported"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "frobnicate": 1},
      "frobnicate: Extra inputs are not permitted"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "stop_sequences": 5},
+     "stop_sequences: must be a list of non-empty strings"),
 ])
 def test_bad_messages_input_is_an_anthropic_error(server, claude, body, says):
     answer = http_request(server.url + "/v1/messages", "POST", json={"model": MODEL, **body},

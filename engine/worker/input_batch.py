@@ -64,6 +64,8 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         #: Rows with logit_bias, allowed_token_ids or bad words (their edits are built per step).
         self.has_logit_edits = np.zeros(max_num_reqs, dtype=bool)
+        #: Per row with logit_bias or allowed_token_ids: its (token, bias) pairs and allowed ids.
+        self.row_edits: dict[int, tuple[list[tuple[int, float]], torch.Tensor]] = {}
         # Prompt scoring: top logprobs per prompt token (-1: none) and the pooling of
         # embedding requests (0: none, else 1 + its index in POOLING_METHODS); the count of
         # rows using either, so that a batch without them checks nothing more.
@@ -113,6 +115,11 @@ class InputBatch:
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.min_tokens[row] = p.min_tokens
         self.has_logit_edits[row] = bool(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids)
+        if p.logit_bias or p.allowed_token_ids:
+            # NOTE: built once, not every step (allowed_token_ids may name much of the vocabulary).
+            self.row_edits[row] = (list(p.logit_bias.items()) if p.logit_bias else [],
+                                   torch.tensor(sorted(set(p.allowed_token_ids or ())), dtype=torch.int64,
+                                                device=self.device))
         self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.pooling[row] = 0 if p.pooling is None else 1 + POOLING_METHODS.index(p.pooling)
         if p.prompt_logprobs is not None or p.pooling is not None:
@@ -127,6 +134,7 @@ class InputBatch:
             return
         self.req_ids[row] = None
         self.params[row] = None
+        self.row_edits.pop(row, None)
         if self.num_prompt_logprobs[row] >= 0 or self.pooling[row]:
             self.num_scoring_rows -= 1
             self.num_prompt_logprobs[row] = -1
@@ -175,29 +183,30 @@ class InputBatch:
         rows with allowed_token_ids. A bad word's last token is suppressed where the output
         (drafts before the position included) ends with the rest of it, as vLLM does."""
         allowed_rows: list[int] = []
-        allowed_ids: list[int] = []
-        allowed_of: list[int] = []
+        allowed: list[torch.Tensor] = []
         for i in np.flatnonzero(self.has_logit_edits[rows]).tolist():
             row = int(rows[i])
             p = self.params[row]
-            if p.logit_bias:
-                edits += [(i, t, float(v)) for t, v in p.logit_bias.items()]
-            if p.allowed_token_ids:
-                allowed_of += [len(allowed_rows)] * len(p.allowed_token_ids)
+            bias, allowed_ids = self.row_edits.get(row, ((), None))
+            edits += [(i, t, v) for t, v in bias]
+            if allowed_ids is not None and len(allowed_ids):
                 allowed_rows.append(i)
-                allowed_ids += p.allowed_token_ids
+                allowed.append(allowed_ids)
             if p.bad_words_token_ids:
                 end = int(self.num_prompt_tokens[row] + num_output[i])
-                output = self.token_ids[row, self.num_prompt_tokens[row]:end].tolist()
+                longest = max(len(word) for word in p.bad_words_token_ids) - 1
+                start = max(int(self.num_prompt_tokens[row]), end - longest)
+                tail = self.token_ids[row, start:end].tolist()  # NOTE: the output's last tokens only
                 for word in p.bad_words_token_ids:
                     head = word[:-1]
-                    if not head or output[len(output) - len(head):] == head:
+                    if not head or tail[len(tail) - len(head):] == head:
                         edits.append((i, word[-1], float("-inf")))
         if allowed_rows:
             device = self.device
             md.allowed_rows = torch.tensor(allowed_rows, dtype=torch.int64, device=device)
-            md.allowed_token_ids = torch.tensor(allowed_ids, dtype=torch.int64, device=device)
-            md.allowed_of = torch.tensor(allowed_of, dtype=torch.int64, device=device)
+            md.allowed_token_ids = torch.cat(allowed)
+            md.allowed_of = torch.repeat_interleave(torch.arange(len(allowed), device=device),
+                                                    torch.tensor([len(a) for a in allowed], device=device))
 
     def _count_drafts(self, counts: torch.Tensor, rows: np.ndarray, offsets: np.ndarray) -> None:
         """Adds to each penalized logits row's output counts the drafts before its position

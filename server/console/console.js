@@ -35,25 +35,27 @@ $("key-form").addEventListener("submit", (event) => {
   key = $("key").value.trim();
   localStorage.setItem("pagoda-api-key", key);
   $("key-form").hidden = true;
-  async function start() {
-  const settings = await fetch("/console/settings").then((r) => r.json()).catch(() => ({}));
-  if (settings.needs_key && !key) askForKey("this server needs its API key");
-  else connect();
-}
-
-start();
+  connect();
 });
 
 // -- the state stream ------------------------------------------------------------------------
 
+let stream = null;  // the state stream's AbortController: one stream at a time
+
+function retry(message) {
+  setStatus(message, true);
+  setTimeout(connect, 2000);
+}
+
 async function connect() {
+  if (stream !== null) stream.abort();
+  const controller = stream = new AbortController();
   setStatus("connecting…");
   let response;
   try {
-    response = await fetch("/v1/engine/state/stream?interval=0.25", {headers: headers()});
+    response = await fetch("/v1/engine/state/stream?interval=0.25", {headers: headers(), signal: controller.signal});
   } catch (err) {
-    setStatus("server unreachable; retrying", true);
-    setTimeout(connect, 2000);
+    if (!controller.signal.aborted) retry("server unreachable; retrying");
     return;
   }
   if (response.status === 401) {
@@ -61,28 +63,31 @@ async function connect() {
     return;
   }
   if (!response.ok) {
-    setStatus("error " + response.status + "; retrying", true);
-    setTimeout(connect, 2000);
+    retry("error " + response.status + "; retrying");
     return;
   }
   setStatus("live");
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
-  for (;;) {
-    const {value, done} = await reader.read();
-    if (done) break;
-    buffer += decoder.decode(value, {stream: true});
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const event = buffer.slice(0, end);
-      buffer = buffer.slice(end + 2);
-      const data = event.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("");
-      if (data) render(JSON.parse(data));
+  try {
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, {stream: true});
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        const data = event.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("");
+        if (data) render(JSON.parse(data));
+      }
     }
+  } catch (err) {
+    if (controller.signal.aborted) return;  // a newer stream took over
+    console.warn("the state stream broke:", err);
   }
-  setStatus("disconnected; retrying", true);
-  setTimeout(connect, 2000);
+  if (!controller.signal.aborted) retry("disconnected; retrying");
 }
 
 // -- drawing --------------------------------------------------------------------------------
@@ -277,9 +282,15 @@ $("send").addEventListener("click", async () => {
     messages: [{role: "user", content: $("prompt").value}],
     temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value), stream: true,
   };
-  const response = await fetch("/v1/chat/completions", {
-    method: "POST", headers: headers({"Content-Type": "application/json"}), body: JSON.stringify(body),
-  });
+  let response;
+  try {
+    response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers({"Content-Type": "application/json"}), body: JSON.stringify(body),
+    });
+  } catch (err) {
+    answer.textContent = "the server did not answer: " + err;
+    return;
+  }
   if (!response.ok) {
     const error = await response.json().catch(() => ({}));
     answer.textContent = "error " + response.status + ": " + ((error.error || {}).message || "");
