@@ -40,6 +40,25 @@ $("key-form").addEventListener("submit", (event) => {
 
 // -- the state stream ------------------------------------------------------------------------
 
+// Calls onData with each server-sent event's data (its "data:" lines joined) until the body ends.
+async function readEvents(response, onData) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, {stream: true});
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = event.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("");
+      if (data) onData(data);
+    }
+  }
+}
+
 let stream = null;  // the state stream's AbortController: one stream at a time
 
 function retry(message) {
@@ -67,22 +86,8 @@ async function connect() {
     return;
   }
   setStatus("live");
-  const reader = response.body.getReader();
-  const decoder = new TextDecoder();
-  let buffer = "";
   try {
-    for (;;) {
-      const {value, done} = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, {stream: true});
-      let end;
-      while ((end = buffer.indexOf("\n\n")) >= 0) {
-        const event = buffer.slice(0, end);
-        buffer = buffer.slice(end + 2);
-        const data = event.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("");
-        if (data) render(JSON.parse(data));
-      }
-    }
+    await readEvents(response, (data) => render(JSON.parse(data)));
   } catch (err) {
     if (controller.signal.aborted) return;  // a newer stream took over
     console.warn("the state stream broke:", err);
@@ -299,22 +304,10 @@ $("send").addEventListener("click", async () => {
   }
   playgroundId = response.headers.get("X-Request-Id");
   answer.dataset.requestId = playgroundId || "";
-  const reader = response.body.getReader();
-  const decoder = new TextDecoder();
-  let buffer = "";
-  for (;;) {
-    const {value, done} = await reader.read();
-    if (done) break;
-    buffer += decoder.decode(value, {stream: true});
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const line = buffer.slice(0, end).trim();
-      buffer = buffer.slice(end + 2);
-      if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
-      const chunk = JSON.parse(line.slice(6));
-      for (const choice of chunk.choices || []) answer.textContent += (choice.delta || {}).content || "";
-    }
-  }
+  await readEvents(response, (data) => {
+    if (data === "[DONE]") return;
+    for (const choice of JSON.parse(data).choices || []) answer.textContent += (choice.delta || {}).content || "";
+  });
   answer.dataset.done = "true";
 });
 
