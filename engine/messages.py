@@ -132,7 +132,8 @@ class Logprob:
     Attributes:
         logprob: Its log probability.
         rank: 1 for the likeliest token; None where not known (a sampled token outside the top).
-        decoded_token: Its text; None (Pagoda's outputs leave it to the tokenizer).
+        decoded_token: Its text (filled in ``LLM.generate``'s outputs, as vLLM's are; None where
+            nothing decoded it).
     """
 
     logprob: float
@@ -154,13 +155,16 @@ class TokenLogprobs(Mapping):
     top_token_ids: list[int]
     top_logprobs: list[float]
     rank: int | None = None
+    #: Each token's text, for the Logprob entries (set by LLM.generate; None elsewhere).
+    decoded: dict[int, str] | None = None
 
     def __getitem__(self, token_id: int) -> Logprob:
+        text = self.decoded.get(token_id) if self.decoded is not None else None
         if token_id in self.top_token_ids:
             i = self.top_token_ids.index(token_id)
-            return Logprob(self.top_logprobs[i], i + 1)
+            return Logprob(self.top_logprobs[i], i + 1, text)
         if token_id == self.token_id:
-            return Logprob(self.logprob, self.rank)
+            return Logprob(self.logprob, self.rank, text)
         raise KeyError(token_id)
 
     def __iter__(self):

@@ -39,7 +39,7 @@ def vllm_example(llm) -> list[tuple[str, str, list[tuple[float, int | None]]]]:
             entry = logprob_dict[token_id]
             seen.append((entry.logprob, entry.rank))
             best = max(logprob_dict.items(), key=lambda item: item[1].logprob)
-            assert best[1].rank == 1 and tokenizer.decode([best[0]]) is not None
+            assert best[1].rank == 1 and best[1].decoded_token == tokenizer.decode([best[0]])
         results.append((prompt, generated_text, seen))
     return results
 

@@ -122,10 +122,26 @@ class LLM:
 
             bar = tqdm(total=len(prompts), desc="Processed prompts", unit="prompt")
         try:
-            return self._loop.run_until_complete(self._run(prompts, params_list, priorities, bar))
+            outputs = self._loop.run_until_complete(self._run(prompts, params_list, priorities, bar))
         finally:
             if bar is not None:
                 bar.close()
+        if any(p.logprobs is not None or p.prompt_logprobs is not None for p in params_list):
+            self._decode_logprobs(outputs)
+        return outputs
+
+    def _decode_logprobs(self, outputs: list[RequestOutput]) -> None:
+        """Each logprobs entry's tokens as text (vLLM's ``Logprob.decoded_token``), one decode per
+        distinct token."""
+        texts: dict[int, str] = {}
+        decode = self.engine.tokenizer.decode
+        entries = [e for out in outputs for e in (out.prompt_logprobs or []) if e is not None]
+        entries += [e for out in outputs for o in out.outputs for e in (o.logprobs or [])]
+        for entry in entries:
+            for token_id in entry:
+                if token_id not in texts:
+                    texts[token_id] = decode([token_id])
+            entry.decoded = {token_id: texts[token_id] for token_id in entry}
 
     def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[np.ndarray]:
         """One embedding per prompt: its final hidden states pooled as the engine's
