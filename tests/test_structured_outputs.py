@@ -159,11 +159,17 @@ def test_bad_constraints_get_a_400_naming_the_field_and_lose_nothing(client, ser
 def test_a_grammar_that_fails_while_generating_ends_with_an_error_and_loses_nothing(client, server):
     # NOTE: llguidance compiles "a{1000000}" but gives up once it must build the lexer's states.
     for stream in (False, True):
+        # NOTE: special tokens kept in the text: the token the grammar rejected must not show.
         response = client.chat.completions.create(model=MODEL, messages=PERSON, max_tokens=20, stream=stream,
-                                                  extra_body={"structured_outputs": {"regex": "a{1000000}"}})
-        choice = list(response)[-1].choices[0] if stream else response.choices[0]
+                                                  extra_body={"structured_outputs": {"regex": "a{1000000}"},
+                                                              "skip_special_tokens": False})
+        chunks = list(response) if stream else None
+        choice = chunks[-1].choices[0] if stream else response.choices[0]
         assert choice.finish_reason == "error"
         assert choice.model_extra["stop_reason"].startswith("the grammar failed: "), choice
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) if stream \
+            else choice.message.content or ""
+        assert "<|" not in text, text
     ok = client.chat.completions.create(model=MODEL, messages=PERSON, max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")
     assert_no_leaks(server)

@@ -212,7 +212,7 @@ class OutputProcessor:
             matched = False
             if detokenizer is not None and not sample.detokenize_on_read:
                 # EOS or a stop token id: the token ends the text and is left out of it.
-                stop_terminated = update.finished and request.status == RequestStatus.FINISHED_STOPPED
+                stop_terminated = update.finished and _last_token_left_out(request)
                 if len(new_ids) == 1:
                     matched = detokenizer.update(new_ids, stop_terminated)
                 else:
@@ -252,12 +252,12 @@ class OutputProcessor:
         out = sample.output
         if sample.detokenizer is not None:
             # EOS or a stop token id ended it: that token is left out of the text.
-            sample.catch_up(stop_terminated=request.status == RequestStatus.FINISHED_STOPPED)
+            sample.catch_up(stop_terminated=_last_token_left_out(request))
             sample.add_text(sample.detokenizer.finish())
         else:
             ids = out.token_ids
             params = request.sampling_params
-            if request.status == RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
+            if _last_token_left_out(request) and not params.include_stop_str_in_output:
                 ids = ids[:-1]  # without stop strings, only EOS or a stop token id stops: left out of the text
             sample.add_text(self.tokenizer.decode(
                 ids, skip_special_tokens=params.skip_special_tokens,
@@ -283,3 +283,13 @@ class OutputProcessor:
             stream.error = error
             stream.event.set()
         return [child_id for child_id, _ in entries]
+
+
+def _last_token_left_out(request: Request) -> bool:
+    """Whether a finished request's last token is left out of its text: EOS or a stop token id
+    ended it, or its grammar rejected that token (finish reason "error": the token the sampler
+    had to take when nothing was allowed, often EOS, is no part of the answer)."""
+    if request.status == RequestStatus.FINISHED_STOPPED:
+        return True
+    return (request.status == RequestStatus.FINISHED_ERROR and request.matcher is not None
+            and request.matcher.is_error())
