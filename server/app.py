@@ -448,8 +448,9 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     def ready(_message: str) -> None:
         # NOTE: aiohttp calls this once its sites listen (after the engine has started).
         state = app[STATE_KEY]
-        logger.info("ready on %s: model %s, %s. Press CTRL+C to stop.", base_url, ", ".join(state.model_names),
-                    state.engine.describe())
+        console_line = f"; console at {base_url.removesuffix('/v1')}/console" if config.console else ""
+        logger.info("ready on %s: model %s, %s%s. Press CTRL+C to stop.", base_url, ", ".join(state.model_names),
+                    state.engine.describe(), console_line)
 
     signals: list[int] = []
     stopped: list[bool] = []
