@@ -104,6 +104,21 @@ def test_a_function_tool_and_a_second_turn_through_previous_response_id(client, 
     check_blocks_freed(server)
 
 
+def test_parse_with_a_pydantic_model_streamed_and_not(client):
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+
+    whole = client.responses.parse(model=MODEL, input="Describe Paris as JSON.", text_format=City, **GREEDY)
+    assert whole.status == "completed" and isinstance(whole.output_parsed, City)
+    with client.responses.stream(model=MODEL, input="Describe Paris as JSON.", text_format=City, **GREEDY) as stream:
+        for _ in stream:
+            pass
+        assert isinstance(stream.get_final_response().output_parsed, City)
+
+
 def test_the_agents_sdk_runs_a_function_tool_on_its_default_responses_model(server):
     from agents import (Agent, ModelSettings, Runner, function_tool, set_default_openai_api,
                         set_default_openai_client, set_tracing_disabled)
