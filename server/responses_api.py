@@ -293,10 +293,11 @@ class ResponsesShape(ChatShape):
     def _status(self) -> str:
         return {"length": "incomplete", "abort": "cancelled"}.get(self.finish_reason, "completed")
 
-    def _keep(self) -> None:
-        """Stores the finished response (unless ``store`` is false) with its conversation."""
+    def _finish(self) -> dict[str, Any]:
+        """The finished response, stored (unless ``store`` is false) with its conversation."""
+        response = self._response(self._status())
         if self.body.get("store", True) is False:
-            return
+            return response
         answer: dict[str, Any] = {"role": "assistant", "content": ""}
         for item in self.items:
             if item["type"] == "message":
@@ -305,13 +306,15 @@ class ResponsesShape(ChatShape):
                 answer.setdefault("tool_calls", []).append(
                     {"id": item["call_id"], "type": "function",
                      "function": {"name": item["name"], "arguments": item["arguments"]}})
-        self.store.put(self._response(self._status()), [*self.conversation, answer], self.input_items)
+        self.store.put(response, [*self.conversation, answer], self.input_items)
+        return response
 
     def accepted(self) -> web.StreamResponse:
         """A background response, kept as "in_progress" until it ends (GET it by its id)."""
         self.model = self.body.get("model") or ""
-        self.store.put(self._response("in_progress"), self.conversation, self.input_items)
-        return web.Response(body=orjson.dumps(self._response("in_progress")), content_type="application/json",
+        response = self._response("in_progress")
+        self.store.put(response, self.conversation, self.input_items)
+        return web.Response(body=orjson.dumps(response), content_type="application/json",
                             headers={"X-Request-Id": self.id})
 
     def failed(self, error: APIError) -> None:
@@ -331,8 +334,7 @@ class ResponsesShape(ChatShape):
                                          call["function"]["arguments"], "completed"))
         if self.finish_reason == "error":
             raise APIError(500, f"Generation failed: {choice.get('stop_reason')}", code="generation_failed")
-        self._keep()
-        return web.Response(body=orjson.dumps(self._response(self._status())), content_type="application/json",
+        return web.Response(body=orjson.dumps(self._finish()), content_type="application/json",
                             headers={"X-Request-Id": self.id})
 
     # -- the stream ---------------------------------------------------------------------
@@ -427,11 +429,10 @@ class ResponsesShape(ChatShape):
             await self.fail(response, APIError(500, f"Generation failed: {self.stop_reason}",
                                                code="generation_failed"))
             return
-        self._keep()
-        status = self._status()
-        event = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status,
+        final = self._finish()
+        event = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(final["status"],
                                                                                             "response.failed")
-        await self._emit(response, event, response=self._response(status))
+        await self._emit(response, event, response=final)
         await response.write_eof()
 
     async def fail(self, response: web.StreamResponse, error: APIError) -> None:
