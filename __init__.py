@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.frontend.async_engine import AsyncEngine
     from pagoda.engine.frontend.llm import LLM
+    from pagoda.engine.lora import LoRARequest
     from pagoda.engine.outputs import CompletionOutput, RequestOutput
     from pagoda.engine.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ _EXPORTS = {
     "SamplingParams": "pagoda.engine.sampling_params",
     "RequestOutput": "pagoda.engine.outputs",
     "CompletionOutput": "pagoda.engine.outputs",
+    "LoRARequest": "pagoda.engine.lora",
 }
 
 

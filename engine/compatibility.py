@@ -62,6 +62,12 @@ INCOMPATIBILITIES: tuple[Incompatibility, ...] = (
     Incompatibility("a GGUF file's or a checkpoint's quantized weights (--quantization auto)",
                     "--tensor-parallel-size above 1",
                     "the weights are dequantized at load to the model's dtype, then sharded"),
+    Incompatibility("--enable-lora", "--batch-invariant",
+                    "the adapters' deltas are summed per adapter group, whose size depends on the batch; leave one "
+                    "of them off", lambda c: c.enable_lora and c.batch_invariant),
+    Incompatibility("--enable-lora", "CUDA graphs, the one-call CPU forward, compiled regions",
+                    "a step with adapter rows runs the model layer by layer, eagerly; steps of the base model alone "
+                    "run as before"),
     Incompatibility("CUDA graphs", "--tensor-parallel-size above 1, a draft model, mixture-of-experts layers",
                     "decode steps run eagerly on the GPU; the start-up line names the reason"),
 )

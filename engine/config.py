@@ -98,6 +98,13 @@ class EngineConfig:
         reasoning_parser: The reasoning family of the model's output (``deepseek_r1``,
             ``qwen3``): a structured-output grammar then applies only after the thinking
             ends, and the server returns the thinking as ``reasoning_content``.
+        enable_lora: Serve LoRA adapters (docs/lora.md): each adapted layer gets
+            ``max_loras`` slots, and requests name an adapter as their model.
+        lora_modules: Adapters loaded at start, as ``name=path`` (or vLLM's JSON form).
+        max_loras: Adapters one step may run (the slots); requests of more wait.
+        max_lora_rank: The highest rank an adapter may have (the slots' width).
+        max_cpu_loras: Adapters the worker keeps beside the slots (least recently used
+            dropped first); None: max_loras.
     """
 
     model: str | None = None
@@ -135,6 +142,11 @@ class EngineConfig:
     pooling: str = "last"
     normalize_embeddings: bool = True
     speculative_config: SpeculativeConfig | dict | str | None = None
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")
@@ -185,6 +197,13 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
+        _positive_int(self, "max_loras")
+        _positive_int(self, "max_lora_rank")
+        if self.max_cpu_loras is not None:
+            _positive_int(self, "max_cpu_loras")
+        self.lora_modules = tuple(self.lora_modules or ())
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
         compatibility.check(self)  # NOTE: last: it reads the fields checked above
 
     @classmethod

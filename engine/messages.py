@@ -65,6 +65,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_id: int = 0  # the LoRA adapter it runs with (engine/lora.py's LoRAAdapter.id); 0: none
 
 
 @dataclass(slots=True)
@@ -91,6 +92,9 @@ class SchedulerOutput:
             known token plus drafts this step (counted in num_scheduled_tokens).
         draft_requests: With a draft model: requests whose next drafts the worker proposes
             once this step's token is known, and how many (slots for them are allocated).
+        new_loras: LoRA adapters (id -> engine.lora.LoRAAdapter) the worker gets before
+            this step's requests name them.
+        drop_loras: Adapters the worker may forget.
 
     The worker applies them in this order: drop finished, swap out, swap in, copy,
     then runs the step.
@@ -109,6 +113,8 @@ class SchedulerOutput:
     grammar_bitmask: Any = None
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_requests: dict[str, int] = field(default_factory=dict)
+    new_loras: dict[int, Any] = field(default_factory=dict)
+    drop_loras: list[int] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

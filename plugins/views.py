@@ -17,6 +17,7 @@ class _RequestLike(Protocol):
     num_computed_tokens: int
     max_tokens: int
     client: str | None
+    lora: object | None
 
 
 class RequestView:
@@ -47,6 +48,13 @@ class RequestView:
         """Who sent it, for per-client policies (fair): the server's client key (a hash of
         the API key, the --client-header value, or the address); None offline."""
         return self._request.client
+
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter it runs with (its name), None for the base model; a policy may
+        group requests by it."""
+        lora = self._request.lora
+        return None if lora is None else lora.name
 
     @property
     def arrival_time(self) -> float:

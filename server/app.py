@@ -37,7 +37,7 @@ from pagoda.server.errors import APIError, bad_request, error_middleware
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Body, parse_messages
 from pagoda.server.responses import TokenStrings
-from pagoda.server import console, messages_api, responses_api, scoring_api
+from pagoda.server import console, lora_api, messages_api, responses_api, scoring_api
 from pagoda.server.embeddings import embeddings
 from pagoda.server.serving import cancel_request, chat_completions, client_key, completions, read_json
 from pagoda.server.state import STATE_KEY, ServerState, load_chat_template, served_model_names, shutting_down
@@ -186,16 +186,27 @@ def _model_card(state: ServerState, name: str) -> dict:
             "max_model_len": state.engine.max_model_len}
 
 
+def _adapter_card(state: ServerState, name: str) -> dict:
+    """A LoRA adapter as a model (vLLM's card: the base model as its parent, its directory as root)."""
+    adapter = state.engine.loras.get(name)
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "pagoda", "root": adapter.path,
+            "parent": state.model_names[0], "max_model_len": state.engine.max_model_len}
+
+
 async def list_models(request: web.Request) -> web.Response:
-    """GET /v1/models."""
+    """GET /v1/models: the model's names, then the LoRA adapters loaded."""
     state = request.app[STATE_KEY]
-    return _json({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
+    cards = [_model_card(state, name) for name in state.model_names]
+    if state.engine.loras is not None:
+        cards += [_adapter_card(state, adapter.name) for adapter in state.engine.loras]
+    return _json({"object": "list", "data": cards})
 
 
 async def get_model(request: web.Request) -> web.Response:
     """GET /v1/models/{model}."""
     state = request.app[STATE_KEY]
-    return _json(_model_card(state, state.resolve_model(request.match_info["model"])))
+    name = state.resolve_model(request.match_info["model"])
+    return _json(_adapter_card(state, name) if state.lora_of(name) else _model_card(state, name))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -374,6 +385,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     responses_api.add_routes(app, config.responses_store_size)
     messages_api.add_routes(app)
     scoring_api.add_routes(app)
+    lora_api.add_routes(app)
     if config.console:
         console.add_routes(app)
     return app

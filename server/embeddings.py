@@ -98,7 +98,8 @@ async def _run(state: ServerState, emb: EmbeddingRequest, ids_list: list[list[in
     try:
         for i, ids in enumerate(ids_list):
             streams.append(engine.add_request(ids, params, request_id=f"{base_id}-{i}", prompt_token_ids=ids,
-                                              priority=emb.priority, client=client, output_kind=OutputKind.FINAL))
+                                              priority=emb.priority, client=client, output_kind=OutputKind.FINAL,
+                                              lora_name=state.lora_of(emb.model)))
         finals: list[Any] = [None] * len(streams)
         async with aclosing(merge([engine.stream_outputs(stream) for stream in streams])) as outputs:
             async for index, out in outputs:

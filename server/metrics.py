@@ -94,6 +94,14 @@ class _EngineCollector:
                 for position, accepted in enumerate(stats.accepted_per_position):
                     sample(counter, "spec_decode_num_accepted_tokens_per_pos",
                            "Accepted tokens per draft position.", [*labels, str(position)], accepted, ("position",))
+            if scheduler.max_loras is not None:
+                # NOTE: vLLM's gauge: the adapters in its labels, the scrape's time as its value.
+                running, waiting = scheduler.lora_counts()
+                sample(gauge, "lora_requests_info", "Running stats on lora requests.",
+                       [*labels, str(scheduler.max_loras), ",".join(sorted(running)), ",".join(sorted(waiting))],
+                       time.time(), ("max_lora", "running_lora_adapters", "waiting_lora_adapters"))
+                sample(counter, "lora_adapter_sends", "LoRA adapters sent to the worker: a first use, or again "
+                       "after it was dropped past --max-cpu-loras (Pagoda's own).", labels, stats.num_lora_sends)
             grammars = engine.grammar_compiler
             sample(counter, "structured_output_requests", "Requests with a structured-output constraint (Pagoda's own).",
                    labels, grammars.num_requests if grammars else 0)

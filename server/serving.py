@@ -228,7 +228,7 @@ async def _generate_as(request: web.Request, state: ServerState, span: RequestSp
     gen = parse_chat(body, config, state.tool_syntax) if chat else parse_completion(body, config)
     model = state.resolve_model(gen.model)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    span.set_request(gen, request_id, model)
+    span.set_request(gen, request_id, model, state.lora_of(model))
     state.check_can_serve()
     state.budget.check_room(client)
     jobs = await _prepare(state, gen, chat, request_id, client)
@@ -294,7 +294,7 @@ async def _run(request: web.Request, state: ServerState, gen: GenerateRequest, c
             job.stream = engine.add_request(job.prompt, gen.params, request_id=job.request_id,
                                             prompt_token_ids=job.prompt_token_ids, priority=gen.priority,
                                             cache_salt=gen.cache_salt, kv_retention=gen.kv_retention, client=client,
-                                            output_kind=kind)
+                                            output_kind=kind, lora_name=state.lora_of(model))
     except (ValueError, EngineDeadError, AdmissionPluginFailed) as exc:
         for job in jobs:
             engine.abort(job.request_id)

@@ -208,10 +208,15 @@ class ServerState:
         """The model name to answer with; 404 for a model this server does not serve."""
         if name is None:
             return self.model_names[0]
-        if name not in self.accepted_names:
+        if name not in self.accepted_names and self.lora_of(name) is None:
             raise APIError(404, f"The model `{name}` does not exist. This server serves "
                                 f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
         return name
+
+    def lora_of(self, name: str | None) -> str | None:
+        """``name`` where it names a loaded LoRA adapter (with --enable-lora), else None."""
+        loras = self.engine.loras
+        return name if name is not None and loras is not None and name in loras else None
 
     def is_healthy(self) -> bool:
         """True while the engine serves: also while it restarts a worker that died

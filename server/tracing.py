@@ -123,8 +123,9 @@ class RequestSpan:
         self._finish_reasons: list[str] = []
         self._error: str | None = None
 
-    def set_request(self, gen: GenerateRequest, request_id: str, model: str) -> None:
-        """Records the request's id, model and sampling parameters."""
+    def set_request(self, gen: GenerateRequest, request_id: str, model: str, lora_name: str | None = None) -> None:
+        """Records the request's id, model (an adapter's name where it names one, and then
+        ``pagoda.lora_adapter``) and sampling parameters."""
         if self._span is None:
             return
         params = gen.params
@@ -137,6 +138,8 @@ class RequestSpan:
             attributes["gen_ai.request.max_tokens"] = gen.max_tokens
         if params.seed is not None:
             attributes["gen_ai.request.seed"] = params.seed
+        if lora_name is not None:
+            attributes["pagoda.lora_adapter"] = lora_name
         self._span.set_attributes(attributes)
 
     def add_output(self, output: RequestOutput, num_completion_tokens: int,

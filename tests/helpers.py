@@ -481,3 +481,42 @@ def write_gguf(model_dir: Path, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+# -- LoRA adapters ---------------------------------------------------------------------------
+
+
+def make_lora_dir(model_dir: Path, path: Path, *, seed: int = 0, r: int = 8, alpha: float = 16,
+                  targets: tuple[str, ...] = ("q_proj", "v_proj"), rslora: bool = False,
+                  layers: list[int] | None = None) -> Path:
+    """Saves a PEFT LoRA adapter with random A and B (both nonzero, so that it changes the
+    model's output) for the model in ``model_dir``, with ``peft`` itself.
+
+    Args:
+        model_dir: The base model (make_tiny_model_dir's).
+        path: Output directory.
+        seed: Seed of the adapter's weights.
+        r, alpha, targets, rslora: LoraConfig's ``r``, ``lora_alpha``, ``target_modules`` and
+            ``use_rslora``.
+        layers: LoraConfig's ``layers_to_transform`` (None: every layer).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    base = make_hf_model(model_dir)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
+                        init_lora_weights=False, layers_to_transform=layers, lora_dropout=0.0)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # NOTE: deltas the size of the base's, not larger
+                param.mul_(0.5)
+    model.save_pretrained(str(path))
+    return Path(path)
+
+
+def peft_model(model_dir: Path, adapter_dir: Path) -> torch.nn.Module:
+    """The base model with the adapter applied by ``peft`` (the oracle), float32, eval mode."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(make_hf_model(model_dir), str(adapter_dir)).eval()

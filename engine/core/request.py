@@ -64,6 +64,7 @@ class Request:
         kv_retention: Eviction priority of its cached blocks (higher is kept longer)
             for eviction policies that use it.
         client: Who sent it (the server's client key), for per-client policies.
+        lora: The LoRA adapter it runs with (engine/lora.py's LoRAAdapter), None for the base model.
         prompt_logprobs: Per prompt token, its logprobs as computed so far (the first
             token's is None), when the request asked for them.
         embedding: Its prompt's pooled final hidden states (float32 numpy, not
@@ -97,6 +98,7 @@ class Request:
         "embedding",
         "num_drafts_in_flight",
         "drafts",
+        "lora",
     )
 
     def __init__(
@@ -111,6 +113,7 @@ class Request:
         priority: int = 0,
         kv_retention: int = 0,
         client: str | None = None,
+        lora=None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -130,6 +133,7 @@ class Request:
         self.priority = priority
         self.kv_retention = kv_retention
         self.client = client
+        self.lora = lora
         self.view = RequestView(self)
         # Samples of an n > 1 request that fork from this one once its prompt (all
         # but the last token) is in the cache.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,8 @@ class SchedulerStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    #: LoRA adapters sent to the worker (a first use, or again after it was dropped).
+    num_lora_sends: int = 0
 
 
 class Scheduler:
@@ -96,8 +99,17 @@ class Scheduler:
         policy: Policy | None = None,
         bitmasks: BitmaskFiller | None = None,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
+        max_cpu_loras: int | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        # LoRA (None: off): the most adapters the running requests may use together (the
+        # worker's slots), and the most the worker keeps; what it has been sent, oldest use
+        # first; adapters unloaded from the engine, to drop once no request uses them.
+        self.max_loras = max_loras
+        self.max_cpu_loras = max(max_cpu_loras or 0, max_loras or 0)
+        self._worker_loras: OrderedDict[int, object] = OrderedDict()
+        self._unloaded_loras: set[int] = set()
         self.speculative = speculative
         self.bitmasks = bitmasks
         self.max_num_seqs = max_num_seqs
@@ -140,6 +152,8 @@ class Scheduler:
             policy=policy,
             bitmasks=bitmasks,
             speculative=config.speculative_config,
+            max_loras=config.max_loras if config.enable_lora else None,
+            max_cpu_loras=config.max_cpu_loras,
         )
 
     # -- requests in and out ---------------------------------------------------------
@@ -205,6 +219,8 @@ class Scheduler:
         out = self._out = SchedulerOutput(step_id=self._step_id)
         self._budget = self.max_num_batched_tokens
         self._preempted_this_step = False
+        if self._unloaded_loras:
+            self._drop_unloaded_loras()
 
         # NOTE: an index walk, not a for loop: forks append to running during the walk,
         # and a preemption may remove a request before the cursor (_preempt moves it).
@@ -251,8 +267,12 @@ class Scheduler:
             self.waiting.rekey(lambda request: self.policy.sort_key(request.view))
         # NOTE: no admission in a step that preempted: the freed blocks would go straight
         # to a newer request and the victim would starve.
+        deferred: list[Request] = []  # LoRA requests of an adapter beyond the slots, passed over
         while self.waiting and self._budget > 0 and not self._preempted_this_step:
             request = self.waiting.peek()
+            if request.lora is not None and not self._lora_fits(request.lora):
+                deferred.append(self.waiting.pop())
+                continue
             # NOTE: samples yet to fork from running parents hold their places too.
             num_reserved = len(self.running) + sum(len(r.pending_forks) for r in self.running)
             fits_seqs = num_reserved + 1 + len(request.pending_forks) <= self.max_num_seqs
@@ -262,6 +282,8 @@ class Scheduler:
                     self._preempt_for_waiting(request)
                 break
             self._budget -= out.num_scheduled_tokens.get(request.request_id, 0)
+        for request in deferred:
+            self._enqueue(request)
         # NOTE: taken last so that this step's preemptions reach the worker now.
         out.finished_request_ids = self._finished_ids
         self._finished_ids = []
@@ -374,6 +396,9 @@ class Scheduler:
 
     def _send_new(self, request: Request) -> None:
         self._in_worker.add(request.request_id)
+        lora = request.lora
+        if lora is not None:
+            self._send_lora(lora)
         self._out.new_requests.append(
             NewRequestData(
                 request_id=request.request_id,
@@ -382,8 +407,57 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
+                lora_id=0 if lora is None else lora.id,
             )
         )
+
+    # -- LoRA adapters ---------------------------------------------------------------
+
+    def _running_loras(self) -> set[int]:
+        return {r.lora.id for r in self.running if r.lora is not None}
+
+    def _lora_fits(self, lora) -> bool:
+        """Whether a request of ``lora`` may join the running ones: its adapter is running
+        already, or a slot is left."""
+        running = self._running_loras()
+        return lora.id in running or len(running) < self.max_loras
+
+    def _send_lora(self, lora) -> None:
+        """Has the worker get ``lora`` with this step, if it lacks it; beyond max_cpu_loras,
+        has it drop the adapters used longest ago that no running request needs."""
+        held = self._worker_loras
+        if lora.id in held:
+            held.move_to_end(lora.id)
+            return
+        self._out.new_loras[lora.id] = lora
+        self.stats.num_lora_sends += 1
+        held[lora.id] = lora
+        if len(held) > self.max_cpu_loras:
+            needed = self._running_loras() | {lora.id}
+            for adapter_id in [i for i in held if i not in needed][:len(held) - self.max_cpu_loras]:
+                del held[adapter_id]
+                self._out.drop_loras.append(adapter_id)
+
+    def unload_lora(self, lora) -> None:
+        """Forgets an adapter the engine unloaded: the worker drops it once no request uses it."""
+        if lora.id in self._worker_loras:
+            self._unloaded_loras.add(lora.id)
+
+    def _drop_unloaded_loras(self) -> None:
+        in_use = {r.lora.id for r in (*self.running, *self.waiting) if r.lora is not None}
+        for adapter_id in list(self._unloaded_loras - in_use):
+            self._unloaded_loras.discard(adapter_id)
+            if self._worker_loras.pop(adapter_id, None) is not None:
+                self._out.drop_loras.append(adapter_id)
+
+    def lora_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Running and waiting requests per adapter name (vLLM's lora_requests_info)."""
+        counts: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        for table, requests in zip(counts, (self.running, self.waiting)):
+            for request in requests:
+                if request.lora is not None:
+                    table[request.lora.name] = table.get(request.lora.name, 0) + 1
+        return counts
 
     def _fork(self, parent: Request) -> None:
         """Starts the pending samples of ``parent``, sharing all its blocks."""
@@ -412,6 +486,8 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self._in_worker.clear()
         self._finished_ids.clear()
+        self._worker_loras.clear()
+        self._unloaded_loras.clear()
         for request in requests:
             request.num_computed_tokens = 0
             request.num_pending_tokens = 0
@@ -430,6 +506,8 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         self._scheduled.pop(scheduler_output.step_id, None)
+        for adapter_id in scheduler_output.new_loras:  # NOTE: sent again when needed (the worker takes it twice)
+            self._worker_loras.pop(adapter_id, None)
         for request_id in scheduler_output.num_scheduled_tokens:
             kv.uncache(request_id)
         # NOTE: blocks the step was to fill may have been freed since it was sent (a

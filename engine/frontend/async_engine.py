@@ -33,6 +33,7 @@ from pagoda.engine.core.scheduler import Scheduler
 from pagoda.engine.exceptions import EngineDeadError
 from pagoda.engine.executor.base import Executor, create_executor
 from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
+from pagoda.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, load_adapter, parse_lora_modules, prefix_salt
 from pagoda.engine.messages import DeviceMemory, KVCacheAllocation, WorkerInit
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_tokenizer, resolve_model, resolve_model_dtype
@@ -73,6 +74,8 @@ class AsyncEngine:
         # (parser, its opening tag's ids, its closing tag's ids) with --reasoning-parser.
         self._reasoning: tuple[ReasoningParser, list[int], tuple[int, ...]] | None = None
         self._ids = itertools.count()
+        # The LoRA adapters requests may name, with --enable-lora.
+        self.loras: LoRARegistry | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -94,6 +97,12 @@ class AsyncEngine:
         dtype = resolve_model_dtype(config.dtype, config.quantization, model_dir, device, config.tensor_parallel_size)
         get_attention_backend(config.attention_backend, device, kv_dtype, attention_shape(model_config, dtype))
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        if config.enable_lora:
+            self.loras = LoRARegistry(model_config, config.max_lora_rank)
+            for name, path in parse_lora_modules(config.lora_modules):
+                adapter = await asyncio.to_thread(self.loras.load, name, path)
+                logger.info("LoRA adapter %s: %s (rank %d, %d layers)", name, path, adapter.rank,
+                            len(adapter.weights))
         self.output_processor = OutputProcessor(self.tokenizer)
         if config.reasoning_parser is not None:
             parser = REASONING_PARSERS[config.reasoning_parser]
@@ -301,7 +310,7 @@ class AsyncEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     prompt_token_ids: list[int] | None = None, *, cache_salt: str | None = None,
                     priority: int = 0, kv_retention: int = 0, client: str | None = None,
-                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> RequestStream:
+                    output_kind: OutputKind = OutputKind.CUMULATIVE, lora_name: str | None = None) -> RequestStream:
         """Validates and queues a request; returns its stream.
 
         Args:
@@ -316,6 +325,8 @@ class AsyncEngine:
             client: Who sent it, for per-client policies (the fair policy).
             output_kind: What each output read from the stream holds: everything so
                 far, only what is new, or only the final result.
+            lora_name: The LoRA adapter to run with (loaded with --lora-modules or
+                load_lora_adapter); None: the base model.
 
         Raises:
             ValueError: Bad prompt or parameters (the message names the field).
@@ -325,6 +336,7 @@ class AsyncEngine:
         if self.core is None:
             raise EngineDeadError("the engine has not been started")
         self.core.check_running()
+        lora = self.lora_adapter(lora_name)
         if prompt_token_ids is None:
             prompt_token_ids = self.encode_prompt(prompt)
         if not prompt_token_ids:
@@ -370,8 +382,9 @@ class AsyncEngine:
                 seed = None if params.seed is None else params.seed + index
                 child_params = replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}-{index}"
-            request = Request(child_id, prompt_token_ids, child_params, max_tokens, eos, cache_salt=cache_salt,
-                              priority=priority, kv_retention=kv_retention, client=client)
+            request = Request(child_id, prompt_token_ids, child_params, max_tokens, eos,
+                              cache_salt=prefix_salt(cache_salt, lora), priority=priority,
+                              kv_retention=kv_retention, client=client, lora=lora)
             request.matcher = matchers[index]
             request.reasoning_end = reasoning_end
             outputs.new_sample(stream, request, index)
@@ -417,6 +430,50 @@ class AsyncEngine:
             if not stream.finished:
                 self.abort(stream.request_id)
             self.output_processor.forget(stream)
+
+    def lora_adapter(self, name: str | None) -> LoRAAdapter | None:
+        """The loaded adapter of that name (None for None).
+
+        Raises:
+            LoRAError: LoRA is off, or no adapter has that name.
+        """
+        if name is None:
+            return None
+        if self.loras is None:
+            raise LoRAError(f"LoRA adapter {name!r} requested, but LoRA is off (start with --enable-lora)")
+        adapter = self.loras.get(name)
+        if adapter is None:
+            raise LoRAError(f"no LoRA adapter named {name!r} is loaded")
+        return adapter
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """Reads, checks and registers an adapter while serving (off the event loop).
+
+        Raises:
+            LoRAError: LoRA is off, the name is taken, or the adapter cannot be served.
+        """
+        if self.loras is None:
+            raise LoRAError("LoRA is off (start with --enable-lora)")
+        if name in self.loras:
+            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
+        adapter = await asyncio.to_thread(load_adapter, name, path, self.model_config, self.config.max_lora_rank)
+        self.loras.load_checked(adapter)
+        logger.info("LoRA adapter %s loaded: %s (rank %d)", name, path, adapter.rank)
+        return adapter
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unregisters an adapter: new requests can no longer name it; those running with it
+        finish with it, and the worker drops it afterwards.
+
+        Raises:
+            LoRAError: LoRA is off, or no adapter has that name.
+        """
+        if self.loras is None:
+            raise LoRAError("LoRA is off (start with --enable-lora)")
+        adapter = self.loras.unload(name)
+        if self.scheduler is not None:
+            self.scheduler.unload_lora(adapter)
+        logger.info("LoRA adapter %s unloaded", name)
 
     def reset_prefix_cache(self) -> bool:
         """Evicts every cached block no request holds; True when nothing was left cached."""

@@ -20,6 +20,7 @@ import torch
 
 from pagoda.engine.core.engine_core import StepStats
 from pagoda.engine.core.router import Router
+from pagoda.engine.lora import prefix_salt
 from pagoda.engine.frontend.async_engine import AsyncEngine
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.cpu_affinity import threads_per_sharer
@@ -165,7 +166,10 @@ class DataParallelEngine:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        replica = self.replicas[self.router.route(prompt_token_ids, kwargs.get("cache_salt"))]
+        # NOTE: each replica has its own copy of an adapter (the same name and path: the same key).
+        lora = self.replicas[0].lora_adapter(kwargs.get("lora_name"))
+        salt = prefix_salt(kwargs.get("cache_salt"), lora)
+        replica = self.replicas[self.router.route(prompt_token_ids, salt)]
         stream = replica.add_request(prompt, params, request_id, prompt_token_ids, **kwargs)
         self._owner[request_id] = replica
         return stream
@@ -191,6 +195,29 @@ class DataParallelEngine:
 
     def reset_prefix_cache(self) -> bool:
         return all([r.reset_prefix_cache() for r in self.replicas])
+
+    @property
+    def loras(self):
+        return self.replicas[0].loras
+
+    def lora_adapter(self, name: str | None):
+        return self.replicas[0].lora_adapter(name)
+
+    async def load_lora_adapter(self, name: str, path: str):
+        """Loads the adapter into every replica (one replica's error: none keeps it)."""
+        loaded = []
+        try:
+            for replica in self.replicas:
+                loaded.append(await replica.load_lora_adapter(name, path))
+        except Exception:
+            for replica in self.replicas[:len(loaded)]:
+                replica.unload_lora_adapter(name)
+            raise
+        return loaded[0]
+
+    def unload_lora_adapter(self, name: str) -> None:
+        for replica in self.replicas:
+            replica.unload_lora_adapter(name)
 
 
 def create_engine(config: EngineConfig,

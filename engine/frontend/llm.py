@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -13,6 +14,7 @@ from pagoda.engine.frontend.data_parallel import create_engine
 from pagoda.engine.frontend.embedding import embedding_of, embedding_params
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.frontend.output_processor import OutputKind
+from pagoda.engine.lora import LoRAError, LoRARequest
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 
@@ -86,7 +88,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generates for each prompt (a string or a list of token ids).
 
         Args:
@@ -95,6 +98,9 @@ class LLM:
             priority: Per-prompt priority (lower first) for the priority policy.
             use_tqdm: A progress bar over the prompts on stderr, where stderr is a terminal
                 (as vLLM's, which shows it everywhere).
+            lora_request: The LoRA adapter for all prompts, or one per prompt (None: the base
+                model); an adapter not loaded yet is loaded from its path (needs
+                ``enable_lora=True``).
 
         Returns:
             One finished RequestOutput per prompt, in order.
@@ -116,19 +122,34 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        loras = self._lora_names(lora_request, len(prompts))
         bar = None
         if use_tqdm and len(prompts) > 1 and sys.stderr.isatty():
             from tqdm import tqdm
 
             bar = tqdm(total=len(prompts), desc="Processed prompts", unit="prompt")
         try:
-            outputs = self._loop.run_until_complete(self._run(prompts, params_list, priorities, bar))
+            outputs = self._loop.run_until_complete(self._run(prompts, params_list, priorities, bar, loras))
         finally:
             if bar is not None:
                 bar.close()
         if any(p.logprobs is not None or p.prompt_logprobs is not None for p in params_list):
             self._decode_logprobs(outputs)
         return outputs
+
+    def _lora_names(self, lora_request, count: int) -> list[str | None]:
+        """Each prompt's adapter name, loading adapters named for the first time."""
+        requests = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
+        if len(requests) != count:
+            raise ValueError(f"got {len(requests)} LoRA requests for {count} prompts")
+        for request in {r for r in requests if r is not None}:
+            loaded = self.engine.loras.get(request.lora_name) if self.engine.loras is not None else None
+            if loaded is None:
+                self._loop.run_until_complete(self.engine.load_lora_adapter(request.lora_name, request.lora_path))
+            elif request.lora_path and Path(request.lora_path).expanduser() != Path(loaded.path):
+                raise LoRAError(f"LoRA adapter {request.lora_name!r} is loaded from {loaded.path}, not "
+                                f"{request.lora_path}")
+        return [None if r is None else r.lora_name for r in requests]
 
     def _decode_logprobs(self, outputs: list[RequestOutput]) -> None:
         """Each logprobs entry's tokens as text (vLLM's ``Logprob.decoded_token``), one decode per
@@ -163,11 +184,12 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
         if not self.tokenizer.chat_template:
@@ -177,12 +199,13 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _run(self, prompts: list[Prompt], params_list: list[SamplingParams],
-                   priorities: list[int], bar=None) -> list[RequestOutput]:
+                   priorities: list[int], bar=None, loras: list[str | None] | None = None) -> list[RequestOutput]:
         streams = []
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, params, priority in zip(prompts, params_list, priorities):
+            for prompt, params, priority, lora in zip(prompts, params_list, priorities, loras):
                 streams.append(self.engine.add_request(prompt, params, priority=priority,
-                                                       output_kind=OutputKind.FINAL))
+                                                       output_kind=OutputKind.FINAL, lora_name=lora))
         except BaseException:
             for stream in streams:
                 self.engine.abort(stream.request_id)

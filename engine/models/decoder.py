@@ -338,6 +338,8 @@ class DecoderForCausalLM(nn.Module):
         self._one_call: one_call_forward.OneCallForward | None = None
         # The part of this family that the one call lacks (prepare_one_call_forward), if any.
         self.layer_by_layer_reason: str | None = None
+        # The LoRA slots' step state (engine/models/lora.py), with --enable-lora.
+        self.lora_context = None
 
     def compile_regions(self, directory: Path | None = None) -> None:
         """Compiles the three regions with torch.compile (inductor, dynamic shapes), ahead of
@@ -359,7 +361,8 @@ class DecoderForCausalLM(nn.Module):
         """What the compiled regions' code depends on beyond the sources and the CPU: the
         configuration, the dtype and each linear layer's packing (see precompiled.cache_key)."""
         return (self.config, self.embed_tokens.weight.dtype,
-                sorted({(type(m).__name__, m.packing, getattr(m, "amx_min_rows", None), getattr(m, "tile_rows", None))
+                sorted({(type(m).__name__, m.packing, getattr(m, "amx_min_rows", None), getattr(m, "tile_rows", None),
+                         getattr(m, "lora", None) is not None)
                         for m in self.modules() if isinstance(m, (Linear, SparseMoE))}, key=repr))
 
     def quantize_weights(self, pick: Callable[[tuple[str, ...], torch.Tensor], GroupQuantized | None]) -> list[str]:
@@ -430,10 +433,16 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        one_call = self._one_call
-        if one_call is not None and kv_caches is one_call.kv_caches and one_call.applies(metadata):
-            return one_call(input_ids, positions, metadata)
-        first, between, last = self._regions
+        lora = self.lora_context
+        if lora is not None and lora.groups:
+            # NOTE: a step with adapter rows runs the regions eagerly: the one call and the
+            # compiled regions are the base model's.
+            first, between, last = before_first_attention, between_attentions, after_last_attention
+        else:
+            one_call = self._one_call
+            if one_call is not None and kv_caches is one_call.kv_caches and one_call.applies(metadata):
+                return one_call(input_ids, positions, metadata)
+            first, between, last = self._regions
         dtype = self.embed_tokens.weight.dtype
         rope = self.rotary.cos_sin(positions, dtype)
         local = rope if self.local_rotary is None else self.local_rotary.cos_sin(positions, dtype)

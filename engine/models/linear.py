@@ -326,6 +326,8 @@ class Linear(nn.Linear):
 
     packing: str | None = None
     amx_min_rows: int = 0
+    # The layer's LoRA slots (engine/models/lora.py) with --enable-lora; None: not adapted.
+    lora = None
 
     def pack(self, packing: str, batch_invariant: bool = False) -> None:
         """Repacks the weight for ``packing``; "amx" measures where the tiles take over, or
@@ -355,8 +357,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packing is not None:
-            return packed_linear(x, self.weight, self.bias, self.packing, self.out_features, self.amx_min_rows)
-        return F.linear(x, self.weight, self.bias)
+            out = packed_linear(x, self.weight, self.bias, self.packing, self.out_features, self.amx_min_rows)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        if self.lora is not None and self.lora.context.groups:
+            return self.lora.add_delta(x, out)
+        return out
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The product as an LM head's (see logits_linear): float32 where the kernel runs."""
@@ -375,11 +381,13 @@ class GateUpLinear(Linear):
     returning SiLU(gate) * up.
 
     With the "blocked" packing the activation runs in the kernel's epilogue, so the product
-    twice as wide as the result never goes to memory (csrc/packed_linear.c).
+    twice as wide as the result never goes to memory (csrc/packed_linear.c). Not with LoRA
+    slots, whose delta joins the product before the activation.
     """
 
     def pack(self, packing: str, batch_invariant: bool = False) -> None:
-        if packing not in BLOCKED_LAYOUT:  # NOTE: quantized weights are not packed again
+        # NOTE: quantized weights are not packed again
+        if packing not in BLOCKED_LAYOUT or self.lora is not None:
             return super().pack(packing, batch_invariant)
         assert self.bias is None, "the fused kernel has no bias"
         with torch.no_grad():
@@ -391,6 +399,9 @@ class GateUpLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         intermediate_size = self.out_features // 2
+        if self.lora is not None:
+            gate, up = super().forward(x).split(intermediate_size, dim=-1)
+            return F.silu(gate) * up
         if self.packing in BLOCKED_LAYOUT:
             return torch.ops.pagoda.blocked_silu_mul_linear(x, self.weight, intermediate_size, self.amx_min_rows)
         if self.packing in QUANT_PACKINGS and self.amx_min_rows:  # on AMX tiles from there (tile_quantized)

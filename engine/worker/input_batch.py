@@ -53,6 +53,7 @@ class InputBatch:
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.temperature = np.ones(max_num_reqs, dtype=np.float32)
         self.greedy = np.ones(max_num_reqs, dtype=bool)
+        self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)  # each row's LoRA adapter (0: none)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
@@ -101,6 +102,7 @@ class InputBatch:
         self.set_block_ids(row, data.block_ids)
         p = data.sampling_params
         self.params[row] = p
+        self.lora_id[row] = data.lora_id
         greedy = p.temperature < greedy_temperature
         self.greedy[row] = greedy
         self.temperature[row] = 1.0 if greedy else p.temperature

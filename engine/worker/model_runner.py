@@ -31,6 +31,7 @@ from pagoda.engine.model_loader import (compressed_tensors_config, default_cache
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
 from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
+from pagoda.engine.models.lora import LoRAManager
 from pagoda.engine.models.decoder import DecoderForCausalLM, RotaryEmbedding
 from pagoda.engine.models.precompiled import WARM_UP_PREFILL_TOKENS, cache_key
 from pagoda.engine.models.quantized import GroupQuantized, quantize_int8, quantized_weights
@@ -75,6 +76,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._free_at_start = torch.cuda.mem_get_info(self.device)[0]
+        self.lora: LoRAManager | None = None  # with --enable-lora (set by _load_model)
         self.model, self.attention_backend = self._load_model(init.model_dir, model_config, backend_cls, init,
                                                               progress)
         # Speculative decoding's draft model: its own KV cache over the same blocks, so the
@@ -83,7 +85,7 @@ class ModelRunner:
         self.draft_kv_caches = self.draft_cpu_caches = []
         if init.draft_model_dir is not None:
             self.draft, self.draft_backend = self._load_model(init.draft_model_dir, init.draft_model_config,
-                                                              backend_cls, init, progress)
+                                                              backend_cls, init, progress, draft=True)
         self._init, self._progress = init, progress
         self.kv_caches = None
         if init.num_blocks is not None:
@@ -208,8 +210,9 @@ class ModelRunner:
                                    f"({len(graphs.sizes)} sizes, captured in {graphs.capture_seconds:.1f} s)")
 
     def _load_model(self, model_dir, model_config, backend_cls, init: WorkerInit,
-                    progress: Callable[[str], None]) -> tuple[DecoderForCausalLM, object]:
-        """Builds a model and its attention backend and loads (and packs) its weights."""
+                    progress: Callable[[str], None], draft: bool = False) -> tuple[DecoderForCausalLM, object]:
+        """Builds a model (the draft model: without LoRA slots) and its attention backend and
+        loads (and packs) its weights."""
         config, tp = init.config, self.tp
         heads = head_share(model_config.num_attention_heads, model_config.num_key_value_heads, tp.rank,
                            tp.world_size)
@@ -236,6 +239,10 @@ class ModelRunner:
             compressed = CompressedTensorsCheckpoint(compressed, keep=mode == "compressed-tensors")
             weights = compressed.dequantizing(weights)
         model.load_weights(weights)
+        if config.enable_lora and not draft:
+            # NOTE: before packing: a gate/up layer with slots is packed without its fused activation.
+            self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+            model.lora_context = self.lora.context
         quantized = self._quantize(model, model_dir, mode, compressed)
         packing = choose_packing(self.device, self.dtype, config.batch_invariant)
         if packing is not None:
@@ -397,6 +404,9 @@ class ModelRunner:
             self._move_blocks(sched.swap_out, caches, cpu_caches)
             self._move_blocks(sched.swap_in, cpu_caches, caches)
             self._move_blocks(sched.copy_blocks, caches, caches)
+        if self.lora is not None:
+            self.lora.drop(sched.drop_loras)
+            self.lora.add(sched.new_loras)
         for data in sched.new_requests:
             batch.add(data)
         for request_id, block_ids in sched.new_block_ids.items():
@@ -432,6 +442,8 @@ class ModelRunner:
         block_tables = batch.block_table[rows, :max_blocks]
         device = self.device
         graphs = self.decode_graphs
+        if self.lora is not None and self.lora.begin_step(batch.lora_id[rows], query_lens):
+            graphs = None  # NOTE: the graphs are the base model's
         if graphs is not None and query_lens.max() == 1 and num_drafts is None and len(rows) <= graphs.max_batch:
             slots = block_tables[np.arange(len(rows)), positions // self.block_size].astype(np.int64)
             hidden = graphs.run(input_ids, positions, seq_lens, block_tables,
@@ -444,6 +456,8 @@ class ModelRunner:
             if self.draft is not None:
                 # The draft model's cache follows every token the model computes.
                 self.draft(input_tensor, position_tensor, self.draft_kv_caches, metadata)
+            if self.lora is not None:
+                self.lora.end_step()
         batch.num_computed_tokens[rows] = seq_lens
         if batch.num_scoring_rows:
             score_prompts(self.model, batch, out if self.tp.rank == 0 else None, hidden, rows, computed, query_lens,
