@@ -88,6 +88,17 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+def packed_linear_accumulate(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, amx_min_rows: int = 0) -> None:
+    """y += x @ W.T in place, for a 2-D bfloat16 x, a weight from pack_linear_weight and a
+    contiguous bfloat16 y: the float32 sums added to y's values and rounded once (a LoRA delta)."""
+    x = _check_linear_input(x, weight, y.shape[1])
+    assert y.dtype == torch.bfloat16 and y.is_contiguous() and y.shape[0] == x.shape[0]
+    m, k = x.shape
+    if m:
+        _kernel("packed_linear_bf16")(x.data_ptr(), m, x.stride(0), weight.data_ptr(), y.shape[1], k, None,
+                                      y.data_ptr(), y.shape[1], amx_min_rows, 2)
+
+
 def packed_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, intermediate_size: int,
                            amx_min_rows: int = 0) -> torch.Tensor:
     """SiLU(x @ G.T) * (x @ U.T) for a 2-D bfloat16 x and a weight from

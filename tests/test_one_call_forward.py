@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,11 +18,13 @@ from pagoda.attention_backends import AttentionMetadata, cpu_kernels
 from pagoda.native import library as kernel_library
 from pagoda.native import linear as linear_kernels
 from pagoda.attention_backends.cpu_paged import CpuPagedAttentionBackend
+from pagoda.engine.lora import LoRAAdapter, projection_shapes
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_weights
 from pagoda.engine.models import decoder
 from pagoda.engine.models.linear import BLOCKED_LAYOUT, GateUpLinear, Linear, choose_packing, packing_available
 from pagoda.engine.models.decoder import DecoderForCausalLM, RotaryEmbedding
+from pagoda.engine.models.lora import LoRAManager
 from pagoda.engine.models.one_call_forward import ENV
 from pagoda.engine.models.quantized import quantize_int8
 from conftest import TINY_INIT
@@ -31,9 +35,10 @@ needs_vector = pytest.mark.skipif(not linear_kernels.quant_linear_vector(),
 BLOCK_SIZE = 16
 
 
-def tiny_model(model_dir, weights: str, max_positions: int = 128) -> DecoderForCausalLM:
+def tiny_model(model_dir, weights: str, max_positions: int = 128, lora_slots: int = 0) -> DecoderForCausalLM:
     """The tiny model in bfloat16 with every linear layer in int8 (``weights`` "int8") or
-    bfloat16 packed for this CPU ("bf16"), built as the worker builds it."""
+    bfloat16 packed for this CPU ("bf16"), built as the worker builds it; with ``lora_slots``,
+    that many LoRA slots of rank 8 (``model.lora_manager``)."""
     config = ModelConfig.from_dir(model_dir)
     backend = CpuPagedAttentionBackend(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                        config.head_dim**-0.5)
@@ -42,6 +47,9 @@ def tiny_model(model_dir, weights: str, max_positions: int = 128) -> DecoderForC
     model = model._apply(lambda t: torch.empty(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype))
     model.rotary = RotaryEmbedding(config, max_positions)
     model.load_weights(load_weights(model_dir))
+    if lora_slots:
+        model.lora_manager = LoRAManager(model, lora_slots, 8, None)
+        model.lora_context = model.lora_manager.context
     if weights == "int8":
         if not linear_kernels.quant_linear_vector():
             pytest.skip("the quantized kernel has no vector path here (neither AVX512-VNNI nor AVX2)")
@@ -521,3 +529,59 @@ def test_greedy_tokens_are_the_first_largest_logits_of_the_quantized_lm_head(tin
     assert torch.equal(model.greedy_tokens(hidden), first)
     assert tiny_model(tiny_llama_dir, "bf16").greedy_tokens(hidden) is None
 
+
+
+def random_adapter(config: ModelConfig, adapter_id: int, rank: int, seed: int) -> LoRAAdapter:
+    """An adapter of random weights on every projection of every layer (as engine/lora.py reads one)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(config.num_hidden_layers):
+        for target, (out_features, in_features) in projection_shapes(config).items():
+            block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            weights[f"layers.{layer}.{block}.{target}"] = (
+                torch.randn(rank, in_features, generator=generator) / in_features**0.5,
+                0.3 * torch.randn(out_features, rank, generator=generator))
+    return LoRAAdapter(adapter_id, f"a{adapter_id}", "", rank, weights)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@torch.inference_mode()
+def test_lora_rows_in_one_call_equal_the_layer_by_layer_path(tiny_llama_dir, weights, rounded_once):
+    """A step of four requests, the base model's and two adapters' (ranks 8 and 4; one adapter's
+    two requests one run of rows), prefill then decode: the one call's hidden states (the deltas
+    by csrc/one_call_forward.c's lora_add) and the layer-by-layer path's (engine/models/lora.py)
+    equal bit for bit; the adapters' rows differ from the base model's, whose rows are unchanged."""
+    model = tiny_model(tiny_llama_dir, weights, lora_slots=2)
+    manager = model.lora_manager
+    manager.add({1: random_adapter(model.config, 1, 8, 0), 2: random_adapter(model.config, 2, 4, 1)})
+    backend = model.layers[0].self_attn.backend
+    key_shape, value_shape = backend.kv_cache_shapes(16, BLOCK_SIZE)
+    caches = [(torch.zeros(key_shape, dtype=torch.bfloat16), torch.zeros(value_shape, dtype=torch.bfloat16))
+              for _ in model.layers]
+    assert model.prepare_one_call_forward(caches)
+    calls = []
+    one_call_fn = model._one_call.fn
+    model._one_call.fn = lambda *args: calls.append(args[-2]) or one_call_fn(*args)  # the LoRA runs
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (7, 19, 3, 12)]
+    lora_ids = np.array([0, 1, 1, 2])
+    for decode in (False, True):
+        requests = [([len(p)] if decode else list(range(len(p))), [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+        ids = torch.tensor([p[-1] if decode else t for p in prompts for t in ([None] if decode else p)])
+        positions = torch.tensor([i for positions, _ in requests for i in positions])
+        metadata = step(requests)
+        backend.prepare(metadata)
+        query_lens = np.array([len(r[0]) for r in requests])
+        manager.end_step()
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        base = model.forward(ids, positions, [(k.clone(), v.clone()) for k, v in before], metadata)
+        assert manager.begin_step(lora_ids, query_lens)
+        layered = model.forward(ids, positions, before, metadata)
+        one_call = model(ids, positions, caches, metadata)
+        assert torch.equal(one_call, layered)
+        rows = np.repeat(lora_ids, query_lens)
+        assert torch.equal(one_call[rows == 0], base[rows == 0])
+        assert not torch.equal(one_call[rows == 1], base[rows == 1])
+        assert not torch.equal(one_call[rows == 2], base[rows == 2])
+    manager.end_step()
+    assert calls == [2, 2]  # both steps in one call, each with its two runs of adapter rows

@@ -433,15 +433,15 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        one_call = self._one_call
+        if one_call is not None and kv_caches is one_call.kv_caches and one_call.applies(metadata):
+            return one_call(input_ids, positions, metadata)
         lora = self.lora_context
         if lora is not None and lora.groups:
-            # NOTE: a step with adapter rows runs the regions eagerly: the one call and the
-            # compiled regions are the base model's.
+            # NOTE: a step with adapter rows that the one call does not take runs the regions
+            # eagerly: the compiled ones are the base model's.
             first, between, last = before_first_attention, between_attentions, after_last_attention
         else:
-            one_call = self._one_call
-            if one_call is not None and kv_caches is one_call.kv_caches and one_call.applies(metadata):
-                return one_call(input_ids, positions, metadata)
             first, between, last = self._regions
         dtype = self.embed_tokens.weight.dtype
         rope = self.rotary.cos_sin(positions, dtype)

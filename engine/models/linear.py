@@ -399,9 +399,9 @@ class GateUpLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         intermediate_size = self.out_features // 2
-        if self.lora is not None:
-            gate, up = super().forward(x).split(intermediate_size, dim=-1)
-            return F.silu(gate) * up
+        if self.lora is not None:  # NOTE: rounded once, as the compiled regions and the one-call forward round it
+            gate, up = super().forward(x).float().split(intermediate_size, dim=-1)
+            return (F.silu(gate) * up).to(x.dtype)
         if self.packing in BLOCKED_LAYOUT:
             return torch.ops.pagoda.blocked_silu_mul_linear(x, self.weight, intermediate_size, self.amx_min_rows)
         if self.packing in QUANT_PACKINGS and self.amx_min_rows:  # on AMX tiles from there (tile_quantized)

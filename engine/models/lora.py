@@ -27,37 +27,53 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from pagoda.native import linear as linear_kernels
+from pagoda.native.linear import pack_linear_weight
+
 logger = logging.getLogger(__name__)
 
 #: The projections fused in each adapted layer of the decoder, in the order of its output.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
                "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
 ROW_PARALLEL = ("o_proj", "down_proj")
+#: Rows from which a packed slot's products run on AMX tiles, where they run.
+LORA_TILE_ROWS = 16
 
 
 class LoRAContext:
-    """The step's rows of each slot, shared by every adapted layer: (slot, rows) pairs, where
-    rows is a slice or an index tensor; None in a step without adapter rows."""
+    """The step's adapter rows, shared by every adapted layer: runs of rows of one slot, as
+    (slot, start, end) triples (``groups``; None in a step without adapter rows) and as an int64
+    [runs, 3] tensor (``segments``, for the one-call forward)."""
 
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "segments")
 
     def __init__(self) -> None:
-        self.groups: list[tuple[int, slice | torch.Tensor]] | None = None
+        self.groups: list[tuple[int, int, int]] | None = None
+        self.segments: torch.Tensor | None = None
 
 
 class LoRALayer:
     """One layer's slots (see the module's docstring)."""
 
     def __init__(self, prefix: str, parts: tuple[str, ...], part_rows: list[int], in_features: int, slots: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device, context: LoRAContext) -> None:
+                 max_rank: int, dtype: torch.dtype, device: torch.device, context: LoRAContext,
+                 packed: bool = False) -> None:
         self.prefix = prefix
         self.parts = parts
         self.part_rows = part_rows
         self.max_rank = max_rank
         self.context = context
-        width = len(parts) * max_rank
+        # NOTE: packed, a multiple of 32, which the AMX tiles take (the columns past the parts' are zero).
+        self.width = width = -(-len(parts) * max_rank // 32) * 32 if packed else len(parts) * max_rank
         self.a = torch.zeros(slots, width, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(slots, sum(part_rows), width, dtype=dtype, device=device)
+        # With ``packed`` (bfloat16 on a CPU with Pagoda's blocked kernel): each slot's A and B
+        # also in that kernel's layout, for the one-call forward (native/csrc/one_call_forward.c).
+        self.packed_a = self.packed_b = None
+        self.tile_rows = LORA_TILE_ROWS if packed and linear_kernels.packed_linear_amx_available() else 0
+        if packed:
+            self.packed_a = torch.stack([pack_linear_weight(a) for a in self.a])
+            self.packed_b = torch.stack([pack_linear_weight(b) for b in self.b])
 
     def fill(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], share) -> None:
         """Puts an adapter's tensors for this layer into ``slot`` (zeros where it has none);
@@ -79,16 +95,20 @@ class LoRALayer:
                 self.a[slot, column:column + r] = a
                 self.b[slot, row:row + rows, column:column + r] = b
             row += rows
+        if self.packed_a is not None:
+            self.packed_a[slot] = pack_linear_weight(self.a[slot])
+            self.packed_b[slot] = pack_linear_weight(self.b[slot])
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (the base product of ``x``) plus each slot's delta on its rows."""
-        for slot, rows in self.context.groups:
-            if isinstance(rows, slice):
-                delta = (x[rows] @ self.a[slot].T) @ self.b[slot].T
-                out[rows] += delta.to(out.dtype)
+        """``out`` (the base product of ``x``) plus each slot's delta on its rows; packed, by the
+        kernels and in the rounding of the one-call forward (``x @ A.T`` rounded to bfloat16,
+        its product with B added to ``out`` and rounded once)."""
+        for slot, start, end in self.context.groups:
+            if self.packed_a is not None and out.is_contiguous():
+                t = linear_kernels.packed_linear(x[start:end], self.packed_a[slot], None, self.width, self.tile_rows)
+                linear_kernels.packed_linear_accumulate(t, self.packed_b[slot], out[start:end], self.tile_rows)
             else:
-                delta = (x.index_select(0, rows) @ self.a[slot].T) @ self.b[slot].T
-                out.index_add_(0, rows, delta.to(out.dtype))
+                out[start:end] += ((x[start:end] @ self.a[slot].T) @ self.b[slot].T).to(out.dtype)
         return out
 
 
@@ -112,6 +132,8 @@ class LoRAManager:
         self.layers: list[LoRALayer] = []
         self._share = model._share_of
         dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
+        max_rank += max_rank % 2  # NOTE: the blocked kernel multiplies pairs of input features
+        packed = device.type == "cpu" and dtype == torch.bfloat16 and linear_kernels.packed_linear_available()
         for name, module in model.named_modules():
             if isinstance(module, Attention):
                 shapes = {"qkv_proj": ([module.q_size, module.kv_size, module.kv_size], model.config.hidden_size),
@@ -124,7 +146,7 @@ class LoRAManager:
                 continue
             for layer_name, (part_rows, in_features) in shapes.items():
                 layer = LoRALayer(name, FUSED_PARTS[layer_name], part_rows, in_features, max_loras, max_rank, dtype,
-                                  device, self.context)
+                                  device, self.context, packed)
                 getattr(module, layer_name).lora = layer
                 self.layers.append(layer)
         self.held: OrderedDict[int, object] = OrderedDict()  # adapter id -> LoRAAdapter, oldest use first
@@ -147,29 +169,33 @@ class LoRAManager:
                 self.slot_ids[self.slot_ids.index(adapter_id)] = None
 
     def begin_step(self, lora_ids: np.ndarray, query_lens: np.ndarray) -> bool:
-        """Sets the step's rows per slot from each scheduled request's adapter (0: none) and
-        its token count, in batch order; returns whether any row runs an adapter."""
+        """Sets the step's runs of adapter rows from each scheduled request's adapter (0: none)
+        and its token count, in batch order (the model runner puts each adapter's requests
+        together); returns whether any row runs an adapter."""
         if not lora_ids.any():
-            self.context.groups = None
+            self.end_step()
             return False
         self._steps += 1
-        token_loras = np.repeat(lora_ids, query_lens)
         needed = [int(i) for i in np.unique(lora_ids) if i]
         if len(needed) > self.max_loras:
             raise RuntimeError(f"a step runs {len(needed)} adapters; there are {self.max_loras} slots")
-        groups = []
-        for adapter_id in needed:
-            slot = self._slot(adapter_id, needed)
-            rows = np.flatnonzero(token_loras == adapter_id)
-            if rows[-1] - rows[0] + 1 == len(rows):
-                groups.append((slot, slice(int(rows[0]), int(rows[-1]) + 1)))
+        slots = {adapter_id: self._slot(adapter_id, needed) for adapter_id in needed}
+        ends = np.cumsum(query_lens)
+        groups: list[tuple[int, int, int]] = []
+        for adapter_id, start, end in zip(lora_ids.tolist(), (ends - query_lens).tolist(), ends.tolist()):
+            if not adapter_id:
+                continue
+            slot = slots[adapter_id]
+            if groups and groups[-1][0] == slot and groups[-1][2] == start:
+                groups[-1] = (slot, groups[-1][1], end)
             else:
-                groups.append((slot, torch.from_numpy(rows).to(self.layers[0].a.device)))
+                groups.append((slot, start, end))
         self.context.groups = groups
+        self.context.segments = torch.tensor(groups, dtype=torch.int64)
         return True
 
     def end_step(self) -> None:
-        self.context.groups = None
+        self.context.groups = self.context.segments = None
 
     def _slot(self, adapter_id: int, needed: list[int]) -> int:
         """The slot holding ``adapter_id``, filling the least recently used one not needed

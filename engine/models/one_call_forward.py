@@ -73,6 +73,8 @@ def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
         return "RoPE's tables are not float32 [positions, head_dim]"
     if not kernel_library.available():
         return "no CPU kernels"
+    if model.lora_context is not None and model.layers[0].self_attn.qkv_proj.lora.packed_a is None:
+        return "LoRA slots without Pagoda's blocked bfloat16 kernel"
     backend = model.layers[0].self_attn.backend
     if getattr(backend, "name", None) != "cpu_paged":
         return "not the cpu_paged attention backend"
@@ -117,6 +119,17 @@ class OneCallForward:
                          value_cache.data_ptr()])
         # NOTE: the C side's struct forward_layer, one int64 per field.
         self.layers = torch.tensor(rows, dtype=torch.int64)
+        # With LoRA slots (engine/models/lora.py), the C side's struct lora_layer likewise.
+        self.loras = None
+        if model.lora_context is not None:
+            def slots(linear) -> list[int]:
+                lora = linear.lora
+                return [lora.packed_a.data_ptr(), lora.packed_b.data_ptr(), lora.packed_a[0].numel(),
+                        lora.packed_b[0].numel(), lora.width, lora.tile_rows]
+
+            self.loras = torch.tensor([[*slots(layer.self_attn.qkv_proj), *slots(layer.self_attn.o_proj),
+                                        *slots(layer.mlp.gate_up_proj), *slots(layer.mlp.down_proj)]
+                                       for layer in model.layers], dtype=torch.int64)
         self.kv_caches = kv_caches
         self.block_size = kv_caches[0][0].shape[-1]
         first = model.layers[0]
@@ -184,12 +197,15 @@ class OneCallForward:
                 and positions.is_contiguous() and metadata.slot_mapping.is_contiguous()):
             raise ValueError("one_call_forward: the step's tensors are not int64 ids, positions and slots and "
                              "int32 block tables (rows contiguous), sequence lengths and query starts")
+        segments = model.lora_context.segments if self.loras is not None else None
+        lora = (0 if self.loras is None else self.loras.data_ptr(), 0 if segments is None else segments.data_ptr(),
+                0 if segments is None else len(segments))
         failed = self.fn(self.layers.data_ptr(), len(self.layers), rows, model.embed_tokens.weight.data_ptr(),
                          input_ids.data_ptr(), positions.data_ptr(), metadata.slot_mapping.data_ptr(),
                          block_tables.data_ptr(), block_tables.stride(0), metadata.seq_lens_tensor.data_ptr(),
                          metadata.query_start_loc.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
                          model.norm.weight.data_ptr(), *self.sizes, *self.fixed, *self._attention(metadata),
-                         out.data_ptr())
+                         *lora, out.data_ptr())
         if failed == -2:
             vocab, max_positions = self.sizes[6], self.sizes[7]
             tokens = input_ids[(input_ids < 0) | (input_ids >= vocab)].tolist()

@@ -424,7 +424,12 @@ class ModelRunner:
         row_of = batch.row_of
         rows = np.fromiter((row_of[r] for r in scheduled), dtype=np.int64, count=len(scheduled))
         query_lens = np.fromiter(scheduled.values(), dtype=np.int32, count=len(scheduled))
-        if query_lens.max() > 1:
+        lora_ids = None if self.lora is None else batch.lora_id[rows]
+        if lora_ids is not None and lora_ids.any():
+            # NOTE: each adapter's requests together (decodes first still): one run of rows each.
+            order = np.lexsort((lora_ids, query_lens > 1))
+            rows, query_lens, lora_ids = rows[order], query_lens[order], lora_ids[order]
+        elif query_lens.max() > 1:
             order = np.argsort(query_lens > 1, kind="stable")  # decodes first
             rows, query_lens = rows[order], query_lens[order]
         computed = batch.num_computed_tokens[rows]
@@ -442,7 +447,7 @@ class ModelRunner:
         block_tables = batch.block_table[rows, :max_blocks]
         device = self.device
         graphs = self.decode_graphs
-        if self.lora is not None and self.lora.begin_step(batch.lora_id[rows], query_lens):
+        if lora_ids is not None and self.lora.begin_step(lora_ids, query_lens):
             graphs = None  # NOTE: the graphs are the base model's
         if graphs is not None and query_lens.max() == 1 and num_drafts is None and len(rows) <= graphs.max_batch:
             slots = block_tables[np.arange(len(rows)), positions // self.block_size].astype(np.int64)

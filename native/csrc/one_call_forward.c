@@ -47,6 +47,19 @@ struct forward_layer {
     uint16_t *key_cache, *value_cache;
 };
 
+/* LoRA slots of one projection (engine/models/lora.py): slot s's A at a + s * a_stride (packed
+ * [width, in]) and its B at b + s * b_stride (packed [out, width]), in packed_linear's layout,
+ * bfloat16; NULL a: the projection has none. Products of tile_rows rows or more on AMX tiles
+ * (0: never). */
+struct lora_product {
+    const uint16_t *a, *b;
+    int64_t a_stride, b_stride, width, tile_rows;
+};
+
+struct lora_layer {
+    struct lora_product qkv, o, gate_up, down;
+};
+
 /* Rows from which the element-wise steps are spread over the threads. */
 #define PARALLEL_ROWS 8
 
@@ -255,6 +268,22 @@ int quant_silu_mul_linear(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, 
     return failed ? -1 : 0;
 }
 
+/* y [rows, n] += each LoRA segment's delta: for segment (slot, start, end), rows start..end of
+ * (x @ A.T, rounded to bfloat16) @ B.T, added to y in float32 and rounded once (the product's
+ * ADD_BF16 epilogue). t: [rows, width] bfloat16 scratch. */
+static void lora_add(const uint16_t *x, int64_t k, const struct lora_product *p, const int64_t *segments,
+                     int64_t num_segments, int64_t n, uint16_t *y, uint16_t *t) {
+    if (!p->a) return;
+    for (int64_t s = 0; s < num_segments; s++) {
+        const int64_t slot = segments[3 * s], start = segments[3 * s + 1], m = segments[3 * s + 2] - start;
+        if (m <= 0) continue;
+        packed_linear_bf16(x + start * k, m, k, p->a + slot * p->a_stride, p->width, k, NULL, t, p->width,
+                           p->tile_rows, 0);
+        packed_linear_bf16(t, m, p->width, p->b + slot * p->b_stride, n, p->width, NULL, y + start * n, n,
+                           p->tile_rows, 2);
+    }
+}
+
 /* act = SiLU(gate) * up of x's gate/up product. */
 static int silu_mul(const uint16_t *x, int64_t rows, int64_t k, const struct layer_product *p,
                     int64_t intermediate, uint16_t *gate_up, uint16_t *act) {
@@ -322,13 +351,20 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
                      int64_t max_positions, float eps, float scale, const int32_t *shared_blocks,
                      int64_t num_groups, const int64_t *group_sizes, const int32_t *suffix_seq_lens,
                      const int32_t *members, const uint8_t *others, int tiles, int64_t num_reqs, const uint8_t *skip,
-                     const int32_t *tile_requests, int64_t num_tile_requests, uint16_t *out) {
+                     const int32_t *tile_requests, int64_t num_tile_requests, const struct lora_layer *loras,
+                     const int64_t *lora_segments, int64_t num_lora_segments, uint16_t *out) {
     for (int64_t r = 0; r < rows; r++)
         if (tokens[r] < 0 || tokens[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -2;
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
+    int64_t lora_width = 0; /* the widest of the LoRA products' widths (0: no LoRA rows this step) */
+    for (int64_t l = 0; loras && num_lora_segments && l < num_layers; l++) {
+        const struct lora_product *p = &loras[l].qkv;
+        for (int i = 0; i < 4; i++) lora_width = p[i].width > lora_width ? p[i].width : lora_width;
+    }
     const size_t bf16 = sizeof(uint16_t), row_sizes[] = {hidden, hidden, hidden, hidden, qkv_size, q_size,
-                                                           2 * intermediate, intermediate, q_size, q_size};
+                                                           2 * intermediate, intermediate, q_size, q_size,
+                                                           lora_width};
     enum { BUFFERS = sizeof(row_sizes) / sizeof(row_sizes[0]) };
     size_t bytes = (size_t)(rows * num_heads) * sizeof(float) + (BUFFERS + 1) * (BUFFERS + 2) * LINE;
     for (int i = 0; i < BUFFERS; i++) bytes += row_sizes[i] * (size_t)rows * bf16;
@@ -339,6 +375,7 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
     uint16_t *h = buffers[0], *x = buffers[1], *o = buffers[2], *d = buffers[3], *qkv = buffers[4];
     uint16_t *attn = buffers[5], *gate_up = buffers[6], *act = buffers[7], *queries = buffers[8];
     uint16_t *own = buffers[9];                                                  /* a cascade's own attention */
+    uint16_t *lora_t = buffers[10];                                              /* LoRA: x @ A.T */
     float *own_lse = carve(&at, (size_t)(rows * num_heads) * sizeof(float), BUFFERS); /* and its log-sum-exps */
     const uint8_t *skip_tiled = num_tile_requests ? skip : NULL;
     int failed = 0;
@@ -347,7 +384,9 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
     for (int64_t l = 0; l < num_layers; l++) {
         const struct forward_layer *layer = layers + l;
         add_rms_norm(h, l ? d : NULL, layer->input_norm, rows, hidden, eps, x); /* d: the last layer's MLP */
+        const struct lora_layer *lora = loras ? loras + l : NULL;
         if ((failed = product(x, rows, hidden, &layer->qkv, qkv_size, layer->qkv_bias, qkv))) break;
+        if (lora_width) lora_add(x, hidden, &lora->qkv, lora_segments, num_lora_segments, qkv_size, qkv, lora_t);
         /* RoPE: the queries apart ([rows, heads, head_dim]), the keys in place; keys and values
          * are written to the cache from the qkv rows */
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
@@ -399,9 +438,18 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
                                  seq_lens, query_start, attn, NULL, NULL, num_reqs, num_heads, num_kv_heads, head_dim,
                                  block_size, scale, 1.0f);
         if ((failed = product(attn, rows, q_size, &layer->o, hidden, NULL, o))) break;
+        if (lora_width) lora_add(attn, q_size, &lora->o, lora_segments, num_lora_segments, hidden, o, lora_t);
         add_rms_norm(h, o, layer->post_norm, rows, hidden, eps, x);
-        if ((failed = silu_mul(x, rows, hidden, &layer->gate_up, intermediate, gate_up, act))) break;
+        if (lora) { /* gate/up packed plain (no SiLU-mul epilogue): the delta joins before the activation */
+            if ((failed = product(x, rows, hidden, &layer->gate_up, 2 * intermediate, NULL, gate_up))) break;
+            if (lora_width) lora_add(x, hidden, &lora->gate_up, lora_segments, num_lora_segments, 2 * intermediate,
+                                     gate_up, lora_t);
+            silu_mul_bf16(gate_up, rows, intermediate, act);
+        } else if ((failed = silu_mul(x, rows, hidden, &layer->gate_up, intermediate, gate_up, act))) {
+            break;
+        }
         if ((failed = product(act, rows, intermediate, &layer->down, hidden, NULL, d))) break;
+        if (lora_width) lora_add(act, intermediate, &lora->down, lora_segments, num_lora_segments, hidden, d, lora_t);
     }
     if (!failed) add_rms_norm(h, num_layers ? d : NULL, final_norm, rows, hidden, eps, out);
     return failed ? -1 : 0;

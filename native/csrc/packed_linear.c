@@ -11,8 +11,9 @@
  *            broadcast pair of x, so a group is read front to back exactly once per tile of
  *            rows. (The same layout that oneDNN's bfloat16 reorder makes for AVX512-BF16.)
  *   bias:    [N] bfloat16 or NULL
- *   y:       [M, N] bfloat16, rows ldy apart (or float32 with out_f32: the sums unrounded, for
- *            the LM head, whose logits would otherwise tie at bfloat16's resolution)
+ *   y:       [M, N] bfloat16, rows ldy apart (or float32 with out_f32 1: the sums unrounded, for
+ *            the LM head, whose logits would otherwise tie at bfloat16's resolution; with
+ *            out_f32 2, the sums added to y's own values and rounded once: a LoRA delta)
  *
  * A tile is up to ROWS rows of x against a whole group (64 features: 4 accumulators a row)
  * or half of one (32 features); its sums stay in float32 registers over all of K and are
@@ -67,7 +68,7 @@
 #define ROWS 6       /* rows of x per tile: 6 x 4 accumulators (4 rows: 16-20% slower at 2048) */
 #define GROUP 64     /* output features per weight group */
 
-enum epilogue { PLAIN, PLAIN_F32, SILU_MUL };  /* what a tile does with its sums (see above) */
+enum epilogue { PLAIN, PLAIN_F32, SILU_MUL, ADD_BF16 };  /* what a tile does with its sums (see above) */
 
 static inline __m512 bf16_to_f32(__m256i v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
@@ -98,6 +99,9 @@ static inline __attribute__((always_inline)) void store_row(const __m512 *acc, c
         const __m512 b = bias ? bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + n)) : _mm512_setzero_ps();
         if (epilogue == PLAIN_F32) /* y is float32 here (the caller's pointers count in halves of one) */
             _mm512_mask_storeu_ps((float *)y + n, mask, _mm512_add_ps(acc[j], b));
+        else if (epilogue == ADD_BF16) /* y += the sums, rounded once */
+            _mm256_mask_storeu_epi16(y + n, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(
+                _mm512_add_ps(acc[j], b), bf16_to_f32(_mm256_maskz_loadu_epi16(mask, y + n)))));
         else
             _mm256_mask_storeu_epi16(y + n, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j], b)));
     }
@@ -154,6 +158,8 @@ DEFINE_ALL_ROWS(all_rows_group, 4, PLAIN)
 DEFINE_ALL_ROWS(all_rows_half, 2, PLAIN)
 DEFINE_ALL_ROWS(all_rows_group_f32, 4, PLAIN_F32)
 DEFINE_ALL_ROWS(all_rows_half_f32, 2, PLAIN_F32)
+DEFINE_ALL_ROWS(all_rows_group_add, 4, ADD_BF16)
+DEFINE_ALL_ROWS(all_rows_half_add, 2, ADD_BF16)
 DEFINE_ALL_ROWS(all_rows_silu_mul, 4, SILU_MUL)
 
 int packed_linear_available(void) { return 1; }
@@ -268,6 +274,7 @@ static inline __attribute__((always_inline)) void drain(struct pending *p, int64
         for (int j = 0; j < p->vecs; j++) acc[j] = _mm512_load_ps(row + 16 * j);
         if (p->epilogue == SILU_MUL) store_row(acc, 4, NULL, y, p->n0, p->N, SILU_MUL);
         else if (p->epilogue == PLAIN_F32) store_row(acc, p->vecs, p->bias, y, p->n0, p->N, PLAIN_F32);
+        else if (p->epilogue == ADD_BF16) store_row(acc, p->vecs, p->bias, y, p->n0, p->N, ADD_BF16);
         else store_row(acc, p->vecs, p->bias, y, p->n0, p->N, PLAIN);
     }
     if (p->row == 32) p->sums = NULL;
@@ -393,10 +400,12 @@ static void amx_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *
                 const int64_t n0 = g * GROUP + half * GROUP / 2;
                 if (half == 0 && h + 1 < c1) {
                     if (epilogue == PLAIN_F32) amx_tile(xb, lxb, rows, part, K, 4, bias, yb, ldy, n0, N, PLAIN_F32);
+                    else if (epilogue == ADD_BF16) amx_tile(xb, lxb, rows, part, K, 4, bias, yb, ldy, n0, N, ADD_BF16);
                     else amx_tile(xb, lxb, rows, part, K, 4, bias, yb, ldy, n0, N, PLAIN);
                     h += 2;
                 } else {
                     if (epilogue == PLAIN_F32) amx_tile(xb, lxb, rows, part, K, 2, bias, yb, ldy, n0, N, PLAIN_F32);
+                    else if (epilogue == ADD_BF16) amx_tile(xb, lxb, rows, part, K, 2, bias, yb, ldy, n0, N, ADD_BF16);
                     else amx_tile(xb, lxb, rows, part, K, 2, bias, yb, ldy, n0, N, PLAIN);
                     h += 1;
                 }
@@ -444,11 +453,12 @@ int amx_probe(void) { return 0; }
 
 void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
                         const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t amx_min_rows, int64_t out_f32) {
-    /* NOTE: with out_f32, y holds float32 rows ldy floats apart; the tiles below count in
-     * bfloat16 elements, so its pointers advance by twice as many. */
-    const enum epilogue plain = out_f32 ? PLAIN_F32 : PLAIN;
+    /* NOTE: with out_f32 1, y holds float32 rows ldy floats apart; the tiles below count in
+     * bfloat16 elements, so its pointers advance by twice as many. With out_f32 2 (ADD_BF16), the
+     * sums are added to y's bfloat16 values, rounded once. */
+    const enum epilogue plain = out_f32 == 1 ? PLAIN_F32 : out_f32 == 2 ? ADD_BF16 : PLAIN;
     (void)plain;
-    if (out_f32) ldy *= 2;
+    if (out_f32 == 1) ldy *= 2;
     const int64_t halves = (N + GROUP / 2 - 1) / (GROUP / 2);
     const int64_t group_stride = (K + 1) / 2 * 2 * GROUP;
     int amx = 0;
@@ -477,9 +487,12 @@ void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_
             const int64_t half = whole ? 0 : h % 2;
             const uint16_t *part = group + half * GROUP;
             const int64_t n0 = g * GROUP + half * GROUP / 2;
-            if (out_f32) {
+            if (out_f32 == 1) {
                 if (whole) all_rows_group_f32(x, ldx, M, part, K, bias, y, ldy, n0, N);
                 else all_rows_half_f32(x, ldx, M, part, K, bias, y, ldy, n0, N);
+            } else if (out_f32 == 2) {
+                if (whole) all_rows_group_add(x, ldx, M, part, K, bias, y, ldy, n0, N);
+                else all_rows_half_add(x, ldx, M, part, K, bias, y, ldy, n0, N);
             } else if (whole) all_rows_group(x, ldx, M, part, K, bias, y, ldy, n0, N);
             else all_rows_half(x, ldx, M, part, K, bias, y, ldy, n0, N);
             h += whole ? 2 : 1;

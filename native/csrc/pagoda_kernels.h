@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 struct forward_layer;
+struct lora_layer;
 
 /* -- probes: what this CPU runs (1) or not (0) -- */
 int packed_linear_available(void);
@@ -104,6 +105,7 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
     int64_t head_dim, int64_t intermediate, int64_t block_size, int64_t vocab, int64_t max_positions, float eps,
     float scale, const int32_t *shared_blocks, int64_t num_groups, const int64_t *group_sizes,
     const int32_t *suffix_seq_lens, const int32_t *members, const uint8_t *others, int tiles, int64_t num_reqs,
-    const uint8_t *skip, const int32_t *tile_requests, int64_t num_tile_requests, uint16_t *out);
+    const uint8_t *skip, const int32_t *tile_requests, int64_t num_tile_requests, const struct lora_layer *loras,
+    const int64_t *lora_segments, int64_t num_lora_segments, uint16_t *out);
 
 #endif /* PAGODA_KERNELS_H */
