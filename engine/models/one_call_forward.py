@@ -125,7 +125,7 @@ class OneCallForward:
             def slots(linear) -> list[int]:
                 lora = linear.lora
                 return [lora.packed_a.data_ptr(), lora.packed_b.data_ptr(), lora.packed_a[0].numel(),
-                        lora.packed_b[0].numel(), lora.width, lora.tile_rows]
+                        lora.packed_b[0].numel(), lora.width, len(lora.parts) * lora.max_rank, lora.tile_rows]
 
             self.loras = torch.tensor([[*slots(layer.self_attn.qkv_proj), *slots(layer.self_attn.o_proj),
                                         *slots(layer.mlp.gate_up_proj), *slots(layer.mlp.down_proj)]

@@ -451,6 +451,32 @@ uint16_t *amx_padded_tail(const uint16_t *x, int64_t M, int64_t ldx, int64_t K) 
 int amx_probe(void) { return 0; }
 #endif
 
+/* Every row of x against the half-groups [first, end) of w (packed for w_k input features, of
+ * which the first K are used), on the vector units (y's rows ldy bfloat16 elements apart,
+ * out_f32 as for packed_linear_bf16). */
+static void vector_halves(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
+                          int64_t w_k, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t first, int64_t end,
+                          int64_t out_f32) {
+    const int64_t group_stride = (w_k + 1) / 2 * 2 * GROUP;
+    for (int64_t h = first; h < end;) {
+        const int64_t g = h / 2;
+        const uint16_t *group = w + g * group_stride;
+        const int whole = h % 2 == 0 && h + 1 < end;
+        const int64_t half = whole ? 0 : h % 2;
+        const uint16_t *part = group + half * GROUP;
+        const int64_t n0 = g * GROUP + half * GROUP / 2;
+        if (out_f32 == 1) {
+            if (whole) all_rows_group_f32(x, ldx, M, part, K, bias, y, ldy, n0, N);
+            else all_rows_half_f32(x, ldx, M, part, K, bias, y, ldy, n0, N);
+        } else if (out_f32 == 2) {
+            if (whole) all_rows_group_add(x, ldx, M, part, K, bias, y, ldy, n0, N);
+            else all_rows_half_add(x, ldx, M, part, K, bias, y, ldy, n0, N);
+        } else if (whole) all_rows_group(x, ldx, M, part, K, bias, y, ldy, n0, N);
+        else all_rows_half(x, ldx, M, part, K, bias, y, ldy, n0, N);
+        h += whole ? 2 : 1;
+    }
+}
+
 void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
                         const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t amx_min_rows, int64_t out_f32) {
     /* NOTE: with out_f32 1, y holds float32 rows ldy floats apart; the tiles below count in
@@ -460,7 +486,6 @@ void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_
     (void)plain;
     if (out_f32 == 1) ldy *= 2;
     const int64_t halves = (N + GROUP / 2 - 1) / (GROUP / 2);
-    const int64_t group_stride = (K + 1) / 2 * 2 * GROUP;
     int amx = 0;
     uint16_t *tail = NULL;
 #ifdef HAVE_AMX
@@ -480,25 +505,20 @@ void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_
         }
         else
 #endif
-        for (int64_t h = first; h < end;) {
-            const int64_t g = h / 2;
-            const uint16_t *group = w + g * group_stride;
-            const int whole = h % 2 == 0 && h + 1 < end;
-            const int64_t half = whole ? 0 : h % 2;
-            const uint16_t *part = group + half * GROUP;
-            const int64_t n0 = g * GROUP + half * GROUP / 2;
-            if (out_f32 == 1) {
-                if (whole) all_rows_group_f32(x, ldx, M, part, K, bias, y, ldy, n0, N);
-                else all_rows_half_f32(x, ldx, M, part, K, bias, y, ldy, n0, N);
-            } else if (out_f32 == 2) {
-                if (whole) all_rows_group_add(x, ldx, M, part, K, bias, y, ldy, n0, N);
-                else all_rows_half_add(x, ldx, M, part, K, bias, y, ldy, n0, N);
-            } else if (whole) all_rows_group(x, ldx, M, part, K, bias, y, ldy, n0, N);
-            else all_rows_half(x, ldx, M, part, K, bias, y, ldy, n0, N);
-            h += whole ? 2 : 1;
-        }
+        vector_halves(x, M, ldx, w, N, K, K, bias, y, ldy, first, end, out_f32);
     }
     free(tail);
+}
+
+/* packed_linear_bf16's vector path for the output half-groups [first, end) only (32 features
+ * each), on the calling thread: for callers that spread many small products over their own
+ * threads (the one-call forward's LoRA deltas). w was packed for w_k >= K input features, of
+ * which the first K are multiplied (the others zero: the same sums). out_f32 and ldy as for
+ * packed_linear_bf16. */
+void packed_linear_halves(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
+                          int64_t w_k, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t first, int64_t end,
+                          int64_t out_f32) {
+    vector_halves(x, M, ldx, w, N, K, w_k, bias, y, out_f32 == 1 ? 2 * ldy : ldy, first, end, out_f32);
 }
 
 void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
@@ -541,5 +561,12 @@ void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_
 void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
                                  uint16_t *y, int64_t ldy, int64_t amx_min_rows) {
     (void)x, (void)M, (void)ldx, (void)w, (void)I, (void)K, (void)y, (void)ldy, (void)amx_min_rows;
+}
+
+void packed_linear_halves(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
+                          int64_t w_k, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t first, int64_t end,
+                          int64_t out_f32) {
+    (void)x, (void)M, (void)ldx, (void)w, (void)N, (void)K, (void)w_k, (void)bias, (void)y, (void)ldy, (void)first;
+    (void)end, (void)out_f32;
 }
 #endif

@@ -83,6 +83,8 @@ int prefill_attention_f32(const float *query, const float *key_cache, const floa
 /* -- matrix products (packed_linear.c, quant_linear.c) -- */
 void packed_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
     const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t amx_min_rows, int64_t out_f32);
+void packed_linear_halves(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t N, int64_t K,
+    int64_t w_k, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t first, int64_t end, int64_t out_f32);
 void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
     uint16_t *y, int64_t ldy, int64_t amx_min_rows);
 int64_t quant_group_bytes(int bits, int has_min);
