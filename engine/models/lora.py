@@ -65,19 +65,22 @@ class LoRALayer:
         self.context = context
         # NOTE: packed, a multiple of 32, which the AMX tiles take (the columns past the parts' are zero).
         self.width = width = -(-len(parts) * max_rank // 32) * 32 if packed else len(parts) * max_rank
-        self.a = torch.zeros(slots, width, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(slots, sum(part_rows), width, dtype=dtype, device=device)
-        # With ``packed`` (bfloat16 on a CPU with Pagoda's blocked kernel): each slot's A and B
-        # also in that kernel's layout, for the one-call forward (native/csrc/one_call_forward.c).
+        # With ``packed`` (bfloat16 on a CPU with Pagoda's blocked kernel), the slots are kept in
+        # that kernel's layout only (for it and the one-call forward, native/csrc/one_call_forward.c),
+        # and a and b are one slot's staging; else a and b are the slots.
+        staging = 1 if packed else slots
+        self.a = torch.zeros(staging, width, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(staging, sum(part_rows), width, dtype=dtype, device=device)
         self.packed_a = self.packed_b = None
         self.tile_rows = LORA_TILE_ROWS if packed and linear_kernels.packed_linear_amx_available() else 0
         if packed:
-            self.packed_a = torch.stack([pack_linear_weight(a) for a in self.a])
-            self.packed_b = torch.stack([pack_linear_weight(b) for b in self.b])
+            self.packed_a = pack_linear_weight(self.a[0]).unsqueeze(0).repeat(slots, 1, 1, 1, 1)
+            self.packed_b = pack_linear_weight(self.b[0]).unsqueeze(0).repeat(slots, 1, 1, 1, 1)
 
     def fill(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], share) -> None:
         """Puts an adapter's tensors for this layer into ``slot`` (zeros where it has none);
         ``share(name, tensor)`` cuts a checkpoint tensor to this rank's share."""
+        packed, slot = (slot, 0) if self.packed_a is not None else (None, slot)
         self.a[slot].zero_()
         self.b[slot].zero_()
         row = 0
@@ -95,16 +98,16 @@ class LoRALayer:
                 self.a[slot, column:column + r] = a
                 self.b[slot, row:row + rows, column:column + r] = b
             row += rows
-        if self.packed_a is not None:
-            self.packed_a[slot] = pack_linear_weight(self.a[slot])
-            self.packed_b[slot] = pack_linear_weight(self.b[slot])
+        if packed is not None:
+            self.packed_a[packed] = pack_linear_weight(self.a[0])
+            self.packed_b[packed] = pack_linear_weight(self.b[0])
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the base product of ``x``) plus each slot's delta on its rows; packed, by the
         kernels and in the rounding of the one-call forward (``x @ A.T`` rounded to bfloat16,
         its product with B added to ``out`` and rounded once)."""
         for slot, start, end in self.context.groups:
-            if self.packed_a is not None and out.is_contiguous():
+            if self.packed_a is not None:
                 t = linear_kernels.packed_linear(x[start:end], self.packed_a[slot], None, self.width, self.tile_rows)
                 linear_kernels.packed_linear_accumulate(t, self.packed_b[slot], out[start:end], self.tile_rows)
             else:
