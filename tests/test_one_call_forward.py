@@ -77,6 +77,19 @@ def step(requests: list[tuple[list[int], list[int]]]) -> AttentionMetadata:
         block_size=BLOCK_SIZE, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
 
 
+def prepared_caches(model, num_blocks: int, record) -> tuple[list, list]:
+    """bfloat16 KV caches of ``num_blocks`` blocks with the one call prepared over them, and the
+    list of ``record(args)`` of each call it makes."""
+    key_shape, value_shape = model.layers[0].self_attn.backend.kv_cache_shapes(num_blocks, BLOCK_SIZE)
+    caches = [(torch.zeros(key_shape, dtype=torch.bfloat16), torch.zeros(value_shape, dtype=torch.bfloat16))
+              for _ in model.layers]
+    assert model.prepare_one_call_forward(caches)
+    calls = []
+    one_call_fn = model._one_call.fn
+    model._one_call.fn = lambda *args: calls.append(record(args)) or one_call_fn(*args)
+    return caches, calls
+
+
 @pytest.fixture
 def rounded_once(monkeypatch):
     """The eager model's RoPE and (quantized) SiLU-mul rounded to bfloat16 once, from float32
@@ -154,13 +167,7 @@ def test_each_step_equals_the_layer_by_layer_path(request, monkeypatch, architec
     model = tiny_model(request.getfixturevalue(f"tiny_{architecture}_dir"), weights)
     assert (model.layers[0].self_attn.qkv_proj.bias is not None) == (architecture == "qwen2")
     backend = model.layers[0].self_attn.backend
-    key_shape, value_shape = backend.kv_cache_shapes(40, BLOCK_SIZE)
-    caches = [(torch.zeros(key_shape, dtype=torch.bfloat16), torch.zeros(value_shape, dtype=torch.bfloat16))
-              for _ in model.layers]
-    assert model.prepare_one_call_forward(caches)
-    calls = []
-    one_call_fn = model._one_call.fn
-    model._one_call.fn = lambda *args: calls.append(args[2]) or one_call_fn(*args)  # rows
+    caches, calls = prepared_caches(model, 40, lambda args: args[2])  # rows
     generator = torch.Generator().manual_seed(0)
     order = torch.randperm(40, generator=generator).tolist()
     prompts = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (13, 1, 5, 20, 2, 9, 16, 17, 3, 8)]
@@ -555,13 +562,7 @@ def test_lora_rows_in_one_call_equal_the_layer_by_layer_path(tiny_llama_dir, wei
     manager = model.lora_manager
     manager.add({1: random_adapter(model.config, 1, 8, 0), 2: random_adapter(model.config, 2, 4, 1)})
     backend = model.layers[0].self_attn.backend
-    key_shape, value_shape = backend.kv_cache_shapes(16, BLOCK_SIZE)
-    caches = [(torch.zeros(key_shape, dtype=torch.bfloat16), torch.zeros(value_shape, dtype=torch.bfloat16))
-              for _ in model.layers]
-    assert model.prepare_one_call_forward(caches)
-    calls = []
-    one_call_fn = model._one_call.fn
-    model._one_call.fn = lambda *args: calls.append(args[-2]) or one_call_fn(*args)  # the LoRA runs
+    caches, calls = prepared_caches(model, 16, lambda args: args[-2])  # the LoRA runs
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (7, 19, 3, 12)]
     lora_ids = np.array([0, 1, 1, 2])
