@@ -7,6 +7,11 @@ environment: vLLM through ``benchmarks/vllm_peer.py`` (``--vllm-python``), or ll
 through ``benchmarks/llamacpp_peer.py`` (``--llamacpp-python``) on the GGUF file as it ships;
 the table gives the ratio. Greedy decoding, EOS ignored, so both produce the same number of
 tokens.
+
+At equal precision unless told otherwise: against vLLM, which runs dense weights, Pagoda runs
+dense ones too (``--quantization none``; a GGUF model dequantized to ``--dtype``); against
+llama.cpp both run the GGUF file as it ships. ``--quantization auto`` (or int8) against vLLM
+compares a quantized Pagoda with a dense vLLM, and the table's precision line says so.
 """
 
 from __future__ import annotations
@@ -75,6 +80,24 @@ def draw_runs(workload: Workload, runs: int, seed: int, vocab_size: int) -> list
     return out
 
 
+def precision_line(args: argparse.Namespace, model_dir: Path) -> str:
+    """What each engine's weights were: Pagoda's as its worker reported them, the peer's from its
+    settings; says so where they differ in kind (quantized against dense)."""
+    from pagoda.engine.model_loader import plan_quantization
+    from pagoda.engine.platform import resolve_device
+
+    line = f"precision: pagoda {getattr(args, 'pagoda_weights', '?')}"
+    if args.peer == "vllm":
+        line += f"; vllm {peer_dtype(args.dtype)}, dense weights"
+        if plan_quantization(args.quantization, model_dir, resolve_device(args.device),
+                             args.tensor_parallel_size) is not None:
+            line += (" -- MIXED PRECISION: Pagoda's weights are quantized and vLLM's are not; "
+                     "--quantization none compares like with like")
+    elif args.peer == "llamacpp":
+        line += f"; llama.cpp the GGUF file {Path(args.gguf).name} as it ships"
+    return line
+
+
 def run_line(record: dict, runs: int, index: int) -> str:
     """One run, readable: ``pagoda  single   warm-up  0.85 s  150.6 tok/s``."""
     which = "warm-up" if record["warmup"] else f"run {index}/{runs}"
@@ -92,7 +115,10 @@ def run_pagoda(args: argparse.Namespace, plan: list[dict]) -> list[dict]:
     note(args, f"pagoda: starting the engine on {args.model or 'the default model'} (its stages are logged below)")
     with LLM(**asdict(config)) as llm:
         seconds = time.perf_counter() - start
-        emit(args, {"engine": "pagoda", "event": "started", "seconds": seconds}, f"pagoda: started in {seconds:.1f} s")
+        ready = llm.engine.worker.ready
+        args.pagoda_weights = f"{ready.dtype}, {ready.weights}"
+        emit(args, {"engine": "pagoda", "event": "started", "seconds": seconds, "weights": args.pagoda_weights},
+             f"pagoda: started in {seconds:.1f} s")
         for workload in plan:
             for index, run in enumerate(workload["runs"]):
                 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in run["output_lens"]]
@@ -194,6 +220,10 @@ def run_compare(args: argparse.Namespace) -> int:
             args.gguf = default_gguf_path()
         if not Path(args.gguf).is_file():
             raise ValueError(f"--gguf {args.gguf}: no such file")
+    if args.quantization is None:
+        # NOTE: equal precision unless told otherwise: vLLM runs dense weights, so Pagoda does too;
+        # llama.cpp runs the GGUF file as it ships, and so does Pagoda.
+        args.quantization = "none" if args.peer == "vllm" else "auto"
     model_dir = resolve_model(args.model)
     vocab_size = ModelConfig.from_dir(model_dir).vocab_size
     workloads = [WORKLOADS[n] for n in names]
@@ -208,6 +238,7 @@ def run_compare(args: argparse.Namespace) -> int:
         Path(args.output).write_text(json.dumps([{"engine": "machine", "event": "cpu", **cpu}, *results], indent=1))
 
     print(f"\n{cpu_line(cpu)}")
+    print(precision_line(args, model_dir))
     print(f"median of {args.runs} runs after a warm-up, fresh prompts each run, greedy, EOS ignored")
     header = f"{'workload':<52}{'pagoda s':>10}{'tok/s':>9}"
     if args.peer != "none":
@@ -243,4 +274,5 @@ def add_compare_parser(bench_sub) -> None:
     p.add_argument("--output", default=None, help="also write every run's figures to this JSON file")
     p.add_argument("--bench-seed", type=int, default=0)
     add_engine_args(p)
-    p.set_defaults(func=run_compare, dtype="bfloat16")
+    # NOTE: quantization None: "none" against vLLM (dense weights on both sides), else "auto".
+    p.set_defaults(func=run_compare, dtype="bfloat16", quantization=None)

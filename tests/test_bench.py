@@ -3,10 +3,11 @@
 import json
 import sys
 import re
+from pathlib import Path
 
 import pytest
 
-from pagoda.cli.main import main
+from pagoda.cli.main import build_parser, main
 
 
 def test_kv_utilization_bench_reports_paged_above_contiguous(capsys):
@@ -103,6 +104,7 @@ def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llam
                  "--dtype", "float32", "--enforce-eager", "--output", str(output)]) == 0
     out = capsys.readouterr().out
     assert f"CPU: {cpu['model_name']}" in out
+    assert re.search(r"^precision: pagoda float32, \d+ MB of weights$", out, re.M), out
     records = json.loads(output.read_text())
     assert records[0] == {"engine": "machine", "event": "cpu", **cpu}
     # As it goes: a line before the engine starts, one when it has, one per run (warm-up and
@@ -118,6 +120,24 @@ def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llam
     assert not any(line.startswith("{") for line in lines)  # JSON only with --json
     table = lines[lines.index(next(line for line in lines if line.startswith("workload"))):]
     assert len(table) == 3 and table[1].startswith("1 x ") and "prompt" in table[2]
+
+
+def test_compare_against_vllm_is_at_equal_precision_unless_told_otherwise(tmp_path):
+    from argparse import Namespace
+
+    from pagoda.benchmarks.compare import precision_line
+    from pagoda.engine.model_loader import default_gguf_path, resolve_model
+
+    gguf = resolve_model(None)  # the default model: a GGUF file, run as it ships with --quantization auto
+    args = Namespace(peer="vllm", dtype="bfloat16", device="cpu", tensor_parallel_size=1, gguf=None,
+                     pagoda_weights="bfloat16, 270 MB of weights", quantization="none")
+    assert precision_line(args, gguf) == "precision: pagoda bfloat16, 270 MB of weights; vllm bfloat16, dense weights"
+    args.quantization = "auto"
+    assert "MIXED PRECISION" in precision_line(args, gguf)
+    args.peer, args.gguf = "llamacpp", default_gguf_path()
+    assert precision_line(args, gguf).endswith(f"llama.cpp the GGUF file {Path(args.gguf).name} as it ships")
+    parser = build_parser()
+    assert parser.parse_args(["bench", "compare"]).quantization is None  # resolved by the peer
 
 
 def test_the_peer_gets_the_dtype_dense_weights_run_in_here():

@@ -268,9 +268,11 @@ class Scheduler:
         # NOTE: no admission in a step that preempted: the freed blocks would go straight
         # to a newer request and the victim would starve.
         deferred: list[Request] = []  # LoRA requests of an adapter beyond the slots, passed over
+        running_loras = self._running_loras() if self.max_loras is not None else None
         while self.waiting and self._budget > 0 and not self._preempted_this_step:
             request = self.waiting.peek()
-            if request.lora is not None and not self._lora_fits(request.lora):
+            lora = request.lora
+            if lora is not None and lora.id not in running_loras and len(running_loras) >= self.max_loras:
                 deferred.append(self.waiting.pop())
                 continue
             # NOTE: samples yet to fork from running parents hold their places too.
@@ -282,6 +284,8 @@ class Scheduler:
                     self._preempt_for_waiting(request)
                 break
             self._budget -= out.num_scheduled_tokens.get(request.request_id, 0)
+            if lora is not None:
+                running_loras.add(lora.id)
         for request in deferred:
             self._enqueue(request)
         # NOTE: taken last so that this step's preemptions reach the worker now.
@@ -414,13 +418,9 @@ class Scheduler:
     # -- LoRA adapters ---------------------------------------------------------------
 
     def _running_loras(self) -> set[int]:
+        """The adapters of the running requests: at most max_loras (a waiting request of another
+        adapter is admitted only while a slot is left)."""
         return {r.lora.id for r in self.running if r.lora is not None}
-
-    def _lora_fits(self, lora) -> bool:
-        """Whether a request of ``lora`` may join the running ones: its adapter is running
-        already, or a slot is left."""
-        running = self._running_loras()
-        return lora.id in running or len(running) < self.max_loras
 
     def _send_lora(self, lora) -> None:
         """Has the worker get ``lora`` with this step, if it lacks it; beyond max_cpu_loras,
