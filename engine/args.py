@@ -37,6 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, default=default, choices=list(QUANTIZATIONS),
                                 help="linear weights: auto (a GGUF file's own quantized types on the CPU), none "
                                      "(dequantized to --dtype), int8 (8 bits per group of 32, quantized at load)")
+        elif f.name == "kv_events_config":
+            parser.add_argument(flag, default=None, metavar="JSON",
+                                help='KV cache events over ZMQ, vLLM\'s form, e.g. \'{"enable_kv_cache_events": true, '
+                                     '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'')
         elif f.name == "lora_modules":
             parser.add_argument(flag, nargs="+", default=[], metavar="NAME=PATH",
                                 help="LoRA adapters to serve from the start (with --enable-lora), as name=path or "

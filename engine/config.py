@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from pagoda.environment import read_int
 from pagoda.engine import compatibility
+from pagoda.engine.kv_events import KVEventsConfig
 from pagoda.engine.speculative import SpeculativeConfig
 from pagoda.engine.reasoning import REASONING_PARSERS
 from pagoda.engine.sampling_params import POOLING_METHODS
@@ -105,6 +106,8 @@ class EngineConfig:
         max_lora_rank: The highest rank an adapter may have (the slots' width).
         max_cpu_loras: Adapters the worker keeps beside the slots (least recently used
             dropped first); None: max_loras.
+        kv_events_config: KV cache events for routers, vLLM's ``--kv-events-config``
+            (engine/kv_events.py; docs/kv-cache.md): a dict, its JSON, or None (off).
     """
 
     model: str | None = None
@@ -147,6 +150,7 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    kv_events_config: KVEventsConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")
@@ -197,6 +201,7 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         _positive_int(self, "max_loras")
         _positive_int(self, "max_lora_rank")
         if self.max_cpu_loras is not None:

@@ -63,6 +63,8 @@ class BlockPool:
         self.evictor: Evictor = evictor if evictor is not None else LRUEvictor()
         self.cached_blocks: dict[int, KVBlock] = {}
         self.num_evictions = 0
+        # KV events (engine/kv_events.py's KVEventLog) where the engine publishes them, else None.
+        self.events = None
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_uncached) + len(self.evictor)
@@ -96,12 +98,16 @@ class BlockPool:
         block.block_hash = block_hash
         block.block_key = block_key
         self.cached_blocks[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, block_key)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
                 self.num_evictions += 1
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
             block.block_key = None
         block.retention = 0
@@ -132,6 +138,8 @@ class BlockPool:
             block.retention = 0
         self.free_uncached = deque(self.blocks)
         self.cached_blocks.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     def num_shared_blocks(self) -> int:
         return sum(1 for block in self.blocks if block.ref_cnt > 1)

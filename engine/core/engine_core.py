@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.request import Request, RequestStatus
 from pagoda.engine.core.scheduler import RequestUpdate, Scheduler
+from pagoda.engine.kv_events import KVEventBatch, KVEventLog
 from pagoda.engine.exceptions import EngineDeadError, StepError, WorkerDiedError
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput, WorkerReady
 
@@ -119,6 +120,8 @@ class EngineCore:
         self.step_stats = StepStats()
         #: Told of every step sent and answered, when set.
         self.step_observer: StepObserver | None = None
+        # KV events (engine/kv_events.py): the block pool's log and the publisher, or None.
+        self.kv_events: tuple[KVEventLog, object] | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -149,6 +152,9 @@ class EngineCore:
         await self._stop_standby()
         if self.worker is not None:
             await self.worker.shutdown()
+        if self.kv_events is not None:
+            self.kv_events[1].shutdown()
+            self.kv_events = None
 
     def _spawn_standby(self) -> None:
         """Starts the next worker's process ahead when config.standby_worker says so (see
@@ -262,7 +268,16 @@ class EngineCore:
                 self._process_updates(scheduler.update(step, runner_output))
             if after_idle:
                 runner_output.idle_seconds = 0.0
+            if self.kv_events is not None:
+                self._publish_kv_events()
             stats.record(runner_output, time.perf_counter() - start)
+
+    def _publish_kv_events(self) -> None:
+        """The events of the steps scheduled and updated since the last call, as one batch."""
+        log, publisher = self.kv_events
+        events = log.take()
+        if events:
+            publisher.publish(KVEventBatch(time.time(), events))
 
     async def _restart_worker(self, exc: WorkerDiedError) -> bool:
         """Starts a new worker after ``exc`` and re-queues every request for recompute.

@@ -33,6 +33,7 @@ from pagoda.engine.core.scheduler import Scheduler
 from pagoda.engine.exceptions import EngineDeadError
 from pagoda.engine.executor.base import Executor, create_executor
 from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
+from pagoda.engine.kv_events import KVEventLog, make_publisher
 from pagoda.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, load_adapter, parse_lora_modules, prefix_salt
 from pagoda.engine.messages import DeviceMemory, KVCacheAllocation, WorkerInit
 from pagoda.engine.model_config import ModelConfig
@@ -162,6 +163,13 @@ class AsyncEngine:
                     kv.max_model_len, kv.num_cpu_blocks)
         self.core.scheduler = Scheduler.from_config(self.config, kv, self.policy,
                                                     BitmaskFiller(self.model_config.vocab_size))
+        events = self.config.kv_events_config
+        if events is not None and events.enable_kv_cache_events:
+            log = KVEventLog(self.config.block_size)
+            self.core.scheduler.kv_cache_manager.block_pool.events = log
+            self.core.kv_events = (log, make_publisher(events))
+            logger.info("KV events: %s on %s%s", events.publisher, events.endpoint,
+                        f", replay on {events.replay_endpoint}" if events.replay_endpoint else "")
         allocation = KVCacheAllocation(kv.num_blocks, kv.num_cpu_blocks, kv.max_model_len)
         self._worker_init = replace(self._worker_init, num_blocks=kv.num_blocks, num_cpu_blocks=kv.num_cpu_blocks,
                                     max_model_len=kv.max_model_len)

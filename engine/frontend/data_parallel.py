@@ -51,7 +51,17 @@ def replica_config(config: EngineConfig, replica: int) -> EngineConfig:
     threads = config.num_threads
     if threads is None and not device.startswith("cuda"):
         threads = threads_per_sharer(config.data_parallel_size * config.tensor_parallel_size)
-    return replace(config, data_parallel_size=1, device=device, num_threads=threads)
+    events = config.kv_events_config
+    if events is not None and replica:  # NOTE: each replica's sockets on ports of its own, as vLLM's ranks'
+        events = replace(events, endpoint=_port_plus(events.endpoint, replica),
+                         replay_endpoint=events.replay_endpoint and _port_plus(events.replay_endpoint, replica))
+    return replace(config, data_parallel_size=1, device=device, num_threads=threads, kv_events_config=events)
+
+
+def _port_plus(endpoint: str, offset: int) -> str:
+    """A ZMQ endpoint ("tcp://host:port") with its port moved up by ``offset``."""
+    head, sep, port = endpoint.rpartition(":")
+    return f"{head}{sep}{int(port) + offset}" if sep and port.isdigit() else endpoint
 
 
 class DataParallelEngine:
