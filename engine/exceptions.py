@@ -38,6 +38,14 @@ class EngineDeadError(RuntimeError):
     """The engine cannot serve any more requests (or has not been started)."""
 
 
+class EngineSleepingError(EngineDeadError):
+    """The engine is asleep (``sleep()``): it takes requests again after ``wake_up()``."""
+
+
+class EngineBusyError(RuntimeError):
+    """The engine cannot do this while requests run (``sleep()`` with requests in flight)."""
+
+
 class StepError(RuntimeError):
     """A step failed in the worker; the requests in it were failed."""
 

@@ -37,7 +37,7 @@ from pagoda.server.errors import APIError, bad_request, error_middleware
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Body, parse_messages
 from pagoda.server.responses import TokenStrings
-from pagoda.server import console, lora_api, messages_api, responses_api, scoring_api
+from pagoda.server import console, lora_api, messages_api, responses_api, scoring_api, sleep_api
 from pagoda.server.embeddings import embeddings
 from pagoda.server.serving import cancel_request, chat_completions, client_key, completions, read_json
 from pagoda.server.state import STATE_KEY, ServerState, load_chat_template, served_model_names, shutting_down
@@ -386,6 +386,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None,
     messages_api.add_routes(app)
     scoring_api.add_routes(app)
     lora_api.add_routes(app)
+    sleep_api.add_routes(app)
     if config.console:
         console.add_routes(app)
     return app

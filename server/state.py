@@ -224,12 +224,14 @@ class ServerState:
         return self.engine.is_running
 
     def check_can_serve(self) -> None:
-        """503 while draining, when the engine gave up, or when the waiting queue is full."""
+        """503 while draining, when the engine gave up, while it sleeps, or when the waiting queue is full."""
         if self.draining:
             raise shutting_down()
         if not self.is_healthy():
             raise APIError(503, f"The engine is not running: {self.engine.dead_reason}. Restart the server.",
                            code="engine_dead")
+        if self.engine.is_sleeping:
+            raise APIError(503, "The engine is asleep (POST /sleep); POST /wake_up first.", code="engine_sleeping")
         limit = self.config.max_waiting_requests
         if limit is not None and self.engine.num_waiting >= limit:
             raise APIError(503, f"The server is overloaded: {self.engine.num_waiting} requests are "

@@ -23,7 +23,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.request import Request, RequestStatus
 from pagoda.engine.core.scheduler import RequestUpdate, Scheduler
 from pagoda.engine.kv_events import KVEventBatch, KVEventLog
-from pagoda.engine.exceptions import EngineDeadError, StepError, WorkerDiedError
+from pagoda.engine.exceptions import EngineBusyError, EngineDeadError, StepError, WorkerDiedError
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput, WorkerReady
 
 if TYPE_CHECKING:
@@ -122,6 +122,8 @@ class EngineCore:
         self.step_observer: StepObserver | None = None
         # KV events (engine/kv_events.py): the block pool's log and the publisher, or None.
         self.kv_events: tuple[KVEventLog, object] | None = None
+        # The sleep level (1 or 2) while asleep (sleep()), else 0.
+        self.sleeping = 0
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -155,6 +157,45 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events[1].shutdown()
             self.kv_events = None
+
+    async def sleep(self, level: int) -> None:
+        """Frees the worker's memory until wake_up(): its process (the KV cache, the prefix
+        cache and, whatever the level, the weights: on the CPU there is no other memory to keep
+        them in) and a standby's; the loop waits. Does nothing when asleep already.
+
+        Raises:
+            EngineBusyError: Requests are running or waiting.
+        """
+        if self.sleeping:
+            return
+        if self.scheduler.has_unfinished_requests():
+            raise EngineBusyError(f"{self.scheduler.num_running + self.scheduler.num_waiting} requests are in the "
+                                  "engine; sleep once they have finished")
+        self.sleeping = level
+        await self.worker.shutdown()
+        await self._stop_standby()
+        self.scheduler.reset_after_worker_loss()  # NOTE: the (empty) cache's blocks, and the prefix cache, are gone
+        if self.kv_events is not None:
+            self._publish_kv_events()
+        logger.info("asleep (level %d): the worker stopped", level)
+
+    async def wake_up(self) -> WorkerReady | None:
+        """Starts a new worker after sleep(); returns what it reported (None when awake already).
+
+        Raises:
+            WorkerDiedError: The worker failed to start (the engine stays asleep).
+        """
+        if not self.sleeping:
+            return None
+        start = time.perf_counter()
+        worker = self._make_executor(self._wakeup.set)
+        ready = await worker.start()
+        self.worker = worker
+        self.sleeping = 0
+        self._spawn_standby()
+        self._wakeup.set()
+        logger.info("awake: a new worker (pid %s) in %.1f s", worker.pid, time.perf_counter() - start)
+        return ready
 
     def _spawn_standby(self) -> None:
         """Starts the next worker's process ahead when config.standby_worker says so (see
@@ -233,10 +274,19 @@ class EngineCore:
         depth = 2 if self.async_scheduling else 1
         was_idle = True
         while True:
+            if (self.sleeping or self.worker is not worker) and not in_flight:
+                # NOTE: asleep, no worker: nothing runs until wake_up(); then _run_loop runs the
+                # steps again, on the new worker.
+                while self.sleeping:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                return
             if not in_flight and not scheduler.has_unfinished_requests() and not self._pending_aborts:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 was_idle = True
+                if self.sleeping or self.worker is not worker:
+                    continue  # NOTE: put to sleep (or woken) meanwhile: the worker changed
             worker.check()
             self._apply_aborts()
             if len(in_flight) < depth:

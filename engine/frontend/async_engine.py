@@ -30,7 +30,7 @@ from pagoda.engine.core.plugin_manager import create_plugin_manager, plugin_name
 from pagoda.engine.core.policy import Policy
 from pagoda.engine.core.request import Request
 from pagoda.engine.core.scheduler import Scheduler
-from pagoda.engine.exceptions import EngineDeadError
+from pagoda.engine.exceptions import EngineDeadError, EngineSleepingError
 from pagoda.engine.executor.base import Executor, create_executor
 from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
 from pagoda.engine.kv_events import KVEventLog, make_publisher
@@ -344,6 +344,8 @@ class AsyncEngine:
         if self.core is None:
             raise EngineDeadError("the engine has not been started")
         self.core.check_running()
+        if self.core.sleeping:
+            raise EngineSleepingError("the engine is asleep; wake it up first (wake_up(), POST /wake_up)")
         lora = self.lora_adapter(lora_name)
         if prompt_token_ids is None:
             prompt_token_ids = self.encode_prompt(prompt)
@@ -482,6 +484,29 @@ class AsyncEngine:
         if self.scheduler is not None:
             self.scheduler.unload_lora(adapter)
         logger.info("LoRA adapter %s unloaded", name)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.core is not None and bool(self.core.sleeping)
+
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: frees the worker's memory until wake_up() (see EngineCore.sleep);
+        requests meanwhile are refused (EngineSleepingError).
+
+        Raises:
+            ValueError: A level other than 1 or 2.
+            EngineBusyError: Requests are in the engine.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2; got {level!r}")
+        if self.core is None:
+            raise EngineDeadError("the engine has not been started")
+        await self.core.sleep(level)
+
+    async def wake_up(self) -> None:
+        """Starts the worker again after sleep() (a no-op when awake)."""
+        if self.core is not None:
+            await self.core.wake_up()
 
     def reset_prefix_cache(self) -> bool:
         """Evicts every cached block no request holds; True when nothing was left cached."""

@@ -225,6 +225,17 @@ class DataParallelEngine:
             raise
         return loaded[0]
 
+    @property
+    def is_sleeping(self) -> bool:
+        return any(replica.is_sleeping for replica in self.replicas)
+
+    async def sleep(self, level: int = 1) -> None:
+        for replica in self.replicas:
+            await replica.sleep(level)
+
+    async def wake_up(self) -> None:
+        await asyncio.gather(*(replica.wake_up() for replica in self.replicas))
+
     def unload_lora_adapter(self, name: str) -> None:
         for replica in self.replicas:
             replica.unload_lora_adapter(name)

@@ -221,6 +221,14 @@ class LLM:
             bar.update(1)
         return output
 
+    def sleep(self, level: int = 1) -> None:
+        """Frees the worker's memory (its process) until wake_up(), as vLLM's ``LLM.sleep``."""
+        self._loop.run_until_complete(self.engine.sleep(level))
+
+    def wake_up(self) -> None:
+        """Starts the worker again after sleep()."""
+        self._loop.run_until_complete(self.engine.wake_up())
+
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, as vLLM's ``LLM.reset_prefix_cache`` does.
 
