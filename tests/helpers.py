@@ -520,3 +520,13 @@ def peft_model(model_dir: Path, adapter_dir: Path) -> torch.nn.Module:
     from peft import PeftModel
 
     return PeftModel.from_pretrained(make_hf_model(model_dir), str(adapter_dir)).eval()
+
+
+def tiny_server(model_dir: Path, max_model_len: int = 128, num_kv_blocks: int = 64, **engine):
+    """A live server (pagoda.server.testing.ServerThread, not started) on a tiny model in float32,
+    eager, with a small KV cache; ``engine`` adds EngineConfig fields."""
+    from pagoda.engine.config import EngineConfig
+    from pagoda.server.testing import ServerThread
+
+    return ServerThread(EngineConfig(model=str(model_dir), enforce_eager=True, dtype="float32",
+                                     max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, **engine))

@@ -9,17 +9,15 @@ import threading
 import openai
 import pytest
 
-from pagoda.engine.config import EngineConfig
-from pagoda.server.testing import ServerThread, http_request
+from pagoda.server.testing import http_request
+from helpers import tiny_server
 
 LONG = dict(max_tokens=400, extra_body={"ignore_eos": True}, temperature=0)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=512,
-                          num_kv_blocks=128)
-    with ServerThread(config) as server:
+    with tiny_server(tiny_llama_dir, max_model_len=512, num_kv_blocks=128) as server:
         yield server
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagoda.engine.config import EngineConfig
-from pagoda.server.testing import ServerThread, http_request
+from pagoda.server.testing import http_request
+from helpers import tiny_server
 
 QUERY = "where do cats sleep"
 DOCUMENTS = ["cats sleep on the sofa", "the stock market fell", "dogs sleep in the garden", "a cat naps in the sun"]
@@ -15,9 +15,7 @@ DOCUMENTS = ["cats sleep on the sofa", "the stock market fell", "dogs sleep in t
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=128,
-                          num_kv_blocks=64)
-    with ServerThread(config) as server:
+    with tiny_server(tiny_llama_dir) as server:
         yield server
 
 

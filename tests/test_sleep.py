@@ -9,18 +9,16 @@ import threading
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.engine.config import EngineConfig
 from pagoda.engine.exceptions import EngineSleepingError
-from pagoda.server.testing import ServerThread, http_request
+from pagoda.server.testing import http_request
+from helpers import tiny_server
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=128,
-                          num_kv_blocks=64)
-    with ServerThread(config) as server:
+    with tiny_server(tiny_llama_dir) as server:
         yield server
 
 
