@@ -24,6 +24,7 @@ from pagoda.engine.model_loader import load_weights
 from pagoda.engine.models import decoder
 from pagoda.engine.models.linear import BLOCKED_LAYOUT, GateUpLinear, Linear, choose_packing, packing_available
 from pagoda.engine.models.decoder import DecoderForCausalLM, RotaryEmbedding
+from pagoda.engine.models import lora as worker_lora
 from pagoda.engine.models.lora import LoRAManager
 from pagoda.engine.models.one_call_forward import ENV
 from pagoda.engine.models.quantized import quantize_int8
@@ -551,14 +552,21 @@ def random_adapter(config: ModelConfig, adapter_id: int, rank: int, seed: int) -
     return LoRAAdapter(adapter_id, f"a{adapter_id}", "", rank, weights)
 
 
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx-where-it-runs", "vectors"])
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
 @torch.inference_mode()
-def test_lora_rows_in_one_call_equal_the_layer_by_layer_path(tiny_llama_dir, weights, rounded_once):
+def test_lora_rows_in_one_call_equal_the_layer_by_layer_path(tiny_llama_dir, weights, tiles, rounded_once,
+                                                            monkeypatch):
     """A step of four requests, the base model's and two adapters' (ranks 8 and 4; one adapter's
     two requests one run of rows), prefill then decode: the one call's hidden states (the deltas
     by csrc/one_call_forward.c's lora_add) and the layer-by-layer path's (engine/models/lora.py)
-    equal bit for bit; the adapters' rows differ from the base model's, whose rows are unchanged."""
+    equal bit for bit; the adapters' rows differ from the base model's, whose rows are unchanged.
+    With ``tiles`` off, the deltas' products on the vectors only, as on CPUs without AMX."""
+    if not tiles:
+        monkeypatch.setattr(worker_lora, "LORA_TILE_ROWS", 0)
     model = tiny_model(tiny_llama_dir, weights, lora_slots=2)
+    assert model.layers[0].self_attn.qkv_proj.lora.tile_rows == (
+        worker_lora.LORA_TILE_ROWS if linear_kernels.packed_linear_amx_available() else 0)
     manager = model.lora_manager
     manager.add({1: random_adapter(model.config, 1, 8, 0), 2: random_adapter(model.config, 2, 4, 1)})
     backend = model.layers[0].self_attn.backend
