@@ -87,9 +87,6 @@ class LoRAAdapter:
     def cache_key(self) -> str:
         return f"lora:{self.name}:{self.path}"
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
 _ids = itertools.count(1)
@@ -236,26 +233,21 @@ class LoRARegistry:
         self.adapters: dict[str, LoRAAdapter] = {}
 
     def load(self, name: str, path: str | Path) -> LoRAAdapter:
-        """Reads, checks and registers an adapter.
+        """Reads, checks and registers an adapter (a thread may run it: the server reads adapters
+        off its event loop).
 
         Raises:
-            LoRAError: The name is taken, or the adapter cannot be served (load_adapter).
+            LoRAError: The name is taken (also by a load that finished meanwhile), or the adapter
+                cannot be served (load_adapter).
         """
+        taken = LoRAError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
         if name in self.adapters:
-            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
+            raise taken
         adapter = load_adapter(name, path, self.config, self.max_rank)
-        self.load_checked(adapter)
+        if name in self.adapters:
+            raise taken
+        self.adapters[name] = adapter
         return adapter
-
-    def load_checked(self, adapter: LoRAAdapter) -> None:
-        """Registers an adapter read by load_adapter (elsewhere: off the event loop).
-
-        Raises:
-            LoRAError: The name is taken (by a load that finished meanwhile).
-        """
-        if adapter.name in self.adapters:
-            raise LoRAError(f"a LoRA adapter named {adapter.name!r} is already loaded; unload it first")
-        self.adapters[adapter.name] = adapter
 
     def unload(self, name: str) -> LoRAAdapter:
         """Takes an adapter out: new requests can no longer name it; those running with it finish.

@@ -268,7 +268,7 @@ class Scheduler:
         # NOTE: no admission in a step that preempted: the freed blocks would go straight
         # to a newer request and the victim would starve.
         deferred: list[Request] = []  # LoRA requests of an adapter beyond the slots, passed over
-        running_loras = self._running_loras() if self.max_loras is not None else None
+        running_loras = self._running_loras() if self.max_loras is not None and self.waiting else None
         while self.waiting and self._budget > 0 and not self._preempted_this_step:
             request = self.waiting.peek()
             lora = request.lora

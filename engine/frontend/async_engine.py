@@ -34,7 +34,7 @@ from pagoda.engine.exceptions import EngineDeadError, EngineSleepingError
 from pagoda.engine.executor.base import Executor, create_executor
 from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
 from pagoda.engine.kv_events import KVEventLog, make_publisher
-from pagoda.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, load_adapter, parse_lora_modules, prefix_salt
+from pagoda.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, parse_lora_modules, prefix_salt
 from pagoda.engine.messages import DeviceMemory, KVCacheAllocation, WorkerInit
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_tokenizer, resolve_model, resolve_model_dtype
@@ -464,10 +464,7 @@ class AsyncEngine:
         """
         if self.loras is None:
             raise LoRAError("LoRA is off (start with --enable-lora)")
-        if name in self.loras:
-            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
-        adapter = await asyncio.to_thread(load_adapter, name, path, self.model_config, self.config.max_lora_rank)
-        self.loras.load_checked(adapter)
+        adapter = await asyncio.to_thread(self.loras.load, name, path)
         logger.info("LoRA adapter %s loaded: %s (rank %d)", name, path, adapter.rank)
         return adapter
 
