@@ -52,6 +52,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=float, default=default,
                                 help="on a GPU, the share of its memory for the weights, activations and KV cache "
                                      "together; the KV cache gets the rest (default 0.9; unused with --kv-cache-gib)")
+        elif f.name == "kv_offload_dir":
+            parser.add_argument(flag, default=None, metavar="DIR",
+                                help="the prefix cache's disk tier: cached KV blocks are written here and read back "
+                                     "after an eviction or a restart instead of computed (docs/kv-cache.md)")
         elif isinstance(default, str) or f.name == "model":
             parser.add_argument(flag, default=default)
         else:
@@ -60,6 +64,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache size in GiB (alternative to --kv-cache-bytes)")
     parser.add_argument("--swap-space", type=float, default=None,
                         help="CPU swap space in GiB (alternative to --swap-space-bytes)")
+    parser.add_argument("--kv-offload-gib", type=float, default=None,
+                        help="the disk tier's budget in GiB (alternative to --kv-offload-bytes)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="what the start-up stages and the engine log to stderr (default info)")
 
@@ -73,6 +79,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
     if args.kv_cache_gib is not None:
         values["kv_cache_bytes"] = int(args.kv_cache_gib * 1024**3)
+    if args.kv_offload_gib is not None:
+        values["kv_offload_bytes"] = int(args.kv_offload_gib * 1024**3)
     if args.swap_space is not None:
         values["swap_space_bytes"] = int(args.swap_space * 1024**3)
     return EngineConfig(**values)

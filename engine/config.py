@@ -108,6 +108,12 @@ class EngineConfig:
             dropped first); None: max_loras.
         kv_events_config: KV cache events for routers, vLLM's ``--kv-events-config``
             (engine/kv_events.py; docs/kv-cache.md): a dict, its JSON, or None (off).
+        kv_offload_dir: The prefix cache's disk tier (engine/kv_offload.py; docs/kv-cache.md):
+            every cached block is also written under this directory, and a prefix found
+            there (after an eviction, a restart, or written by another replica of the same
+            model) is read back instead of computed. None: off.
+        kv_offload_bytes: The most the disk tier's files take; None: 8 GiB or half the
+            disk's free space, whichever is less.
     """
 
     model: str | None = None
@@ -151,6 +157,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     kv_events_config: KVEventsConfig | dict | str | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")
@@ -206,6 +214,14 @@ class EngineConfig:
         _positive_int(self, "max_lora_rank")
         if self.max_cpu_loras is not None:
             _positive_int(self, "max_cpu_loras")
+        if self.kv_offload_bytes is not None:
+            _positive_int(self, "kv_offload_bytes")
+            if self.kv_offload_dir is None:
+                raise ValueError("kv_offload_bytes needs kv_offload_dir (--kv-offload-dir)")
+        if self.kv_offload_dir is not None:
+            self.kv_offload_dir = str(self.kv_offload_dir)
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offload_dir needs prefix caching: the disk tier keeps the prefix cache's blocks")
         self.lora_modules = tuple(self.lora_modules or ())
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")

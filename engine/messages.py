@@ -95,9 +95,14 @@ class SchedulerOutput:
         new_loras: LoRA adapters (id -> engine.lora.LoRAAdapter) the worker gets before
             this step's requests name them.
         drop_loras: Adapters the worker may forget.
+        kv_store: The disk tier (engine/kv_offload.py): (block, digest) of blocks filled by
+            earlier steps, to snapshot first and write to disk.
+        kv_delete: Digests whose files to delete (after the stores queued before).
+        kv_load: Per request, the (block, digest) run of blocks to read from disk into its
+            blocks (it runs no tokens in this step).
 
-    The worker applies them in this order: drop finished, swap out, swap in, copy,
-    then runs the step.
+    The worker applies them in this order: snapshot kv_store, drop finished, swap out,
+    swap in, copy, load, then runs the step.
     """
 
     step_id: int
@@ -115,6 +120,9 @@ class SchedulerOutput:
     draft_requests: dict[str, int] = field(default_factory=dict)
     new_loras: dict[int, Any] = field(default_factory=dict)
     drop_loras: list[int] = field(default_factory=list)
+    kv_store: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_delete: list[bytes] = field(default_factory=list)
+    kv_load: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -128,7 +136,8 @@ class SchedulerOutput:
     def has_work(self) -> bool:
         """Whether the worker has anything to do (run, drop, add or move blocks)."""
         return bool(self.num_scheduled_tokens or self.finished_request_ids or self.new_requests
-                    or self.swap_out or self.swap_in or self.copy_blocks)
+                    or self.swap_out or self.swap_in or self.copy_blocks or self.kv_store or self.kv_delete
+                    or self.kv_load)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +237,12 @@ class RunnerOutput:
         spec_logprobs: Their logprobs, one per token of ``spec_sampled``, if asked.
         draft_token_ids: With a draft model: the drafts it proposed for the next step, for
             the requests of ``draft_requests``.
+        kv_loaded: Per request of ``kv_load``, how many of its blocks were read (its run
+            stops at the first block missing or damaged).
+        kv_failed: Digests of blocks not on disk after all: found missing or damaged when
+            read, or not stored (the writer was too far behind).
+        kv_read_bytes: Bytes read from disk by the step's loads.
+        kv_read_seconds: Time the loads took.
         error: Set when the step failed; every request in it is failed.
         compute_seconds: Time the worker spent on the step.
         idle_seconds: Time the worker waited for the step after answering the one before.
@@ -241,6 +256,10 @@ class RunnerOutput:
     spec_sampled: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_loaded: dict[str, int] = field(default_factory=dict)
+    kv_failed: list[bytes] = field(default_factory=list)
+    kv_read_bytes: int = 0
+    kv_read_seconds: float = 0.0
     error: str | None = None
     compute_seconds: float = 0.0
     idle_seconds: float = 0.0
@@ -261,6 +280,8 @@ class WorkerReady:
     one_call_forward: bool = False  # decode steps run in one call (engine/models/one_call_forward.py)
     cuda_graphs: str = ""  # on a GPU: which decode steps replay CUDA graphs, or why none do
     threads: str = ""  # "2 threads on CPUs 0-1": the worker's torch threads and where they may run
+    kv_offload_namespace: str = ""  # with a disk tier: the namespace of its blocks (hex)
+    kv_offload_file_bytes: int = 0  # and one block's file size
 
 
 @dataclass(frozen=True, slots=True)

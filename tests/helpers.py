@@ -17,6 +17,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -530,3 +534,77 @@ def tiny_server(model_dir: Path, max_model_len: int = 128, num_kv_blocks: int = 
 
     return ServerThread(EngineConfig(model=str(model_dir), enforce_eager=True, dtype="float32",
                                      max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, **engine))
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """Pids of the group's processes that are not zombies (an exited child awaiting its reaper)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+class ServerProcess:
+    """`pagoda serve ...` in its own session (process group), logging to a file."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        pagoda = Path(sys.executable).with_name("pagoda")
+        command = [str(pagoda)] if pagoda.exists() else [sys.executable, "-m", "pagoda"]
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([*command, "serve", *args, "--port", str(self.port)], cwd=REPO,
+                                     env={**os.environ, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float) -> None:
+        from pagoda.server.testing import http_request
+
+        deadline = time.time() + timeout
+        while True:
+            assert self.proc.poll() is None, f"the server exited:\n{self.log()}"
+            assert time.time() < deadline, f"the server did not start:\n{self.log()}"
+            try:
+                if http_request(self.url + "/health", timeout=5).status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+
+    def client(self, api_key: str = "sk-lifecycle"):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self._log.close()
+
+    def assert_stopped_cleanly(self, timeout: float) -> None:
+        """The server exits 0 and leaves no process of its group (the worker) behind."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not stop in {timeout} s:\n{self.log()}")
+        assert code == 0, self.log()
+        deadline = time.time() + 10
+        while live_processes_in_group(self.proc.pid):
+            assert time.time() < deadline, f"left behind: {live_processes_in_group(self.proc.pid)}"
+            time.sleep(0.1)

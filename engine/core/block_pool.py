@@ -88,18 +88,18 @@ class BlockPool:
                 self.evictor.remove(block.block_id)  # only cached blocks are hits
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVBlock, block_hash: int, block_key: BlockKey) -> None:
-        """Registers a block that is (or is being) filled with the tokens of ``block_key``.
-
-        If another block already holds that content it stays the cached one.
-        """
+    def cache_block(self, block: KVBlock, block_hash: int, block_key: BlockKey) -> bool:
+        """Registers a block that is (or is being) filled with the tokens of ``block_key``;
+        returns whether it was (if another block already holds that content, that one stays
+        the cached one)."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached_blocks:
-            return
+            return False
         block.block_hash = block_hash
         block.block_key = block_key
         self.cached_blocks[block_hash] = block
         if self.events is not None:
             self.events.stored(block_hash, block_key)
+        return True
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:

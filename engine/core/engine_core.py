@@ -281,7 +281,8 @@ class EngineCore:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 return
-            if not in_flight and not scheduler.has_unfinished_requests() and not self._pending_aborts:
+            if (not in_flight and not scheduler.has_unfinished_requests() and not self._pending_aborts
+                    and not scheduler.has_kv_work()):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 was_idle = True

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagoda.engine.core.block_pool import BlockKey, BlockPool, KVBlock
+from pagoda.engine.kv_offload import block_digest
 from pagoda.plugins.eviction import Evictor
 
 if TYPE_CHECKING:
+    from pagoda.engine.core.kv_offload_index import DiskTierIndex
     from pagoda.engine.core.request import Request
 
 
@@ -98,6 +100,10 @@ class KVCacheManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
+        # The disk tier (engine/core/kv_offload_index.py) when on: every block that enters the
+        # prefix cache is stored there; and each request's blocks' digests (its names on disk).
+        self.offload: DiskTierIndex | None = None
+        self.req_to_digests: dict[str, list[bytes]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -162,6 +168,62 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    # -- the disk tier -----------------------------------------------------------------
+
+    def block_digests(self, request: Request, num_blocks: int) -> list[bytes]:
+        """Names on disk of the request's first ``num_blocks`` full blocks (a digest chain
+        over the same tokens and salt as the hash chain, stable across processes)."""
+        digests = self.req_to_digests.setdefault(request.request_id, [])
+        size, token_ids = self.block_size, request.all_token_ids
+        while len(digests) < num_blocks:
+            i = len(digests)
+            digests.append(block_digest(digests[-1] if digests else None, token_ids[i * size:(i + 1) * size],
+                                        request.cache_salt if i == 0 else None))
+        return digests
+
+    def offloaded_blocks(self, request: Request, start: int) -> list[bytes]:
+        """Digests of the run of the request's blocks on disk from block ``start`` on (the
+        blocks after the pool's hits), leaving the last token to compute."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if start >= max_blocks:
+            return []
+        digests = self.block_digests(request, max_blocks)
+        count = start
+        while count < max_blocks and self.offload.has(digests[count]):
+            count += 1
+        return digests[start:count]
+
+    def allocate_for_load(self, request: Request, computed_blocks: list[KVBlock],
+                          num_blocks: int) -> list[KVBlock] | None:
+        """A request's first allocation when its prefix is read from disk: the pool's hits,
+        then ``num_blocks`` blocks to read into, none of them cached until the read is
+        confirmed (finish_load). None when the pool has too few free blocks."""
+        num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        if num_blocks > self.get_num_free_blocks() - num_revived:
+            return None
+        request_id = request.request_id
+        self.block_pool.touch(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_blocks)
+        self.req_to_blocks[request_id] = [*computed_blocks, *new_blocks]
+        self.req_retention[request_id] = request.kv_retention
+        self.req_to_num_tokens[request_id] = (len(computed_blocks) + num_blocks) * self.block_size
+        self.req_to_num_cached[request_id] = len(computed_blocks)
+        return new_blocks
+
+    def finish_load(self, request: Request, num_blocks: int) -> None:
+        """The read of a request's blocks is over: its first ``num_blocks`` blocks hold its
+        prefix (they join the prefix cache), the rest go back to the pool."""
+        request_id = request.request_id
+        if num_blocks == 0:
+            self.free(request_id)
+            return
+        blocks = self.req_to_blocks[request_id]
+        unused = blocks[num_blocks:]
+        del blocks[num_blocks:]
+        self.block_pool.free_blocks(reversed(unused), self.req_retention.get(request_id, 0))
+        self.req_to_num_tokens[request_id] = num_blocks * self.block_size
+        self._cache_full_blocks(request, num_blocks * self.block_size)
 
     # -- allocation -------------------------------------------------------------------
 
@@ -244,8 +306,10 @@ class KVCacheManager:
         if num_full <= start:
             return
         blocks = self.req_to_blocks[request_id]
+        offload = self.offload
         for i, (block_hash, key) in enumerate(self.block_hashes(request, num_full)[start:num_full], start):
-            self.block_pool.cache_block(blocks[i], block_hash, key)
+            if self.block_pool.cache_block(blocks[i], block_hash, key) and offload is not None:
+                offload.block_cached(blocks[i].block_id, self.block_digests(request, i + 1)[i], request.kv_retention)
         self.req_to_num_cached[request_id] = num_full
 
     def fork(self, parent: Request, child: Request) -> list[int]:
@@ -259,6 +323,8 @@ class KVCacheManager:
         self.req_to_blocks[child.request_id] = blocks
         self.req_to_num_tokens[child.request_id] = self.req_to_num_tokens.get(parent.request_id, 0)
         self.req_to_hashes[child.request_id] = list(self.req_to_hashes.get(parent.request_id, []))
+        if parent.request_id in self.req_to_digests:
+            self.req_to_digests[child.request_id] = list(self.req_to_digests[parent.request_id])
         self.req_to_num_cached[child.request_id] = self.req_to_num_cached.get(parent.request_id, 0)
         self.req_retention[child.request_id] = child.kv_retention
         return [block.block_id for block in blocks]
@@ -268,6 +334,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request_id, None)
         self.req_to_num_tokens.pop(request_id, None)
         self.req_to_hashes.pop(request_id, None)
+        self.req_to_digests.pop(request_id, None)
         self.req_to_num_cached.pop(request_id, None)
         retention = self.req_retention.pop(request_id, 0)
         if blocks:
@@ -282,6 +349,7 @@ class KVCacheManager:
         self.req_to_blocks.clear()
         self.req_to_num_tokens.clear()
         self.req_to_hashes.clear()
+        self.req_to_digests.clear()
         self.req_to_num_cached.clear()
         self.free_cpu_blocks = list(range(self.num_cpu_blocks - 1, -1, -1))
         self.req_to_cpu_blocks.clear()

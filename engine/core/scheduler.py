@@ -61,6 +61,8 @@ class SchedulerStats:
     accepted_per_position: list[int] = field(default_factory=list)
     #: LoRA adapters sent to the worker (a first use, or again after it was dropped).
     num_lora_sends: int = 0
+    #: Prompt tokens read back from the disk tier instead of computed.
+    num_prompt_tokens_loaded: int = 0
 
 
 class Scheduler:
@@ -110,6 +112,9 @@ class Scheduler:
         self.max_cpu_loras = max(max_cpu_loras or 0, max_loras or 0)
         self._worker_loras: OrderedDict[int, object] = OrderedDict()
         self._unloaded_loras: set[int] = set()
+        # Requests whose prefix the worker is reading from the disk tier: id -> (the request,
+        # its pool hits in blocks, the step that reads, whether it is its first admission).
+        self.loading: dict[str, tuple[Request, int, int, bool]] = {}
         self.speculative = speculative
         self.bitmasks = bitmasks
         self.max_num_seqs = max_num_seqs
@@ -187,6 +192,8 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif self.loading.pop(request_id, None) is not None:
+            pass  # NOTE: its blocks are freed below; the read into them ends within its step
         elif not self.waiting.remove(request):  # a sample still waiting to fork
             for parent in [*self.waiting, *self.running]:
                 if request in parent.pending_forks:
@@ -221,6 +228,11 @@ class Scheduler:
         self._preempted_this_step = False
         if self._unloaded_loras:
             self._drop_unloaded_loras()
+        offload = self.kv_cache_manager.offload
+        if offload is not None and offload.has_work:
+            # NOTE: blocks cached while earlier steps were scheduled: those steps have filled
+            # them by the time the worker runs this one (blocks cached below go with the next).
+            out.kv_store, out.kv_delete = offload.take()
 
         # NOTE: an index walk, not a for loop: forks append to running during the walk,
         # and a preemption may remove a request before the cursor (_preempt moves it).
@@ -353,6 +365,8 @@ class Scheduler:
                          and not request.sampling_params.computes_whole_prompt)
         if queries_cache:
             computed_blocks, num_hit = kv.get_computed_blocks(request)
+            if kv.offload is not None and self._start_load(request, computed_blocks, num_hit):
+                return None
         num_new = request.num_tokens - request.num_computed_tokens - num_hit
         if request.pending_forks:
             num_new -= 1  # the last prompt token runs once per sample, after the fork
@@ -367,13 +381,7 @@ class Scheduler:
         allocation = kv.allocate_slots(request, num_new, computed_blocks)
         if allocation is None:
             return "memory"
-        if queries_cache:
-            self.stats.prefix_cache_queries += request.num_tokens
-            self.stats.prefix_cache_hits += num_hit
-        if request.metrics.first_scheduled_time is None:
-            request.metrics.num_cached_tokens = num_hit
-            self.stats.num_prompt_tokens += len(request.prompt_token_ids)
-            self.stats.num_prompt_tokens_cached += num_hit
+        self._count_admission(request, num_hit, queries_cache)
         request.num_computed_tokens += num_hit
         self.waiting.pop()
         self.running.append(request)
@@ -386,6 +394,82 @@ class Scheduler:
             self._send_new(request)
             out.num_scheduled_tokens[request_id] = num_new
         return None
+
+    def _count_admission(self, request: Request, num_hit: int, queried_cache: bool) -> None:
+        if queried_cache:
+            self.stats.prefix_cache_queries += request.num_tokens
+            self.stats.prefix_cache_hits += num_hit
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.num_cached_tokens = num_hit
+            self.stats.num_prompt_tokens += len(request.prompt_token_ids)
+            self.stats.num_prompt_tokens_cached += num_hit
+
+    # -- the disk tier ---------------------------------------------------------------
+
+    def _start_load(self, request: Request, computed_blocks: list, num_hit: int) -> bool:
+        """Has the worker read the blocks of the request's prefix that are on disk after the
+        pool's hits, in this step, when reading beats computing them. The request runs no
+        tokens in this step: it waits for the read's result (update()), then is admitted
+        again with those tokens computed.
+
+        Returns:
+            Whether a read was started (the request then leaves the waiting queue).
+        """
+        kv = self.kv_cache_manager
+        offload = kv.offload
+        digests = kv.offloaded_blocks(request, len(computed_blocks))
+        if not digests:
+            return False
+        if not offload.worth_loading():
+            offload.stats.num_skipped_loads += 1
+            return False
+        blocks = kv.allocate_for_load(request, computed_blocks, len(digests))
+        if blocks is None:
+            return False
+        first = request.metrics.first_scheduled_time is None
+        self._count_admission(request, num_hit, True)
+        self.waiting.pop()
+        now = request.record("kv_load")
+        if first:
+            request.metrics.first_scheduled_time = now
+        self.loading[request.request_id] = (request, len(computed_blocks), self._out.step_id, first)
+        self._out.kv_load[request.request_id] = [(block.block_id, digest) for block, digest in zip(blocks, digests)]
+        return True
+
+    def _take_loads(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> None:
+        """Applies a step's reads from disk: the blocks read join the prefix cache and count
+        as computed, the request goes back to the queue (in its place) to compute the rest."""
+        kv = self.kv_cache_manager
+        offload = kv.offload
+        offload.forget(runner_output.kv_failed)
+        offload.stats.num_load_failures += sum(
+            1 for request_id in scheduler_output.kv_load if request_id in runner_output.kv_loaded
+            and runner_output.kv_loaded[request_id] < len(scheduler_output.kv_load[request_id]))
+        offload.record_read(runner_output.kv_read_bytes, runner_output.kv_read_seconds)
+        for request_id, pairs in scheduler_output.kv_load.items():
+            entry = self.loading.get(request_id)
+            if entry is None or entry[2] != scheduler_output.step_id:
+                continue  # finished while its blocks were read (they were freed then)
+            del self.loading[request_id]
+            request, num_hit_blocks, _, first = entry
+            num_loaded = runner_output.kv_loaded.get(request_id, 0)
+            for _, digest in pairs[:num_loaded]:
+                offload.used(digest)
+            kv.finish_load(request, num_hit_blocks + num_loaded)
+            request.num_computed_tokens = (num_hit_blocks + num_loaded) * kv.block_size
+            num_tokens = num_loaded * kv.block_size
+            offload.stats.num_loaded += num_loaded
+            self.stats.num_prompt_tokens_loaded += num_tokens
+            self.stats.prefix_cache_hits += num_tokens
+            if first:  # NOTE: like the pool's hits, counted for the request's first admission only
+                self.stats.num_prompt_tokens_cached += num_tokens
+                request.metrics.num_cached_tokens += num_tokens
+            self._enqueue(request)
+
+    def has_kv_work(self) -> bool:
+        """Whether a step is due with no request to run: blocks to store or files to delete."""
+        offload = self.kv_cache_manager.offload
+        return offload is not None and offload.has_work
 
     def _schedule_running(self, request: Request, num_new: int, allocation: SlotAllocation) -> None:
         out = self._out
@@ -480,8 +564,11 @@ class Scheduler:
         requests first.
         """
         self.kv_cache_manager.reset()
+        if self.kv_cache_manager.offload is not None:
+            self.kv_cache_manager.offload.drop_pending_stores()  # NOTE: their blocks died with the worker
         self._scheduled.clear()
-        requests = [*self.running, *self.waiting]
+        requests = [*self.running, *self.waiting, *(entry[0] for entry in self.loading.values())]
+        self.loading.clear()
         self.running.clear()
         self.waiting = WaitingQueue()
         self._in_worker.clear()
@@ -510,6 +597,15 @@ class Scheduler:
             self._worker_loras.pop(adapter_id, None)
         for request_id in scheduler_output.num_scheduled_tokens:
             kv.uncache(request_id)
+        if kv.offload is not None:
+            kv.offload.drop_pending_stores()  # NOTE: blocks the failed step was to fill among them
+            for request_id in scheduler_output.kv_load:
+                entry = self.loading.get(request_id)
+                if entry is not None and entry[2] == scheduler_output.step_id:
+                    del self.loading[request_id]
+                    kv.free(request_id)
+                    entry[0].num_computed_tokens = 0
+                    self._enqueue(entry[0])
         # NOTE: blocks the step was to fill may have been freed since it was sent (a
         # preemption while it ran) and still be cached: nothing unreferenced stays cached.
         kv.reset_prefix_cache()
@@ -528,6 +624,13 @@ class Scheduler:
         """
         updates: list[RequestUpdate] = []
         scheduled = self._scheduled.pop(scheduler_output.step_id, {})
+        offload = self.kv_cache_manager.offload
+        if offload is not None:
+            if scheduler_output.kv_load or runner_output.kv_failed:
+                self._take_loads(scheduler_output, runner_output)
+            if scheduler_output.total_num_scheduled_tokens >= 64 and runner_output.compute_seconds > 0:
+                offload.record_prefill(scheduler_output.total_num_scheduled_tokens,
+                                       runner_output.compute_seconds - runner_output.kv_read_seconds)
         if scheduler_output.is_empty:
             return updates
         self.stats.num_steps += 1

@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from pagoda.attention_backends import get_attention_backend
 from pagoda.engine.config import EngineConfig, sizes_kv_from_memory
 from pagoda.engine.core.engine_core import EngineCore, StepStats
 from pagoda.engine.core.grammar import BitmaskFiller, GrammarCompiler
+from pagoda.engine.core.kv_offload_index import DiskTierIndex
 from pagoda.engine.core.kv_sizing import KVCacheSize, kv_cache_budget, size_kv_cache
 from pagoda.engine.core.plugin_manager import create_plugin_manager, plugin_names
 from pagoda.engine.core.policy import Policy
@@ -34,8 +36,9 @@ from pagoda.engine.exceptions import EngineDeadError, EngineSleepingError
 from pagoda.engine.executor.base import Executor, create_executor
 from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
 from pagoda.engine.kv_events import KVEventLog, make_publisher
+from pagoda.engine.kv_offload import KVOffloadTarget, default_offload_bytes
 from pagoda.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, parse_lora_modules, prefix_salt
-from pagoda.engine.messages import DeviceMemory, KVCacheAllocation, WorkerInit
+from pagoda.engine.messages import DeviceMemory, KVCacheAllocation, WorkerInit, WorkerReady
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.model_loader import load_tokenizer, resolve_model, resolve_model_dtype
 from pagoda.engine.outputs import RequestOutput
@@ -139,6 +142,8 @@ class AsyncEngine:
             self._use_kv_cache(kv, kv_dtype)
         logger.info("starting the worker process")
         ready = await self.core.start(size_kv if from_memory else None)
+        if config.kv_offload_dir is not None:
+            await self._open_offload(ready)
         threads = f" ({ready.threads})" if ready.threads and ready.device == "cpu" else ""
         logger.info("worker ready: %s%s, %s, %s, attention backend %s, %.2f GiB of KV cache%s%s; async scheduling %s",
                     ready.device, threads, ready.dtype, ready.weights, ready.attention_backend,
@@ -146,6 +151,21 @@ class AsyncEngine:
                     f", model compiled in {ready.compile_seconds:.1f} s ({ready.compiled})" if ready.compile_seconds
                     else f", {ready.compiled}" if ready.compiled else "",
                     f", {ready.cuda_graphs}" if ready.cuda_graphs else "", "on" if self.core.async_scheduling else "off")
+
+    async def _open_offload(self, ready: WorkerReady) -> None:
+        """The disk tier's index over the worker's namespace, with the blocks a previous run
+        (or another replica) left there."""
+        config = self.config
+        target = KVOffloadTarget(Path(config.kv_offload_dir), bytes.fromhex(ready.kv_offload_namespace))
+        budget = config.kv_offload_bytes or default_offload_bytes(target.directory)
+        index = DiskTierIndex(target, ready.kv_offload_file_bytes, budget, config.block_size,
+                              evictor=self.policy.make_evictor())
+        start = time.perf_counter()
+        found = await asyncio.to_thread(index.scan)
+        self.core.scheduler.kv_cache_manager.offload = index
+        logger.info("KV disk tier: %s, %.1f GiB at most (%d blocks of %.0f KiB); %d blocks found in %.2f s",
+                    target.root, budget / 1024**3, index.max_files, index.file_bytes / 1024, found,
+                    time.perf_counter() - start)
 
     def _make_executor(self, on_death):
         """The worker(s), from the current WorkerInit (a restart allocates what the first start

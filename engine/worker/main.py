@@ -151,7 +151,9 @@ def ready_message(runner):
                        pid=os.getpid(), compile_seconds=runner.compile_seconds,
                        compiled=runner.compile_description,
                        weights=runner.weights_description, one_call_forward=runner.one_call_forward,
-                       cuda_graphs=runner.graphs_description, threads=describe_threads())
+                       cuda_graphs=runner.graphs_description, threads=describe_threads(),
+                       kv_offload_namespace=runner.offload.target.namespace.hex() if runner.offload else "",
+                       kv_offload_file_bytes=runner.offload.file_bytes if runner.offload else 0)
 
 
 def lead(runner, receive, send) -> None:
@@ -170,6 +172,8 @@ def lead(runner, receive, send) -> None:
             message = None
         received = time.perf_counter()
         if not isinstance(message, SchedulerOutput):
+            if runner.offload is not None and not runner.offload.flush():
+                print("pagoda worker: the KV blocks still queued for disk were not all written", file=sys.stderr)
             runner.tp.broadcast_object(Shutdown())
             runner.tp.synchronize()  # the process exits right after (os._exit)
             return

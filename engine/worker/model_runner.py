@@ -13,6 +13,7 @@ import math
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,6 +24,8 @@ from pagoda.engine.tensor_parallel import head_share
 from pagoda.engine.worker.distributed import init_tensor_parallel
 from pagoda.engine.worker.host_copy import to_device
 from pagoda.engine.worker.input_batch import InputBatch
+from pagoda.engine.worker.kv_offload_io import KVOffloadIO
+from pagoda.engine.kv_offload import KVOffloadTarget, model_fingerprint, namespace_of, write_description
 from pagoda.engine.messages import (DeviceMemory, KVCacheAllocation, RunnerOutput, SchedulerOutput, TokenLogprobs,
                                     WorkerInit)
 from pagoda.engine.config import SIMULATED_DEVICE_MEMORY_ENV, compiles_model
@@ -88,6 +91,8 @@ class ModelRunner:
                                                               backend_cls, init, progress, draft=True)
         self._init, self._progress = init, progress
         self.kv_caches = None
+        self.offload: KVOffloadIO | None = None  # the disk tier's reads and writes, with kv_offload_dir
+        self._last_step_failed = False
         if init.num_blocks is not None:
             self.allocate(KVCacheAllocation(init.num_blocks, init.num_cpu_blocks, init.max_model_len))
 
@@ -104,6 +109,8 @@ class ModelRunner:
             self.draft_kv_caches, self.draft_cpu_caches = self._allocate_caches(self.draft_backend,
                                                                                 init.draft_model_config, allocation)
             self.kv_cache_bytes += sum(k.nbytes + v.nbytes for k, v in self.draft_kv_caches)
+        if config.kv_offload_dir is not None:
+            self.offload = self._open_offload(config, init)
         # Whole steps in one C call where the model allows (engine/models/one_call_forward.py).
         self.one_call_forward = self.model.prepare_one_call_forward(self.kv_caches)
         if self.model.layer_by_layer_reason and self.device.type == "cpu":
@@ -132,6 +139,21 @@ class ModelRunner:
         self.graphs_description = graphs_off or ""
         if graphs_off is None:
             self._capture_decode_graphs(allocation, progress)
+
+    def _open_offload(self, config, init: WorkerInit) -> KVOffloadIO:
+        """The disk tier's reader and writer, in the namespace of this model's weights and of
+        this cache's layout (a block of any other never reads as one of these)."""
+        description = {
+            "model": model_fingerprint(Path(init.model_dir)),
+            "architecture": self.model_config.architecture,
+            "dtype": str(self.dtype), "kv_cache_dtype": str(self.kv_cache_dtype),
+            "quantization": config.quantization, "batch_invariant": config.batch_invariant,
+            "attention_backend": self.attention_backend.name, "block_size": self.block_size,
+            "blocks": [[list(t.shape[1:]), str(t.dtype)] for pair in self.kv_caches for t in pair],
+        }
+        target = KVOffloadTarget(Path(config.kv_offload_dir), namespace_of(description))
+        write_description(target, {**description, "model_path": str(init.model_dir)})
+        return KVOffloadIO(target, self.kv_caches)
 
     def _compile(self, progress) -> None:
         """Compiles the model's regions (loading them where an earlier start kept them) and
@@ -382,15 +404,24 @@ class ModelRunner:
         """
         try:
             with torch.inference_mode():
-                return self._execute(sched)
+                out = self._execute(sched)
+            self._last_step_failed = False
+            return out
         except Exception:
+            self._last_step_failed = True
             for request_id in sched.num_scheduled_tokens:
                 self.batch.remove(request_id)
                 self._failed.add(request_id)
             return RunnerOutput(step_id=sched.step_id, error=traceback.format_exc())
 
-    def _apply_changes(self, sched: SchedulerOutput) -> None:
+    def _apply_changes(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
         batch = self.batch
+        if sched.kv_store or sched.kv_delete:
+            # NOTE: first: this step's swaps, copies and loads may write into these blocks.
+            # After a failed step, blocks it was to fill may be among them: none is stored.
+            stores = sched.kv_store
+            out.kv_failed = [digest for _, digest in stores] if self._last_step_failed else self.offload.store(stores)
+            self.offload.delete(sched.kv_delete)
         for request_id in sched.finished_request_ids:
             batch.remove(request_id)
             self._failed.discard(request_id)
@@ -413,10 +444,13 @@ class ModelRunner:
             batch.append_block_ids(batch.row_of[request_id], block_ids)
         for request_id, block_ids in sched.block_tables.items():
             batch.set_block_ids(batch.row_of[request_id], block_ids)
+        if sched.kv_load:
+            out.kv_loaded, failed, out.kv_read_bytes, out.kv_read_seconds = self.offload.load(sched.kv_load)
+            out.kv_failed += failed
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self._apply_changes(sched)
         out = RunnerOutput(step_id=sched.step_id)
+        self._apply_changes(sched, out)
         if sched.is_empty:
             return out
         batch = self.batch

@@ -1,0 +1,205 @@
+"""The worker's half of the disk tier (engine/kv_offload.py): snapshots blocks, writes them
+in a background thread, reads them back into the KV cache.
+
+A block to store is copied out of the cache at the start of the step after the one that
+filled it, before that step's swaps, copies and loads can overwrite it; the copy waits in
+memory, readable by loads, until the writer thread has put it in its file (a temporary
+name, then a rename: a reader never sees half a file). Loads run in the step that asks for
+them, before its forward; a block that cannot be read whole and checked stops its
+request's run of blocks there, is reported, and its file is deleted when it is damaged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import zlib
+
+import torch
+
+from pagoda.attention_backends.base import cache_storage
+from pagoda.engine.kv_offload import HEADER, KVOffloadTarget
+
+logger = logging.getLogger(__name__)
+
+# Snapshots waiting for the writer, at most (bytes): past it new blocks are not stored (the
+# disk is slower than the model fills blocks) and the engine is told so.
+MAX_PENDING_BYTES = 512 * 1024**2
+
+
+class KVOffloadIO:
+    """Reads and writes one worker's blocks under ``target``.
+
+    Args:
+        target: The directory and namespace of this model's blocks.
+        kv_caches: The KV cache, one (keys, values) pair per layer, blocks first.
+    """
+
+    def __init__(self, target: KVOffloadTarget, kv_caches) -> None:
+        self.target = target
+        self.tensors = [cache_storage(t) for pair in kv_caches for t in pair]
+        self.device = self.tensors[0].device
+        self.widths = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.payload_bytes = sum(self.widths)
+        self.file_bytes = HEADER.size + self.payload_bytes
+        self._pending: dict[bytes, torch.Tensor] = {}  # digest -> its snapshot (a row of file_bytes)
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._made_dirs: set[str] = set()
+        self._warned: set[str] = set()
+        self._writer = threading.Thread(target=self._write_loop, name="pagoda-kv-writer", daemon=True)
+        self._writer.start()
+
+    # -- storing ---------------------------------------------------------------------
+
+    def store(self, stores: list[tuple[int, bytes]]) -> list[bytes]:
+        """Snapshots blocks (block id, digest) and queues their files; returns the digests
+        not stored (the writer is too far behind)."""
+        with self._lock:
+            room = max(0, (MAX_PENDING_BYTES - self._pending_bytes) // self.file_bytes)
+        dropped = [digest for _, digest in stores[room:]]
+        stores = stores[:room]
+        if stores:
+            rows = self._gather([block_id for block_id, _ in stores])
+            items = [(digest, rows[i]) for i, (_, digest) in enumerate(stores)]
+            with self._lock:
+                self._pending.update(items)
+                self._pending_bytes += len(items) * self.file_bytes
+            self._queue.put(("store", items))
+        return dropped
+
+    def delete(self, digests: list[bytes]) -> None:
+        """Queues files to delete (after the stores queued before them)."""
+        if digests:
+            self._queue.put(("delete", digests))
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """``[n, file_bytes]`` uint8 on the CPU: each block's payload after room for its header."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        rows = torch.empty(len(block_ids), self.file_bytes, dtype=torch.uint8)
+        offset = HEADER.size
+        for tensor, width in zip(self.tensors, self.widths):
+            part = tensor.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8)
+            rows[:, offset:offset + width].copy_(part)
+            offset += width
+        return rows
+
+    def _write_loop(self) -> None:
+        while True:
+            op, items = self._queue.get()
+            if op == "stop":
+                items.set()
+                continue
+            if op == "delete":
+                for digest in items:
+                    self.target.path_of(digest).unlink(missing_ok=True)
+                continue
+            for digest, row in items:
+                try:
+                    self._write(digest, row)
+                except OSError as exc:
+                    self._warn_once("write", "could not write a KV block to %s: %s (blocks are not stored until "
+                                    "it works again)", self.target.root, exc)
+                finally:
+                    with self._lock:
+                        if self._pending.get(digest) is row:
+                            del self._pending[digest]
+                        self._pending_bytes -= self.file_bytes
+
+    def _write(self, digest: bytes, row: torch.Tensor) -> None:
+        path = self.target.path_of(digest)
+        parent = str(path.parent)
+        if parent not in self._made_dirs:
+            os.makedirs(parent, exist_ok=True)
+            self._made_dirs.add(parent)
+        data = row.numpy()
+        payload = data[HEADER.size:]
+        data[:HEADER.size] = memoryview(self.target.header(digest, self.payload_bytes, zlib.crc32(payload)))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Waits until the blocks queued so far are written; False on timeout."""
+        done = threading.Event()
+        self._queue.put(("stop", done))
+        return done.wait(timeout)
+
+    # -- loading ---------------------------------------------------------------------
+
+    def load(self, loads: dict[str, list[tuple[int, bytes]]]) -> tuple[dict[str, int], list[bytes], int, float]:
+        """Reads blocks into the cache: per request, its (block id, digest) run in order.
+
+        Returns:
+            Per request, how many of its blocks were loaded (a run stops at the first block
+            missing or damaged); the digests of those blocks; the bytes read; the seconds.
+        """
+        start = time.perf_counter()
+        loaded: dict[str, int] = {}
+        failed: list[bytes] = []
+        block_ids: list[int] = []
+        rows: list[torch.Tensor] = []
+        num_read = 0
+        for request_id, pairs in loads.items():
+            count = 0
+            for block_id, digest in pairs:
+                row, was_read = self._read(digest)
+                if row is None:
+                    failed.append(digest)
+                    break
+                num_read += was_read
+                block_ids.append(block_id)
+                rows.append(row)
+                count += 1
+            loaded[request_id] = count
+        if rows:
+            self._scatter(block_ids, torch.stack(rows))
+        return loaded, failed, num_read * self.file_bytes, time.perf_counter() - start
+
+    def _read(self, digest: bytes) -> tuple[torch.Tensor | None, bool]:
+        """A block's file (header included) as a uint8 row, checked, and whether it was read
+        from disk (not from a snapshot still waiting for the writer); None when it cannot be used."""
+        with self._lock:
+            row = self._pending.get(digest)
+        if row is not None:
+            return row, False
+        path = self.target.path_of(digest)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                row = torch.empty(size, dtype=torch.uint8)
+                data = row.numpy()
+                if f.readinto(data) != size:
+                    raise ValueError("the file was cut short while being read")
+        except FileNotFoundError:
+            return None, False
+        except OSError as exc:
+            self._warn_once("read", "could not read KV block %s: %s", path, exc)
+            return None, False
+        try:
+            crc = self.target.check_header(data, digest, self.payload_bytes)
+            if zlib.crc32(data[HEADER.size:]) != crc:
+                raise ValueError("its checksum does not match")
+        except ValueError as exc:
+            logger.warning("KV block %s is not used: %s; deleted", path.name, exc)
+            path.unlink(missing_ok=True)
+            return None, False
+        return row, True
+
+    def _scatter(self, block_ids: list[int], rows: torch.Tensor) -> None:
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        offset = HEADER.size
+        for tensor, width in zip(self.tensors, self.widths):
+            part = rows[:, offset:offset + width].contiguous().view(tensor.dtype).view(len(block_ids), *tensor.shape[1:])
+            tensor.index_copy_(0, ids, part.to(self.device))
+            offset += width
+
+    def _warn_once(self, kind: str, message: str, *args) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(message, *args)
