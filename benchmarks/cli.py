@@ -9,6 +9,7 @@ def add_bench_parser(sub) -> None:
     from pagoda.benchmarks.fairness import add_fairness_parser
     from pagoda.benchmarks.kv import add_kv_bench_parsers
     from pagoda.benchmarks.kv_dtype import add_kv_dtype_bench_parser
+    from pagoda.benchmarks.kv_offload import add_kv_offload_bench_parser
     from pagoda.benchmarks.linear import add_linear_bench_parser
     from pagoda.benchmarks.lora import add_lora_bench_parser
     from pagoda.benchmarks.overhead import add_overhead_parser
@@ -38,6 +39,7 @@ def add_bench_parser(sub) -> None:
     add_step_time_bench_parser(bench_sub)
     add_random_model_parser(bench_sub)
     add_lora_bench_parser(bench_sub)
+    add_kv_offload_bench_parser(bench_sub)
     for name in ("compare", "throughput", "kv-utilization", "preemption", "overhead", "fairness", "linear", "cascade",
-                 "kv-cache-dtype", "lora"):
+                 "kv-cache-dtype", "lora", "kv-offload"):
         add_json_flag(bench_sub.choices[name])

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pagoda.engine.kv_offload import model_fingerprint
 from pagoda.engine.model_config import ModelConfig
 
 #: The projections an adapter may target, with the decoder's fused layer each one is part of.
@@ -63,7 +64,10 @@ class LoRAAdapter:
         path: Its directory.
         rank: The largest rank of its layers.
         weights: Per adapted projection ("layers.3.self_attn.q_proj"), (A, B * scaling), in float32.
-        cache_key: What keeps its prefix-cache blocks apart from other adapters' (name and path).
+        fingerprint: A digest of its files (engine/kv_offload.py's model_fingerprint).
+        cache_key: What keeps its prefix-cache blocks apart from other adapters' (its name,
+            path and fingerprint: an adapter rewritten in place never reads the old one's
+            blocks, in the pool or on disk).
     """
 
     id: int
@@ -71,6 +75,7 @@ class LoRAAdapter:
     path: str
     rank: int
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    fingerprint: str = ""
 
     def __getstate__(self) -> dict:
         # NOTE: as numpy arrays: torch's pickling of tensors over a multiprocessing pipe
@@ -85,7 +90,7 @@ class LoRAAdapter:
 
     @property
     def cache_key(self) -> str:
-        return f"lora:{self.name}:{self.path}"
+        return f"lora:{self.name}:{self.path}:{self.fingerprint}"
 
 
 
@@ -188,7 +193,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         scaling = alpha / (math.sqrt(r) if scale_by_sqrt else r)
         weights[target] = (a.contiguous(), (b * scaling).contiguous())
         rank = max(rank, r)
-    return LoRAAdapter(next(_ids), name, str(directory), rank, weights)
+    return LoRAAdapter(next(_ids), name, str(directory), rank, weights, model_fingerprint(directory))
 
 
 def prefix_salt(cache_salt: str | None, adapter: LoRAAdapter | None) -> str | None:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pagoda.plugins.admission import RetryLater
     from pagoda.plugins.eviction import Evictor
     from pagoda.plugins.scheduling import PolicyFactory
-    from pagoda.plugins.views import KVCacheView, RequestView, StepView
+    from pagoda.plugins.views import KVCacheView, ReplicaView, RequestView, StepView
 
 PROJECT_NAME = "pagoda"
 
@@ -131,4 +131,22 @@ def pagoda_step_finished(step: StepView) -> None:
 
     Every plugin that implements it is called, once per step: keep it cheap. One that raises
     is logged once, counted and skipped.
+    """
+
+
+@hookspec(firstresult=True)
+def pagoda_route_request(prompt_token_ids: list[int], replicas: list[ReplicaView]) -> int | None:
+    """Chooses the data-parallel replica a new request goes to (``--data-parallel-size`` above 1).
+
+    Args:
+        prompt_token_ids: The request's prompt.
+        replicas: The replicas that serve (a dead one is left out), with their load and how
+            much of this prompt each one's prefix cache holds.
+
+    Returns:
+        The ``index`` of one of ``replicas``, or None to leave it to others. Stops at first
+        non-None result. The built-in router answers when none does: the replica holding the
+        longest cached prefix while its load is within a slack of the least loaded one's, else
+        the least loaded (in turns). An index not among ``replicas``, or a plugin that raises,
+        falls back to it (logged once, counted).
     """

@@ -136,3 +136,22 @@ class StepView:
     kv_cache_usage: float
     scheduled: Mapping[str, int] = field(default_factory=dict)
     client_of: Callable[[str], str | None] = lambda request_id: None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """A data-parallel replica as a routing policy sees it, for one request.
+
+    Attributes:
+        index: The replica's number (what the routing hook returns).
+        num_running: Requests running on it.
+        num_waiting: Requests waiting on it.
+        kv_cache_usage: Fraction of its KV blocks in use (1 = all).
+        cached_prefix_tokens: Leading tokens of the request's prompt its prefix cache holds now.
+    """
+
+    index: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    cached_prefix_tokens: int

@@ -78,7 +78,9 @@ class _EngineCollector:
             sample(counter, "prompt_tokens_cached", "Number of cached prompt tokens (local prefix cache hits).",
                    labels, stats.num_prompt_tokens_cached)
             computed = stats.num_prompt_tokens - stats.num_prompt_tokens_cached
-            for source, value in (("local_compute", computed), ("local_cache_hit", stats.num_prompt_tokens_cached)):
+            loaded = stats.num_prompt_tokens_loaded
+            for source, value in (("local_compute", computed), ("local_cache_hit", stats.num_prompt_tokens_cached - loaded),
+                                  ("external_kv_transfer", loaded)):
                 sample(counter, "prompt_tokens_by_source", "Number of prompt tokens by source.", [*labels, source],
                        value, ("source",))
             sample(counter, "prefill_tokens_computed", "Prompt tokens the model ran, recomputation after "
@@ -102,6 +104,21 @@ class _EngineCollector:
                        time.time(), ("max_lora", "running_lora_adapters", "waiting_lora_adapters"))
                 sample(counter, "lora_adapter_sends", "LoRA adapters sent to the worker: a first use, or again "
                        "after it was dropped past --max-cpu-loras (Pagoda's own).", labels, stats.num_lora_sends)
+            offload = scheduler.kv_cache_manager.offload
+            if offload is not None:
+                tier = offload.stats
+                sample(gauge, "kv_offload_files", "Blocks of the prefix cache's disk tier on disk (Pagoda's own).",
+                       labels, offload.num_files)
+                for name, doc, value in (
+                        ("kv_offload_blocks_stored", "Cached blocks sent to the disk tier.", tier.num_stored),
+                        ("kv_offload_blocks_loaded", "Blocks read back from the disk tier instead of computed.",
+                         tier.num_loaded),
+                        ("kv_offload_load_failures", "Blocks found missing or damaged on disk, computed instead.",
+                         tier.num_load_failures),
+                        ("kv_offload_blocks_deleted", "Files deleted to keep the disk tier within its budget.",
+                         tier.num_deleted),
+                        ("kv_offload_read_bytes", "Bytes read back from the disk tier.", tier.bytes_read)):
+                    sample(counter, name, f"{doc} (Pagoda's own)", labels, value)
             grammars = engine.grammar_compiler
             sample(counter, "structured_output_requests", "Requests with a structured-output constraint (Pagoda's own).",
                    labels, grammars.num_requests if grammars else 0)

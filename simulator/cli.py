@@ -41,6 +41,8 @@ def add_simulate_parser(sub) -> None:
     t.add_argument("--prefix-groups", type=int, default=0, help="groups of requests sharing a prompt prefix")
     t.add_argument("--prefix-len", type=int, default=0, help="tokens a group shares")
     t.add_argument("--prefix-fraction", type=float, default=0.0, help="fraction of requests in a group")
+    t.add_argument("--prefix-zipf", type=float, default=0.0,
+                   help="popularity of the groups: Zipf with this exponent (0: uniform)")
     t.add_argument("--priorities", type=int, default=1, help="priorities drawn from 0 .. N-1")
     t.add_argument("--clients", type=int, default=0, help="clients drawn uniformly (for the fair policy)")
     t.add_argument("--retain-prefixes", action="store_true",
@@ -69,6 +71,12 @@ def add_simulate_parser(sub) -> None:
                    help="KV cache per device (default: from --gpu-memory-utilization on a GPU device)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap space per replica")
+    e.add_argument("--kv-offload-gib", default="0",
+                   help="the prefix cache's disk tier per replica, in GiB; comma-separated to compare, e.g. 0,64 "
+                        "(0: off)")
+    e.add_argument("--kv-offload-read-gbps", type=float, default=0.5,
+                   help="how fast the disk tier reads back, GB/s (default 0.5: a CPU server's page cache as "
+                        "`pagoda bench kv-offload` measured it)")
     e.add_argument("--tensor-parallel-size", type=int, default=1)
     e.add_argument("--data-parallel-size", type=int, default=1)
     o = p.add_argument_group("output")
@@ -89,7 +97,8 @@ def _trace(args):
     else:
         trace = synthetic_trace(args.num_requests, args.request_rate, args.prompt_len, args.output_len, args.arrival,
                                 args.burstiness, args.prefix_groups, args.prefix_len, args.prefix_fraction,
-                                args.priorities, args.clients, args.retain_prefixes, seed=args.seed)
+                                args.priorities, args.clients, args.retain_prefixes, seed=args.seed,
+                                prefix_zipf=args.prefix_zipf)
     if not args.time_scale > 0:
         raise ValueError(f"--time-scale must be > 0, got {args.time_scale}")
     if args.time_scale != 1.0:
@@ -145,6 +154,20 @@ def build(args) -> tuple[EngineConfig, object, object, object]:
     return config, kv, step_time, model
 
 
+# The disk tier's directory in a simulation: named, never written (the index alone runs).
+SIMULATED_OFFLOAD_DIR = "/nonexistent/pagoda-simulated-kv-offload"
+
+
+def _gib_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--kv-offload-gib takes GiB, comma-separated (0: off); got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise ValueError(f"--kv-offload-gib takes GiB >= 0, comma-separated; got {text!r}")
+    return values
+
+
 def run_simulate(args) -> int:
     from pagoda.engine.core.plugin_manager import check_policy_names, create_plugin_manager
     from pagoda.engine.core.policy import Policy
@@ -155,6 +178,9 @@ def run_simulate(args) -> int:
         slo = report.SLO.parse(args.slo)
         policies = [p.strip() for p in args.scheduling_policy.split(",") if p.strip()]
         evictions = [p.strip() for p in args.eviction_policy.split(",") if p.strip()]
+        tiers = _gib_list(args.kv_offload_gib)
+        if not args.kv_offload_read_gbps > 0:
+            raise ValueError(f"--kv-offload-read-gbps must be > 0, got {args.kv_offload_read_gbps}")
         config, kv, step_time, model = build(args)
         manager = create_plugin_manager(config.plugins)
         for policy, eviction in itertools.product(policies, evictions):
@@ -173,13 +199,16 @@ def run_simulate(args) -> int:
           f"{config.data_parallel_size} replica(s); trace: {len(trace):,} requests over "
           f"{trace[-1].arrival:,.1f} s")
     results, summaries = [], []
-    for policy, eviction in itertools.product(policies, evictions):
-        run_config = replace(config, scheduling_policy=policy, eviction_policy=eviction)
+    for policy, eviction, tier_gib in itertools.product(policies, evictions, tiers):
+        run_config = replace(config, scheduling_policy=policy, eviction_policy=eviction,
+                             kv_offload_dir=SIMULATED_OFFLOAD_DIR if tier_gib else None,
+                             kv_offload_bytes=int(tier_gib * 1024**3) if tier_gib else None)
 
         def make_policy(policy=policy, eviction=eviction):
             return Policy(create_plugin_manager(config.plugins), policy, eviction)
 
-        simulation = Simulation(run_config, kv, step_time, make_policy, model.vocab_size)
+        simulation = Simulation(run_config, kv, step_time, make_policy, model.vocab_size,
+                                kv_offload_read_bytes_per_s=args.kv_offload_read_gbps * 1e9)
         try:
             result = simulation.run(trace, progress=args.progress)
         except SimulationError as exc:
@@ -189,7 +218,8 @@ def run_simulate(args) -> int:
         result.itl = result.itl[:0]  # NOTE: summarized; every token's gap is the largest array
         results.append(result)
         summaries.append(summary)
-        print(f"{policy}/{eviction}: {summary['finished']:,} requests in {summary['duration_s']:,.1f} simulated s "
+        label = f"{policy}/{eviction}" + (f", disk tier {tier_gib:g} GiB" if tier_gib else "")
+        print(f"{label}: {summary['finished']:,} requests in {summary['duration_s']:,.1f} simulated s "
               f"({summary['rejected_too_long']:,} rejected: prompt and output over max_model_len), "
               f"{summary['steps']:,} steps, {summary['wall_s']:.1f} s wall "
               f"({summary['simulated_requests_per_wall_s']:,.0f} requests/s)")

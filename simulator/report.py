@@ -3,7 +3,6 @@ queues over time, preemptions, prefix hits; a table across policies; PNG plots."
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +103,8 @@ def summarize(result: SimulationResult, slo: SLO) -> dict:
         "swapped_out": result.num_swapped_out,
         "recomputed": result.num_recomputed,
         "prefix_cache_hit_rate": result.prompt_tokens_cached / result.prompt_tokens if result.prompt_tokens else 0.0,
+        "disk_tier_hit_rate": result.prompt_tokens_loaded / result.prompt_tokens if result.prompt_tokens else 0.0,
+        "disk_tier_gib": result.disk_tier_gib,
         "kv_usage_mean": float(usage.mean()) if len(usage) else 0.0,
         "kv_usage_max": float(usage.max()) if len(usage) else 0.0,
         "queue_mean": float(result.series_waiting.mean()) if len(usage) else 0.0,
@@ -165,13 +166,20 @@ def table(summaries: list[dict]) -> str:
         ttft, tpot, e2e = s["ttft_s"], s["tpot_s"], s["e2e_s"]
         attained = "-" if s["slo_attainment"] is None else f"{s['slo_attainment']:.1%}"
         rows.append(
-            f"| {s['scheduling_policy']} | {s['eviction_policy']} | {_ms(ttft['p50'])} / {_ms(ttft['p99'])} "
+            f"| {s['scheduling_policy']} | {s['eviction_policy']}{_tier(s)} | {_ms(ttft['p50'])} / {_ms(ttft['p99'])} "
             f"| {_ms(tpot['p50'])} / {_ms(tpot['p99'])} | {e2e['p50'] or 0:,.1f} / {e2e['p99'] or 0:,.1f} "
             f"| {s['goodput_requests_per_s']:,.2f} | {attained} | {s['output_tokens_per_s']:,.0f} "
             f"| {s['preemptions']:,} | {s['prefix_cache_hit_rate']:.1%} "
             f"| {s['kv_usage_mean']:.0%} / {s['kv_usage_max']:.0%} | {s['queue_max']:,} "
             f"| {s['rejected_too_long']:,} |")
     return "\n".join(rows)
+
+
+def _tier(summary: dict) -> str:
+    """The eviction cell's note of a disk tier: its size and the share of prompt tokens it served."""
+    if not summary.get("disk_tier_gib"):
+        return ""
+    return f", disk {summary['disk_tier_gib']:g} GiB ({summary['disk_tier_hit_rate']:.0%} read back)"
 
 
 def plot(results: list[SimulationResult], directory: str | Path, title: str) -> list[Path]:

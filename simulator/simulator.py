@@ -20,15 +20,18 @@ from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.core.kv_offload_index import DiskTierIndex
 from pagoda.engine.core.kv_sizing import KVCacheSize
 from pagoda.engine.core.policy import Policy
 from pagoda.engine.core.request import Request
 from pagoda.engine.core.router import Router
 from pagoda.engine.core.scheduler import Scheduler
+from pagoda.engine.kv_offload import DEFAULT_OFFLOAD_BYTES, HEADER, KVOffloadTarget
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.simulator.step_time import StepShape, StepTimeModel, step_shape
@@ -60,9 +63,12 @@ class SimulatedWorker:
     steps are scheduled), as the real worker would start on it.
     """
 
-    def __init__(self, step_time: StepTimeModel, requests: dict[str, Request]) -> None:
+    def __init__(self, step_time: StepTimeModel, requests: dict[str, Request], file_bytes: int = 0,
+                 read_bytes_per_s: float = 0.0) -> None:
         self.step_time = step_time
         self.requests = requests
+        self.file_bytes = file_bytes
+        self.read_bytes_per_s = read_bytes_per_s
 
     def send(self, scheduler_output: SchedulerOutput) -> tuple[RunnerOutput, StepShape]:
         """The step's answer and its shape (the answer's compute_seconds is its time)."""
@@ -70,16 +76,24 @@ class SimulatedWorker:
         seconds = self.step_time.step_seconds(shape) if scheduler_output.num_scheduled_tokens else 0.0
         answer = RunnerOutput(scheduler_output.step_id, dict.fromkeys(sampled, SAMPLED_TOKEN),
                               compute_seconds=seconds)
+        if scheduler_output.kv_load:
+            # NOTE: every block read whole, at the tier's read rate, before the step's forward; the
+            # writes are left out (the worker makes them between steps, beside the engine's work).
+            answer.kv_loaded = {request_id: len(pairs) for request_id, pairs in scheduler_output.kv_load.items()}
+            answer.kv_read_bytes = sum(answer.kv_loaded.values()) * self.file_bytes
+            answer.kv_read_seconds = answer.kv_read_bytes / self.read_bytes_per_s
+            answer.compute_seconds += answer.kv_read_seconds
         return answer, shape
 
 
 class Replica:
     """One engine: its scheduler, its simulated worker and the steps in flight."""
 
-    def __init__(self, index: int, scheduler: Scheduler, step_time: StepTimeModel, depth: int) -> None:
+    def __init__(self, index: int, scheduler: Scheduler, step_time: StepTimeModel, depth: int,
+                 worker: SimulatedWorker | None = None) -> None:
         self.index = index
         self.scheduler = scheduler
-        self.worker = SimulatedWorker(step_time, scheduler.requests)
+        self.worker = worker or SimulatedWorker(step_time, scheduler.requests)
         self.depth = depth
         self.overhead = step_time.engine_overhead_s
         # (step, answer, when the worker finishes it)
@@ -94,7 +108,7 @@ class Replica:
     def fill(self, now: float, on_step: Callable[[StepRecord], None] | None) -> None:
         """Schedules and sends steps until ``depth`` are in flight or nothing is runnable."""
         while len(self.in_flight) < self.depth:
-            if not self.in_flight and not self.scheduler.has_unfinished_requests():
+            if not self.in_flight and not self.scheduler.has_unfinished_requests() and not self.scheduler.has_kv_work():
                 return  # NOTE: as EngineCore's loop: an idle engine sends nothing
             step = self.scheduler.schedule()
             if not step.has_work:
@@ -148,10 +162,12 @@ class SimulationResult:
     num_recomputed: int
     prompt_tokens: int
     prompt_tokens_cached: int
+    prompt_tokens_loaded: int
     busy_seconds: float
     wall_seconds: float
     max_running: int
     num_blocks: int
+    disk_tier_gib: float = 0.0  # the disk tier's budget (0: off)
     steps: list[StepRecord] = field(default_factory=list)
 
 
@@ -166,10 +182,13 @@ class Simulation:
         make_policy: Builds a fresh policy (plugins included) for a replica.
         vocab_size: The model's vocabulary (prompt ids stay below it).
         record_steps: Keep every step's schedule (fidelity checks; costs memory).
+        kv_offload_read_bytes_per_s: With ``config.kv_offload_dir``: how fast the disk tier reads
+            (its index runs as the engine's; no file is written or read).
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheSize, step_time: StepTimeModel,
-                 make_policy: Callable[[], Policy], vocab_size: int, record_steps: bool = False) -> None:
+                 make_policy: Callable[[], Policy], vocab_size: int, record_steps: bool = False,
+                 kv_offload_read_bytes_per_s: float = 0.5e9) -> None:
         if config.speculative_config is not None:
             raise ValueError("the simulator does not model speculative decoding")
         self.config = config
@@ -177,9 +196,19 @@ class Simulation:
         self.step_time = step_time
         self.vocab_size = vocab_size
         depth = 2 if config.async_scheduling else 1
-        self.replicas = [Replica(i, Scheduler.from_config(replace(config, data_parallel_size=1), kv, make_policy()),
-                                 step_time, depth) for i in range(config.data_parallel_size)]
-        self.router = Router(self.replicas) if len(self.replicas) > 1 else None
+        self.replicas = []
+        for i in range(config.data_parallel_size):
+            scheduler = Scheduler.from_config(replace(config, data_parallel_size=1), kv, make_policy())
+            worker = None
+            if config.kv_offload_dir is not None:
+                file_bytes = HEADER.size + kv.bytes_per_block
+                scheduler.kv_cache_manager.offload = DiskTierIndex(
+                    KVOffloadTarget(Path(config.kv_offload_dir), b"simulated".ljust(16, b"\0")), file_bytes,
+                    config.kv_offload_bytes or DEFAULT_OFFLOAD_BYTES, config.block_size,
+                    evictor=scheduler.policy.make_evictor())
+                worker = SimulatedWorker(step_time, scheduler.requests, file_bytes, kv_offload_read_bytes_per_s)
+            self.replicas.append(Replica(i, scheduler, step_time, depth, worker))
+        self.router = Router(self.replicas, policy=self.replicas[0].scheduler.policy) if len(self.replicas) > 1 else None
         self.record_steps = record_steps
 
     def run(self, trace: list[TraceRequest], progress: bool | None = None) -> SimulationResult:
@@ -273,9 +302,12 @@ class Simulation:
             num_recomputed=sum(s.num_recomputed for s in stats),
             prompt_tokens=sum(s.num_prompt_tokens for s in stats),
             prompt_tokens_cached=sum(s.num_prompt_tokens_cached for s in stats),
+            prompt_tokens_loaded=sum(s.num_prompt_tokens_loaded for s in stats),
             busy_seconds=sum(r.busy_seconds for r in replicas) / len(replicas),
             wall_seconds=time.perf_counter() - wall, max_running=max_running,
-            num_blocks=self.kv.num_blocks, steps=steps)
+            num_blocks=self.kv.num_blocks, steps=steps,
+            disk_tier_gib=(self.config.kv_offload_bytes or DEFAULT_OFFLOAD_BYTES) / 1024**3
+            if self.config.kv_offload_dir is not None else 0.0)
 
     def _add(self, index: int, trace_request: TraceRequest, now: float) -> Replica:
         """Queues a trace request at its arrival; returns the replica it went to."""

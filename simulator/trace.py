@@ -227,7 +227,7 @@ def synthetic_trace(num_requests: int, rate: float, prompt_len: str = "lognormal
                     output_len: str = "lognormal:128:1.0", arrival: str = "poisson", burstiness: float = 1.0,
                     prefix_groups: int = 0, prefix_len: int = 0, prefix_fraction: float = 0.0,
                     priorities: int = 1, clients: int = 0, retain_prefixes: bool = False, max_len: int = 32768,
-                    seed: int = 0) -> list[TraceRequest]:
+                    seed: int = 0, prefix_zipf: float = 0.0) -> list[TraceRequest]:
     """A synthetic trace.
 
     Args:
@@ -244,6 +244,9 @@ def synthetic_trace(num_requests: int, rate: float, prompt_len: str = "lognormal
         retain_prefixes: Grouped requests ask for their blocks to be kept (kv_retention 1).
         max_len: Cap on each length.
         seed: Random seed.
+        prefix_zipf: Popularity of the groups: group k (from 0) is drawn with weight
+            ``1 / (k + 1) ** prefix_zipf`` (0: uniformly; 1: a few system prompts take most
+            requests, a long tail the rest).
     """
     if num_requests < 1:
         raise ValueError("a trace needs at least one request")
@@ -270,7 +273,11 @@ def synthetic_trace(num_requests: int, rate: float, prompt_len: str = "lognormal
     prompts = _lengths(prompt_len, num_requests, rng, max_len)
     outputs = _lengths(output_len, num_requests, rng, max_len)
     grouped = rng.random(num_requests) < prefix_fraction if prefix_groups else np.zeros(num_requests, bool)
-    groups = rng.integers(0, max(prefix_groups, 1), num_requests)
+    if prefix_zipf > 0 and prefix_groups:
+        weights = 1 / np.arange(1, prefix_groups + 1) ** prefix_zipf
+        groups = rng.choice(prefix_groups, num_requests, p=weights / weights.sum())
+    else:
+        groups = rng.integers(0, max(prefix_groups, 1), num_requests)
     levels = rng.integers(0, priorities, num_requests)
     who = rng.integers(0, max(clients, 1), num_requests)
     trace = []

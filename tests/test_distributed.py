@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from pathlib import Path
 
 import openai
 import pytest
@@ -233,3 +234,104 @@ def test_dp2_starts_in_a_fresh_interpreter(tmp_path):
                             capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "TOKENS" in result.stdout
+
+
+def test_dp2_a_dead_replica_leaves_routing_and_its_waiting_requests_run_on_the_other(tiny_llama_dir):
+    """Replica 0's worker killed with no restart left: that engine dies; the requests it had not
+    answered are sent to replica 1 and answer what a live engine answers; new requests go to 1."""
+    import asyncio
+
+    from pagoda.engine.frontend.data_parallel import DataParallelEngine
+    from pagoda.engine.frontend.output_processor import OutputKind
+
+    config = EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=256,
+                          num_kv_blocks=64, data_parallel_size=2, max_worker_restarts=0, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[100 + 7 * i + j for j in range(150)] for i in range(8)]
+
+    async def run():
+        async with DataParallelEngine(config) as engine:
+            async def answer(prompt):
+                stream = engine.add_request(prompt, params, output_kind=OutputKind.FINAL)
+                final = None
+                async for final in engine.stream_outputs(stream):
+                    pass
+                return final.outputs[0].token_ids
+
+            reference = await asyncio.gather(*(answer(p) for p in prompts))
+            tasks = [asyncio.ensure_future(answer(p)) for p in prompts]
+            await asyncio.sleep(0)  # NOTE: queued on both replicas (two running each at most)
+            engine.replicas[0].core.worker.kill()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            routed = list(engine.router.stats.per_replica)
+            after = await answer(prompts[0])
+            serving = [replica.is_running for replica in engine.replicas]
+            return reference, results, engine, routed, after, engine.router.stats.per_replica, serving
+
+    reference, results, engine, routed, after, per_replica, serving = asyncio.run(run())
+    assert serving == [False, True]
+    assert engine.num_rerouted >= 2  # at least the two waiting behind replica 0's running pair
+    # NOTE: final outputs only: nothing was answered before the death, so every request is answered.
+    assert results == reference
+    assert after == reference[0] and per_replica[1] == routed[1] + 1 and per_replica[0] == routed[0]
+
+
+RAY_DP_SCRIPT = """\
+import json, sys
+import ray
+from pagoda import LLM, SamplingParams
+
+ray.init(address=sys.argv[2], log_to_driver=False)
+with LLM(sys.argv[1], max_model_len=128, enforce_eager=True, dtype="float32", num_kv_blocks=32,
+         data_parallel_size=2, distributed_executor_backend="ray") as llm:
+    outputs = llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16]],
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    nodes = [sorted(set(ray.util.placement_group_table(r.core.worker._placement_group)["bundles_to_node_id"].values()))
+             for r in llm.engine.replicas]
+    served = [r.scheduler.stats.num_generation_tokens for r in llm.engine.replicas]
+print("RESULT", json.dumps({"tokens": [o.outputs[0].token_ids for o in outputs], "nodes": nodes, "served": served}))
+"""
+
+
+def test_dp2_on_a_two_node_ray_cluster_puts_one_replica_on_each_node(tiny_llama_dir, tmp_path):
+    """`ray start --head` and a second `ray start --address` on this machine, one CPU each: the two
+    replicas' placement groups (one each) land on different nodes, and both serve."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'pagoda[ray]')")
+    ray_cli = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    from helpers import free_port
+
+    import secrets
+    import tempfile
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    # NOTE: Ray's token authentication, one token for the nodes and the driver.
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--object-store-memory", str(80 * 1024**2),
+              "--disable-usage-stats"]
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # NOTE: short: Ray's socket paths must fit 107 bytes
+    try:
+        subprocess.run([ray_cli, "start", "--head", "--port", str(port), "--include-dashboard", "false",
+                        "--temp-dir", temp, *common], check=True, env=env, capture_output=True, timeout=120)
+        subprocess.run([ray_cli, "start", "--address", address, *common], check=True, env=env, capture_output=True,
+                       timeout=120)
+        result = subprocess.run([sys.executable, "-", str(tiny_llama_dir), address], input=RAY_DP_SCRIPT, env=env,
+                                capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("RESULT", 1)[1])
+    (first,), (second,) = report["nodes"]
+    assert first != second
+    assert all(served > 0 for served in report["served"])
+    with LLM(str(tiny_llama_dir), max_model_len=128, enforce_eager=True, dtype="float32", num_kv_blocks=32) as llm:
+        local = llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16]],
+                             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert report["tokens"] == [o.outputs[0].token_ids for o in local]

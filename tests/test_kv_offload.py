@@ -267,5 +267,5 @@ def test_a_restarted_worker_reads_the_prefix_its_predecessor_wrote(model_dir, tm
         llm.engine.core.worker.kill()
         after = _answer(llm)  # the death is noticed, a new worker starts with an empty pool
         assert llm.engine.core.num_worker_restarts == 1
-        assert llm.engine.scheduler.stats.num_prompt_tokens_loaded == 192
+        assert llm.engine.scheduler.kv_cache_manager.offload.stats.num_loaded == 12
     assert after[0] == computed[0]

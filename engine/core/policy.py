@@ -64,6 +64,8 @@ class Policy:
         self._logged: set[str] = set()
         #: The waiting queue's keys are asked for again before each step's admission.
         self.sort_keys_change = bool(self.scheduling.keys_change)
+        #: A plugin routes requests between data-parallel replicas (pagoda_route_request).
+        self.routes = bool(pm.hook.pagoda_route_request.get_hookimpls())
 
     def _failed(self, where: str, exc: BaseException | None, detail: str = "") -> None:
         self.num_plugin_errors += 1
@@ -71,6 +73,20 @@ class Policy:
             self._logged.add(where)
             logger.error("%s failed%s; using the built-in choice (logged once)", where,
                          f" ({detail})" if detail else "", exc_info=exc)
+
+    def route_request(self, prompt_token_ids: list[int], replicas: list) -> int | None:
+        """A routing plugin's choice among ``replicas`` (ReplicaViews), or None for the built-in one."""
+        try:
+            choice = self.hook.pagoda_route_request(prompt_token_ids=prompt_token_ids, replicas=replicas)
+        except Exception as exc:
+            self._failed("plugin hook pagoda_route_request", exc)
+            return None
+        if choice is None:
+            return None
+        if not any(view.index == choice for view in replicas):
+            self._failed("plugin hook pagoda_route_request", None, f"it chose {choice!r}, not a serving replica")
+            return None
+        return choice
 
     def sort_key(self, request: RequestView) -> tuple:
         """The waiting queue's key for ``request``; fcfs's when the policy fails."""

@@ -61,7 +61,7 @@ class SchedulerStats:
     accepted_per_position: list[int] = field(default_factory=list)
     #: LoRA adapters sent to the worker (a first use, or again after it was dropped).
     num_lora_sends: int = 0
-    #: Prompt tokens read back from the disk tier instead of computed.
+    #: Of the prompt tokens cached, those read back from the disk tier (at first admission).
     num_prompt_tokens_loaded: int = 0
 
 
@@ -459,9 +459,9 @@ class Scheduler:
             request.num_computed_tokens = (num_hit_blocks + num_loaded) * kv.block_size
             num_tokens = num_loaded * kv.block_size
             offload.stats.num_loaded += num_loaded
-            self.stats.num_prompt_tokens_loaded += num_tokens
             self.stats.prefix_cache_hits += num_tokens
             if first:  # NOTE: like the pool's hits, counted for the request's first admission only
+                self.stats.num_prompt_tokens_loaded += num_tokens
                 self.stats.num_prompt_tokens_cached += num_tokens
                 request.metrics.num_cached_tokens += num_tokens
             self._enqueue(request)

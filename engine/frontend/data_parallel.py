@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -24,10 +25,12 @@ from pagoda.engine.lora import prefix_salt
 from pagoda.engine.frontend.async_engine import AsyncEngine
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.cpu_affinity import threads_per_sharer
+from pagoda.engine.exceptions import EngineDeadError
 from pagoda.engine.frontend.output_processor import RequestStream
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 
 def replica_device(config: EngineConfig, replica: int) -> str:
     """Replica ``replica``'s device: on CUDA, its own GPUs, tensor_parallel_size of them from
@@ -81,6 +84,10 @@ class DataParallelEngine:
         self.replicas = [AsyncEngine(replica_config(config, i)) for i in range(config.data_parallel_size)]
         self.router = Router(self.replicas)
         self._owner: dict[str, AsyncEngine] = {}
+        # What add_request was given, per request, to send it again elsewhere if its replica dies.
+        self._requests: dict[str, tuple] = {}
+        #: Requests sent again to another replica after theirs died before answering.
+        self.num_rerouted = 0
         self._ids = itertools.count()
 
     # -- what callers read of an engine -------------------------------------------------
@@ -103,7 +110,8 @@ class DataParallelEngine:
 
     @property
     def is_running(self) -> bool:
-        return all(r.is_running for r in self.replicas)
+        """Whether a replica serves (a dead one is out of routing; the others go on)."""
+        return any(r.is_running for r in self.replicas)
 
     @property
     def dead_reason(self) -> str:
@@ -154,6 +162,7 @@ class DataParallelEngine:
         except BaseException:
             await self.shutdown()
             raise
+        self.router.policy = self.replicas[0].policy  # NOTE: a routing plugin's hook, if one is installed
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(r.shutdown() for r in self.replicas))
@@ -182,15 +191,35 @@ class DataParallelEngine:
         replica = self.replicas[self.router.route(prompt_token_ids, salt)]
         stream = replica.add_request(prompt, params, request_id, prompt_token_ids, **kwargs)
         self._owner[request_id] = replica
+        self._requests[request_id] = (prompt, params, prompt_token_ids, salt, kwargs)
         return stream
 
     async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        replica = self._owner[stream.request_id]
+        """The request's outputs from its replica. If that replica dies before the request has
+        answered anything, the request is sent again to a replica that serves."""
+        request_id = stream.request_id
         try:
-            async for output in replica.stream_outputs(stream):
-                yield output
+            while True:
+                replica = self._owner[request_id]
+                answered = False
+                try:
+                    async for output in replica.stream_outputs(stream):
+                        answered = True
+                        yield output
+                    return
+                except EngineDeadError:
+                    if answered or replica.is_running or not self.is_running:
+                        raise
+                prompt, params, prompt_token_ids, salt, kwargs = self._requests[request_id]
+                other = self.replicas[self.router.route(prompt_token_ids, salt)]
+                logger.warning("request %s: replica %d died before it answered; sent to replica %d", request_id,
+                               self.replicas.index(replica), self.replicas.index(other))
+                stream = other.add_request(prompt, params, request_id, prompt_token_ids, **kwargs)
+                self._owner[request_id] = other
+                self.num_rerouted += 1
         finally:
-            self._owner.pop(stream.request_id, None)
+            self._owner.pop(request_id, None)
+            self._requests.pop(request_id, None)
 
     # The same as one engine's: tokenize, add_request (routed), stream_outputs.
     generate = AsyncEngine.generate

@@ -1,22 +1,27 @@
 """The worker's half of the disk tier (engine/kv_offload.py): snapshots blocks, writes them
-in a background thread, reads them back into the KV cache.
+between steps, reads them back into the KV cache.
 
 A block to store is copied out of the cache at the start of the step after the one that
 filled it, before that step's swaps, copies and loads can overwrite it; the copy waits in
-memory, readable by loads, until the writer thread has put it in its file (a temporary
-name, then a rename: a reader never sees half a file). Loads run in the step that asks for
-them, before its forward; a block that cannot be read whole and checked stops its
-request's run of blocks there, is reported, and its file is deleted when it is damaged.
+memory, readable by loads, until it is in its file (a temporary name, then a rename: a
+reader never sees half a file). The files are written by the worker's own thread once a
+step's answer is sent, while the engine applies it and builds the next step, and until
+that step arrives (one file at least per step, so that a busy engine does not starve
+them): never beside the step's OpenMP threads, which a third thread on their cores would
+stall (measured: a writer thread made the benchmark's steps about 30% slower on 2 cores).
+Loads run in the step that asks for them, before its forward; a block that cannot be read
+whole and checked stops its request's run of blocks there, is reported, and its file is
+deleted when it is damaged.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 import zlib
+from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -25,8 +30,9 @@ from pagoda.engine.kv_offload import HEADER, KVOffloadTarget
 
 logger = logging.getLogger(__name__)
 
-# Snapshots waiting for the writer, at most (bytes): past it new blocks are not stored (the
-# disk is slower than the model fills blocks) and the engine is told so.
+# Snapshots waiting to be written, at most (bytes): past it new blocks are not stored (the
+# disk, or the time between steps, is too short for the blocks the model fills) and the
+# engine is told so.
 MAX_PENDING_BYTES = 512 * 1024**2
 
 
@@ -46,36 +52,29 @@ class KVOffloadIO:
         self.payload_bytes = sum(self.widths)
         self.file_bytes = HEADER.size + self.payload_bytes
         self._pending: dict[bytes, torch.Tensor] = {}  # digest -> its snapshot (a row of file_bytes)
-        self._pending_bytes = 0
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # What to do on disk, in order: ("store", digest, row) and ("delete", digest, None).
+        self._queue: deque[tuple[str, bytes, torch.Tensor | None]] = deque()
         self._made_dirs: set[str] = set()
         self._warned: set[str] = set()
-        self._writer = threading.Thread(target=self._write_loop, name="pagoda-kv-writer", daemon=True)
-        self._writer.start()
 
     # -- storing ---------------------------------------------------------------------
 
     def store(self, stores: list[tuple[int, bytes]]) -> list[bytes]:
         """Snapshots blocks (block id, digest) and queues their files; returns the digests
         not stored (the writer is too far behind)."""
-        with self._lock:
-            room = max(0, (MAX_PENDING_BYTES - self._pending_bytes) // self.file_bytes)
+        room = max(0, MAX_PENDING_BYTES // self.file_bytes - len(self._pending))
         dropped = [digest for _, digest in stores[room:]]
         stores = stores[:room]
         if stores:
             rows = self._gather([block_id for block_id, _ in stores])
-            items = [(digest, rows[i]) for i, (_, digest) in enumerate(stores)]
-            with self._lock:
-                self._pending.update(items)
-                self._pending_bytes += len(items) * self.file_bytes
-            self._queue.put(("store", items))
+            for row, (_, digest) in zip(rows, stores):
+                self._pending[digest] = row
+                self._queue.append(("store", digest, row))
         return dropped
 
     def delete(self, digests: list[bytes]) -> None:
         """Queues files to delete (after the stores queued before them)."""
-        if digests:
-            self._queue.put(("delete", digests))
+        self._queue.extend(("delete", digest, None) for digest in digests)
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """``[n, file_bytes]`` uint8 on the CPU: each block's payload after room for its header."""
@@ -88,27 +87,23 @@ class KVOffloadIO:
             offset += width
         return rows
 
-    def _write_loop(self) -> None:
-        while True:
-            op, items = self._queue.get()
-            if op == "stop":
-                items.set()
-                continue
+    def write(self, more: Callable[[], bool]) -> None:
+        """Works through the queue: one operation, then more while ``more()`` says so."""
+        queue = self._queue
+        while queue:
+            op, digest, row = queue.popleft()
             if op == "delete":
-                for digest in items:
-                    self.target.path_of(digest).unlink(missing_ok=True)
-                continue
-            for digest, row in items:
+                self.target.path_of(digest).unlink(missing_ok=True)
+            else:
                 try:
                     self._write(digest, row)
                 except OSError as exc:
                     self._warn_once("write", "could not write a KV block to %s: %s (blocks are not stored until "
                                     "it works again)", self.target.root, exc)
-                finally:
-                    with self._lock:
-                        if self._pending.get(digest) is row:
-                            del self._pending[digest]
-                        self._pending_bytes -= self.file_bytes
+                if self._pending.get(digest) is row:
+                    del self._pending[digest]
+            if not more():
+                return
 
     def _write(self, digest: bytes, row: torch.Tensor) -> None:
         path = self.target.path_of(digest)
@@ -125,10 +120,10 @@ class KVOffloadIO:
         os.replace(tmp, path)
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Waits until the blocks queued so far are written; False on timeout."""
-        done = threading.Event()
-        self._queue.put(("stop", done))
-        return done.wait(timeout)
+        """Writes what is queued, for at most ``timeout`` seconds; False when some is left."""
+        deadline = time.monotonic() + timeout
+        self.write(lambda: time.monotonic() < deadline)
+        return not self._queue
 
     # -- loading ---------------------------------------------------------------------
 
@@ -164,8 +159,7 @@ class KVOffloadIO:
     def _read(self, digest: bytes) -> tuple[torch.Tensor | None, bool]:
         """A block's file (header included) as a uint8 row, checked, and whether it was read
         from disk (not from a snapshot still waiting for the writer); None when it cannot be used."""
-        with self._lock:
-            row = self._pending.get(digest)
+        row = self._pending.get(digest)
         if row is not None:
             return row, False
         path = self.target.path_of(digest)

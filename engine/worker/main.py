@@ -80,7 +80,7 @@ def serve(conn: Connection, preloading: threading.Thread | None = None) -> None:
     gc.freeze()
     conn.send(ready_message(runner))
     if init.rank == 0:
-        lead(runner, conn.recv, conn.send)
+        lead(runner, conn.recv, conn.send, conn.poll)
     else:
         follow(runner)
 
@@ -156,8 +156,9 @@ def ready_message(runner):
                        kv_offload_file_bytes=runner.offload.file_bytes if runner.offload else 0)
 
 
-def lead(runner, receive, send) -> None:
-    """Rank 0: takes each step from the engine, hands it to the other ranks, runs it, answers.
+def lead(runner, receive, send, poll=None) -> None:
+    """Rank 0: takes each step from the engine, hands it to the other ranks, runs it, answers;
+    between steps, writes the disk tier's blocks (until ``poll()`` says the next step is there).
 
     Returns when told to stop or when the engine goes away; the other ranks are told to
     stop either way.
@@ -181,6 +182,8 @@ def lead(runner, receive, send) -> None:
         output.idle_seconds = 0.0 if answered is None else received - answered
         send(output)
         answered = time.perf_counter()
+        if runner.offload is not None and poll is not None:
+            runner.offload.write(lambda: not poll())
 
 
 def run_step(runner, message):
