@@ -20,7 +20,8 @@ class RequestMetrics:
         finished_time: When it finished.
         num_preemptions: How often it was preempted.
         num_cached_tokens: Prompt tokens served from the prefix cache.
-        events: (name, time) pairs: queued, scheduled, first_token, preempted, finished.
+        events: (name, time) pairs: queued, kv_load (its prefix read back from the disk tier),
+            scheduled, first_token, preempted, finished.
     """
 
     arrival_time: float

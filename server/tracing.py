@@ -169,7 +169,10 @@ class RequestSpan:
         if self._timed:
             return  # NOTE: latencies are those of the first prompt, as for n > 1.
         self._timed = True
-        latency = {"gen_ai.latency.e2e": (timing.finished_time or time.time()) - timing.arrival_time}
+        # NOTE: the prompt tokens the prefix cache served, from the KV pool or read back from the
+        # disk tier (whose read is the "kv_load" event).
+        latency = {"gen_ai.latency.e2e": (timing.finished_time or time.time()) - timing.arrival_time,
+                   "pagoda.prefix_cache.cached_tokens": timing.num_cached_tokens}
         if timing.first_scheduled_time is not None:
             latency["gen_ai.latency.time_in_queue"] = timing.first_scheduled_time - timing.arrival_time
         if timing.first_token_time is not None:

@@ -385,10 +385,11 @@ def test_span_records_every_engine_event_including_preemption():
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    events = [("queued", 100.0), ("scheduled", 100.5), ("first_token", 101.0), ("preempted", 102.0),
-              ("scheduled", 103.0), ("finished", 104.0)]
+    events = [("queued", 100.0), ("kv_load", 100.2), ("scheduled", 100.5), ("first_token", 101.0),
+              ("preempted", 102.0), ("scheduled", 103.0), ("finished", 104.0)]
     timing = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
-                            last_token_time=104.0, finished_time=104.0, num_preemptions=1, events=events)
+                            last_token_time=104.0, finished_time=104.0, num_preemptions=1, events=events,
+                            num_cached_tokens=32)
     output = RequestOutput("req-1", "x", [1, 2, 3], [CompletionOutput(0, "abc", [4, 5], "length")], True, timing)
     span = RequestSpan(provider.get_tracer("test").start_span("chat", start_time=99_000_000_000))
     span.add_output(output, 2, ["length"])
@@ -397,5 +398,6 @@ def test_span_records_every_engine_event_including_preemption():
     assert [(e.name, e.timestamp) for e in finished.events] == [(n, int(t * 1e9)) for n, t in events]
     attrs = finished.attributes
     assert (attrs["gen_ai.usage.prompt_tokens"], attrs["gen_ai.usage.completion_tokens"]) == (3, 2)
+    assert attrs["pagoda.prefix_cache.cached_tokens"] == 32
     assert (attrs["gen_ai.latency.time_in_queue"], attrs["gen_ai.latency.time_to_first_token"],
             attrs["gen_ai.latency.e2e"]) == (0.5, 1.0, 4.0)
