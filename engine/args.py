@@ -66,6 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="CPU swap space in GiB (alternative to --swap-space-bytes)")
     parser.add_argument("--kv-offload-gib", type=float, default=None,
                         help="the disk tier's budget in GiB (alternative to --kv-offload-bytes)")
+    parser.add_argument("--kv-offload-host-gib", type=float, default=None,
+                        help="host memory for evicted prefix blocks, in GiB (alternative to "
+                             "--kv-offload-host-bytes): before the disk tier, or alone")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="what the start-up stages and the engine log to stderr (default info)")
 
@@ -81,6 +84,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         values["kv_cache_bytes"] = int(args.kv_cache_gib * 1024**3)
     if args.kv_offload_gib is not None:
         values["kv_offload_bytes"] = int(args.kv_offload_gib * 1024**3)
+    if args.kv_offload_host_gib is not None:
+        values["kv_offload_host_bytes"] = int(args.kv_offload_host_gib * 1024**3)
     if args.swap_space is not None:
         values["swap_space_bytes"] = int(args.swap_space * 1024**3)
     return EngineConfig(**values)

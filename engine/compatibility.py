@@ -68,10 +68,10 @@ INCOMPATIBILITIES: tuple[Incompatibility, ...] = (
     Incompatibility("--enable-lora", "CUDA graphs, the one-call CPU forward, compiled regions",
                     "a step with adapter rows runs the model layer by layer, eagerly; steps of the base model alone "
                     "run as before"),
-    Incompatibility("--kv-offload-dir", "--tensor-parallel-size above 1, a draft model, Ray workers",
+    Incompatibility("--kv-offload-dir, --kv-offload-host-gib", "--tensor-parallel-size above 1, a draft model, Ray workers",
                     "each rank (and the draft) would keep its own share of a block, and a Ray actor has no time "
-                    "between steps to write in; run the disk tier on one local rank without a draft model",
-                    lambda c: c.kv_offload_dir is not None and (
+                    "between steps to write in; run the tier on one local rank without a draft model",
+                    lambda c: c.offloads_kv and (
                         _parallel(c) or _draft_model(c) or c.distributed_executor_backend == "ray")),
     Incompatibility("CUDA graphs", "--tensor-parallel-size above 1, a draft model, mixture-of-experts layers",
                     "decode steps run eagerly on the GPU; the start-up line names the reason"),

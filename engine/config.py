@@ -114,6 +114,10 @@ class EngineConfig:
             model) is read back instead of computed. None: off.
         kv_offload_bytes: The most the disk tier's files take; None: 8 GiB or half the
             disk's free space, whichever is less.
+        kv_offload_host_bytes: Host memory for the prefix cache's evicted blocks: in front of
+            the disk tier, the blocks used last; without kv_offload_dir, a tier of its own
+            (the one a KV pool on a GPU wants; on a CPU server the pool is host memory
+            already). None: none.
     """
 
     model: str | None = None
@@ -159,6 +163,7 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | dict | str | None = None
     kv_offload_dir: str | None = None
     kv_offload_bytes: int | None = None
+    kv_offload_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self, "block_size")
@@ -218,14 +223,22 @@ class EngineConfig:
             _positive_int(self, "kv_offload_bytes")
             if self.kv_offload_dir is None:
                 raise ValueError("kv_offload_bytes needs kv_offload_dir (--kv-offload-dir)")
+        if self.kv_offload_host_bytes is not None:
+            _positive_int(self, "kv_offload_host_bytes")
         if self.kv_offload_dir is not None:
             self.kv_offload_dir = str(self.kv_offload_dir)
-            if not self.enable_prefix_caching:
-                raise ValueError("kv_offload_dir needs prefix caching: the disk tier keeps the prefix cache's blocks")
+        if self.offloads_kv and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir and kv_offload_host_bytes need prefix caching: the tier keeps the "
+                             "prefix cache's blocks")
         self.lora_modules = tuple(self.lora_modules or ())
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
         compatibility.check(self)  # NOTE: last: it reads the fields checked above
+
+    @property
+    def offloads_kv(self) -> bool:
+        """Whether the prefix cache has an offload tier (on disk, in host memory or both)."""
+        return self.kv_offload_dir is not None or bool(self.kv_offload_host_bytes)
 
     @classmethod
     def field_names(cls) -> list[str]:

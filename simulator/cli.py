@@ -72,8 +72,8 @@ def add_simulate_parser(sub) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap space per replica")
     e.add_argument("--kv-offload-gib", default="0",
-                   help="the prefix cache's disk tier per replica, in GiB; comma-separated to compare, e.g. 0,64 "
-                        "(0: off)")
+                   help="the prefix cache's offload tier (disk or host memory, as its read rate says) per replica, "
+                        "in GiB; comma-separated to compare, e.g. 0,64 (0: off)")
     e.add_argument("--kv-offload-read-gbps", type=float, default=0.5,
                    help="how fast the disk tier reads back, GB/s (default 0.5: a CPU server's page cache as "
                         "`pagoda bench kv-offload` measured it)")
@@ -154,10 +154,6 @@ def build(args) -> tuple[EngineConfig, object, object, object]:
     return config, kv, step_time, model
 
 
-# The disk tier's directory in a simulation: named, never written (the index alone runs).
-SIMULATED_OFFLOAD_DIR = "/nonexistent/pagoda-simulated-kv-offload"
-
-
 def _gib_list(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -201,8 +197,7 @@ def run_simulate(args) -> int:
     results, summaries = [], []
     for policy, eviction, tier_gib in itertools.product(policies, evictions, tiers):
         run_config = replace(config, scheduling_policy=policy, eviction_policy=eviction,
-                             kv_offload_dir=SIMULATED_OFFLOAD_DIR if tier_gib else None,
-                             kv_offload_bytes=int(tier_gib * 1024**3) if tier_gib else None)
+                             kv_offload_host_bytes=int(tier_gib * 1024**3) if tier_gib else None)
 
         def make_policy(policy=policy, eviction=eviction):
             return Policy(create_plugin_manager(config.plugins), policy, eviction)

@@ -20,18 +20,17 @@ from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core.kv_offload_index import DiskTierIndex
+from pagoda.engine.core.kv_offload_index import KVTierIndex
 from pagoda.engine.core.kv_sizing import KVCacheSize
 from pagoda.engine.core.policy import Policy
 from pagoda.engine.core.request import Request
 from pagoda.engine.core.router import Router
 from pagoda.engine.core.scheduler import Scheduler
-from pagoda.engine.kv_offload import DEFAULT_OFFLOAD_BYTES, HEADER, KVOffloadTarget
+from pagoda.engine.kv_offload import DEFAULT_OFFLOAD_BYTES, HEADER
 from pagoda.engine.messages import RunnerOutput, SchedulerOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.simulator.step_time import StepShape, StepTimeModel, step_shape
@@ -39,6 +38,11 @@ from pagoda.simulator.trace import TraceRequest, prompt_token_ids
 
 #: The token every simulated sample is (requests ignore EOS and stop at their length).
 SAMPLED_TOKEN = 5
+
+
+def tier_bytes(config: EngineConfig) -> int:
+    """The offload tier's size in a simulation: the host memory's, else the disk's."""
+    return config.kv_offload_host_bytes or config.kv_offload_bytes or DEFAULT_OFFLOAD_BYTES
 
 
 class SimulationError(RuntimeError):
@@ -182,8 +186,9 @@ class Simulation:
         make_policy: Builds a fresh policy (plugins included) for a replica.
         vocab_size: The model's vocabulary (prompt ids stay below it).
         record_steps: Keep every step's schedule (fidelity checks; costs memory).
-        kv_offload_read_bytes_per_s: With ``config.kv_offload_dir``: how fast the disk tier reads
-            (its index runs as the engine's; no file is written or read).
+        kv_offload_read_bytes_per_s: With an offload tier (``config.kv_offload_host_bytes`` or
+            ``kv_offload_dir``): how fast it reads back (its index runs as the engine's; no
+            block is written or read).
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheSize, step_time: StepTimeModel,
@@ -200,12 +205,10 @@ class Simulation:
         for i in range(config.data_parallel_size):
             scheduler = Scheduler.from_config(replace(config, data_parallel_size=1), kv, make_policy())
             worker = None
-            if config.kv_offload_dir is not None:
+            if config.offloads_kv:
                 file_bytes = HEADER.size + kv.bytes_per_block
-                scheduler.kv_cache_manager.offload = DiskTierIndex(
-                    KVOffloadTarget(Path(config.kv_offload_dir), b"simulated".ljust(16, b"\0")), file_bytes,
-                    config.kv_offload_bytes or DEFAULT_OFFLOAD_BYTES, config.block_size,
-                    evictor=scheduler.policy.make_evictor())
+                scheduler.kv_cache_manager.offload = KVTierIndex(
+                    None, file_bytes, tier_bytes(config), config.block_size, evictor=scheduler.policy.make_evictor())
                 worker = SimulatedWorker(step_time, scheduler.requests, file_bytes, kv_offload_read_bytes_per_s)
             self.replicas.append(Replica(i, scheduler, step_time, depth, worker))
         self.router = Router(self.replicas, policy=self.replicas[0].scheduler.policy) if len(self.replicas) > 1 else None
@@ -306,8 +309,7 @@ class Simulation:
             busy_seconds=sum(r.busy_seconds for r in replicas) / len(replicas),
             wall_seconds=time.perf_counter() - wall, max_running=max_running,
             num_blocks=self.kv.num_blocks, steps=steps,
-            disk_tier_gib=(self.config.kv_offload_bytes or DEFAULT_OFFLOAD_BYTES) / 1024**3
-            if self.config.kv_offload_dir is not None else 0.0)
+            disk_tier_gib=tier_bytes(self.config) / 1024**3 if self.config.offloads_kv else 0.0)
 
     def _add(self, index: int, trace_request: TraceRequest, now: float) -> Replica:
         """Queues a trace request at its arrival; returns the replica it went to."""

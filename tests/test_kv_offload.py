@@ -13,7 +13,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core.kv_offload_index import DiskTierIndex
+from pagoda.engine.core.kv_offload_index import KVTierIndex
 from pagoda.engine.kv_offload import HEADER, KVOffloadTarget, block_digest
 from helpers import TINY_FLAGS, ServerProcess, make_tiny_model_dir
 
@@ -34,9 +34,11 @@ def _wait_for_files(directory: Path, count: int, timeout: float = 20.0) -> list[
     return _files(directory)
 
 
-def _llm(model_dir: Path, offload_dir: Path, **kwargs) -> LLM:
-    llm = LLM(str(model_dir), kv_offload_dir=str(offload_dir), num_kv_blocks=48, max_model_len=512,
-              enforce_eager=True, dtype="float32", block_size=BLOCK, **kwargs)
+def _llm(model_dir: Path, offload_dir: Path | None, **kwargs) -> LLM:
+    if offload_dir is not None:
+        kwargs["kv_offload_dir"] = str(offload_dir)
+    llm = LLM(str(model_dir), num_kv_blocks=48, max_model_len=512, enforce_eager=True, dtype="float32",
+              block_size=BLOCK, **kwargs)
     # NOTE: the tiny model computes a block faster than a file is read (the rates' comparison
     # would compute them once measured): these tests read every block found.
     llm.engine.scheduler.kv_cache_manager.offload.worth_loading = lambda: True
@@ -74,6 +76,29 @@ def test_a_prefix_evicted_from_the_pool_is_read_back_with_the_pools_own_answer(m
     # NOTE: the same bytes as the pool's blocks: the same answer as the pool's hit, to the bit.
     assert from_disk[:2] == from_pool[:2]
     assert from_disk[0] == computed[0]
+
+
+def test_host_memory_alone_or_in_front_of_the_disk_serves_the_evicted_prefix(model_dir, tmp_path):
+    with _llm(model_dir, None, kv_offload_host_bytes=1 << 20) as llm:  # a tier of its own: no files
+        from_pool = (_answer(llm), _answer(llm))[1]
+        offload = llm.engine.scheduler.kv_cache_manager.offload
+        file_bytes = offload.file_bytes
+        assert offload.target is None and offload.max_files == (1 << 20) // file_bytes
+        _answer(llm, [5] * 300)  # a step after the prompt's: its last blocks are stored
+        _evict_everything(llm)
+        from_host = _answer(llm)
+        assert offload.stats.num_loaded == 12
+    assert from_host[2] == 192 and from_host[:2] == from_pool[:2]
+    assert not list(tmp_path.iterdir())
+
+    with _llm(model_dir, tmp_path, kv_offload_host_bytes=64 * file_bytes) as llm:
+        from_pool = (_answer(llm), _answer(llm))[1]
+        for path in _wait_for_files(tmp_path, 12):
+            path.unlink()  # NOTE: what is read back now can only come from host memory
+        _evict_everything(llm)
+        from_host = _answer(llm)
+        assert llm.engine.scheduler.kv_cache_manager.offload.stats.num_load_failures == 0
+    assert from_host[2] == 192 and from_host[:2] == from_pool[:2]
 
 
 def test_a_restart_finds_the_blocks_and_damaged_or_foreign_files_are_never_used(model_dir, tmp_path):
@@ -176,7 +201,7 @@ def test_the_index_scans_what_is_there_and_evicts_the_oldest_first(tmp_path):
     stale = target.path_of(digests[0]).with_name("leftover.kv.123.tmp")
     stale.write_bytes(b"x")
     os.utime(stale, (1000, 1000))
-    index = DiskTierIndex(target, file_bytes=100, max_bytes=300, block_size=BLOCK)
+    index = KVTierIndex(target, file_bytes=100, max_bytes=300, block_size=BLOCK)
     assert index.scan() == 3
     assert not wrong_size.exists() and not stale.exists()
     assert [target.path_of(d).exists() for d in digests] == [False, False, True, True, True]
@@ -189,7 +214,7 @@ def test_the_index_scans_what_is_there_and_evicts_the_oldest_first(tmp_path):
 
 
 def test_reading_is_chosen_only_when_it_beats_computing(tmp_path):
-    index = DiskTierIndex(KVOffloadTarget(tmp_path, b"\x02" * 16), file_bytes=1 << 20, max_bytes=1 << 30,
+    index = KVTierIndex(KVOffloadTarget(tmp_path, b"\x02" * 16), file_bytes=1 << 20, max_bytes=1 << 30,
                           block_size=BLOCK)
     assert index.worth_loading()  # nothing measured yet
     index.record_read(100 << 20, 0.1)  # 1 GB/s: a block in 1 ms
@@ -214,6 +239,10 @@ def test_bad_settings_are_refused(tmp_path):
         EngineConfig(kv_offload_dir=str(tmp_path), enable_prefix_caching=False)
     with pytest.raises(ValueError, match="tensor-parallel"):
         EngineConfig(kv_offload_dir=str(tmp_path), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="Ray"):
+        EngineConfig(kv_offload_host_bytes=1 << 30, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="kv_offload_host_bytes must be a positive integer"):
+        EngineConfig(kv_offload_host_bytes=-1)
 
 
 @pytest.mark.slow

@@ -238,7 +238,7 @@ def test_a_disk_tier_serves_the_prefixes_the_pool_evicts_where_reading_beats_com
                                           ("host", 64, "h200", 50)):
         values = dict(kv_cache_bytes=4 * 1024**3, device=device)
         if tier:
-            values.update(kv_offload_dir="/nonexistent/simulated", kv_offload_bytes=tier * 1024**3)
+            values.update(kv_offload_host_bytes=tier * 1024**3)
         config_sim, result = _simulate(trace, **values, read_gbps=read_gbps)
         manager = config_sim.replicas[0].scheduler.kv_cache_manager
         assert manager.get_num_free_blocks() == manager.num_blocks

@@ -14,7 +14,7 @@ from pagoda.engine.kv_offload import block_digest
 from pagoda.plugins.eviction import Evictor
 
 if TYPE_CHECKING:
-    from pagoda.engine.core.kv_offload_index import DiskTierIndex
+    from pagoda.engine.core.kv_offload_index import KVTierIndex
     from pagoda.engine.core.request import Request
 
 
@@ -102,7 +102,7 @@ class KVCacheManager:
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
         # The disk tier (engine/core/kv_offload_index.py) when on: every block that enters the
         # prefix cache is stored there; and each request's blocks' digests (its names on disk).
-        self.offload: DiskTierIndex | None = None
+        self.offload: KVTierIndex | None = None
         self.req_to_digests: dict[str, list[bytes]] = {}
 
     @property
@@ -186,13 +186,11 @@ class KVCacheManager:
         """Digests of the run of the request's blocks on disk from block ``start`` on (the
         blocks after the pool's hits), leaving the last token to compute."""
         max_blocks = (request.num_tokens - 1) // self.block_size
-        if start >= max_blocks:
-            return []
-        digests = self.block_digests(request, max_blocks)
         count = start
-        while count < max_blocks and self.offload.has(digests[count]):
+        # NOTE: digests as far as the run goes (a long prompt not on disk costs the first miss only).
+        while count < max_blocks and self.offload.has(self.block_digests(request, count + 1)[count]):
             count += 1
-        return digests[start:count]
+        return self.req_to_digests[request.request_id][start:count] if count > start else []
 
     def allocate_for_load(self, request: Request, computed_blocks: list[KVBlock],
                           num_blocks: int) -> list[KVBlock] | None:

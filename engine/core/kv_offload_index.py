@@ -1,11 +1,14 @@
-"""The engine's half of the disk tier (engine/kv_offload.py): which blocks are on disk, what
-to store and delete next, and whether reading a prefix back beats computing it.
+"""The engine's half of the prefix cache's offload tier (engine/kv_offload.py): which blocks
+the tier holds (on disk, or in the worker's host memory), what to store and delete next, and
+whether reading a prefix back beats computing it.
 
 The index is a dict of digests over an eviction policy's evictor (``--eviction-policy``,
-the same plugin hook as the KV pool's): past ``--kv-offload-bytes`` the evictor names the
-file to delete. At start-up the directory is scanned: files of the right size are taken
-in (oldest first, so the evictor sees them in their age order), temporary files of
-writers that died are deleted, and the directory is cut to the budget.
+the same plugin hook as the KV pool's): past the budget the evictor names the block to
+delete. With a directory, the start-up scans it: files of the right size are taken in
+(oldest first, so the evictor sees them in their age order), temporary files of writers
+that died are deleted, and the directory is cut to the budget. Without one (a host-memory
+tier alone), the index is the worker's memory's exact list: it starts empty, and the
+worker drops a block when the index deletes it.
 """
 
 from __future__ import annotations
@@ -43,18 +46,19 @@ class KVOffloadStats:
     read_seconds: float = 0.0
 
 
-class DiskTierIndex:
-    """The blocks one engine knows on disk, and the work its next step carries.
+class KVTierIndex:
+    """The blocks one engine knows in its offload tier, and the work its next step carries.
 
     Args:
-        target: The directory and namespace of this model's blocks.
-        file_bytes: One block's file size.
-        max_bytes: The budget of the directory (this engine's files).
+        target: The directory and namespace of this model's blocks; None for a tier in the
+            worker's host memory alone.
+        file_bytes: One block's size in the tier (a file's, header included).
+        max_bytes: The budget of the tier (on disk: this engine's files).
         block_size: Tokens per block (for the rates' comparison).
         evictor: Orders the files for deletion (lru when None).
     """
 
-    def __init__(self, target: KVOffloadTarget, file_bytes: int, max_bytes: int, block_size: int,
+    def __init__(self, target: KVOffloadTarget | None, file_bytes: int, max_bytes: int, block_size: int,
                  evictor: Evictor | None = None) -> None:
         self.target = target
         self.file_bytes = file_bytes
@@ -82,6 +86,8 @@ class DiskTierIndex:
     def scan(self) -> int:
         """Takes in the blocks already on disk (a restart's, or another replica's); returns
         how many. Files of another size are deleted (a layout this namespace never wrote)."""
+        if self.target is None:
+            return 0
         root = self.target.root
         found: list[tuple[float, bytes]] = []
         now = time.time()
@@ -119,11 +125,12 @@ class DiskTierIndex:
     # -- the scheduler's questions ---------------------------------------------------
 
     def has(self, digest: bytes) -> bool:
-        """Whether a block is on disk (or being written): the index, else the directory (a
-        file another replica sharing it wrote)."""
+        """Whether the tier holds a block (on disk, or being written): the index, else the
+        directory (a file another replica sharing it wrote)."""
         if digest in self._id_of:
             return True
-        if digest not in self._recently_deleted and os.path.exists(self.target.path_of(digest)):
+        if (self.target is not None and digest not in self._recently_deleted
+                and os.path.exists(self.target.path_of(digest))):
             self._add(digest, 0)
             self._trim()
             return True

@@ -26,7 +26,7 @@ from pagoda.attention_backends import get_attention_backend
 from pagoda.engine.config import EngineConfig, sizes_kv_from_memory
 from pagoda.engine.core.engine_core import EngineCore, StepStats
 from pagoda.engine.core.grammar import BitmaskFiller, GrammarCompiler
-from pagoda.engine.core.kv_offload_index import DiskTierIndex
+from pagoda.engine.core.kv_offload_index import KVTierIndex
 from pagoda.engine.core.kv_sizing import KVCacheSize, kv_cache_budget, size_kv_cache
 from pagoda.engine.core.plugin_manager import create_plugin_manager, plugin_names
 from pagoda.engine.core.policy import Policy
@@ -142,7 +142,7 @@ class AsyncEngine:
             self._use_kv_cache(kv, kv_dtype)
         logger.info("starting the worker process")
         ready = await self.core.start(size_kv if from_memory else None)
-        if config.kv_offload_dir is not None:
+        if config.offloads_kv:
             await self._open_offload(ready)
         threads = f" ({ready.threads})" if ready.threads and ready.device == "cpu" else ""
         logger.info("worker ready: %s%s, %s, %s, attention backend %s, %.2f GiB of KV cache%s%s; async scheduling %s",
@@ -153,19 +153,27 @@ class AsyncEngine:
                     f", {ready.cuda_graphs}" if ready.cuda_graphs else "", "on" if self.core.async_scheduling else "off")
 
     async def _open_offload(self, ready: WorkerReady) -> None:
-        """The disk tier's index over the worker's namespace, with the blocks a previous run
-        (or another replica) left there."""
+        """The offload tier's index: over the worker's namespace on disk, with the blocks a
+        previous run (or another replica) left there; or over the worker's host memory."""
         config = self.config
+        if config.kv_offload_dir is None:
+            index = KVTierIndex(None, ready.kv_offload_file_bytes, config.kv_offload_host_bytes, config.block_size,
+                                evictor=self.policy.make_evictor())
+            self.core.scheduler.kv_cache_manager.offload = index
+            logger.info("KV host-memory tier: %.1f GiB (%d blocks of %.0f KiB)", config.kv_offload_host_bytes / 1024**3,
+                        index.max_files, index.file_bytes / 1024)
+            return
         target = KVOffloadTarget(Path(config.kv_offload_dir), bytes.fromhex(ready.kv_offload_namespace))
         budget = config.kv_offload_bytes or default_offload_bytes(target.directory)
-        index = DiskTierIndex(target, ready.kv_offload_file_bytes, budget, config.block_size,
-                              evictor=self.policy.make_evictor())
+        index = KVTierIndex(target, ready.kv_offload_file_bytes, budget, config.block_size,
+                            evictor=self.policy.make_evictor())
         start = time.perf_counter()
         found = await asyncio.to_thread(index.scan)
         self.core.scheduler.kv_cache_manager.offload = index
-        logger.info("KV disk tier: %s, %.1f GiB at most (%d blocks of %.0f KiB); %d blocks found in %.2f s",
-                    target.root, budget / 1024**3, index.max_files, index.file_bytes / 1024, found,
-                    time.perf_counter() - start)
+        logger.info("KV disk tier: %s, %.1f GiB at most (%d blocks of %.0f KiB)%s; %d blocks found in %.2f s",
+                    target.root, budget / 1024**3, index.max_files, index.file_bytes / 1024,
+                    f", {config.kv_offload_host_bytes / 1024**3:.1f} GiB of host memory in front"
+                    if config.kv_offload_host_bytes else "", found, time.perf_counter() - start)
 
     def _make_executor(self, on_death):
         """The worker(s), from the current WorkerInit (a restart allocates what the first start

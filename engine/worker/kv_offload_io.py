@@ -20,7 +20,7 @@ import logging
 import os
 import time
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import torch
@@ -37,14 +37,18 @@ MAX_PENDING_BYTES = 512 * 1024**2
 
 
 class KVOffloadIO:
-    """Reads and writes one worker's blocks under ``target``.
+    """Reads and writes one worker's blocks under ``target``, and keeps them in host memory.
 
     Args:
-        target: The directory and namespace of this model's blocks.
+        target: The directory and namespace of this model's blocks; None: host memory alone.
         kv_caches: The KV cache, one (keys, values) pair per layer, blocks first.
+        host_bytes: Host memory for blocks (0: none). In front of a disk tier it keeps the
+            blocks used last (least recently used dropped first) and is read before the
+            files; alone, it holds exactly the blocks the engine's index lists (the index's
+            deletes drop them).
     """
 
-    def __init__(self, target: KVOffloadTarget, kv_caches) -> None:
+    def __init__(self, target: KVOffloadTarget | None, kv_caches, host_bytes: int = 0) -> None:
         self.target = target
         self.tensors = [cache_storage(t) for pair in kv_caches for t in pair]
         self.device = self.tensors[0].device
@@ -56,12 +60,18 @@ class KVOffloadIO:
         self._queue: deque[tuple[str, bytes, torch.Tensor | None]] = deque()
         self._made_dirs: set[str] = set()
         self._warned: set[str] = set()
+        self.host: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # digest -> row, least recently used first
+        self.host_capacity = host_bytes // self.file_bytes
 
     # -- storing ---------------------------------------------------------------------
 
     def store(self, stores: list[tuple[int, bytes]]) -> list[bytes]:
         """Snapshots blocks (block id, digest) and queues their files; returns the digests
         not stored (the writer is too far behind)."""
+        if self.target is None:  # NOTE: host memory alone: the engine's budget is its size
+            rows = self._gather([block_id for block_id, _ in stores])
+            self.host.update((digest, row) for row, (_, digest) in zip(rows, stores))
+            return []
         room = max(0, MAX_PENDING_BYTES // self.file_bytes - len(self._pending))
         dropped = [digest for _, digest in stores[room:]]
         stores = stores[:room]
@@ -70,11 +80,23 @@ class KVOffloadIO:
             for row, (_, digest) in zip(rows, stores):
                 self._pending[digest] = row
                 self._queue.append(("store", digest, row))
+                self._keep(digest, row)
         return dropped
 
     def delete(self, digests: list[bytes]) -> None:
-        """Queues files to delete (after the stores queued before them)."""
-        self._queue.extend(("delete", digest, None) for digest in digests)
+        """Drops blocks: from host memory at once, their files after the stores queued before."""
+        for digest in digests:
+            self.host.pop(digest, None)
+        if self.target is not None:
+            self._queue.extend(("delete", digest, None) for digest in digests)
+
+    def _keep(self, digest: bytes, row: torch.Tensor) -> None:
+        """In front of the disk: the block joins host memory as the most recently used."""
+        if self.host_capacity:
+            self.host[digest] = row
+            self.host.move_to_end(digest)
+            while len(self.host) > self.host_capacity:
+                self.host.popitem(last=False)
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """``[n, file_bytes]`` uint8 on the CPU: each block's payload after room for its header."""
@@ -132,49 +154,52 @@ class KVOffloadIO:
 
         Returns:
             Per request, how many of its blocks were loaded (a run stops at the first block
-            missing or damaged); the digests of those blocks; the bytes read; the seconds.
+            missing or damaged); the digests of those blocks; the bytes read back (from host
+            memory or disk); the seconds.
         """
         start = time.perf_counter()
         loaded: dict[str, int] = {}
         failed: list[bytes] = []
         block_ids: list[int] = []
         rows: list[torch.Tensor] = []
-        num_read = 0
         for request_id, pairs in loads.items():
             count = 0
             for block_id, digest in pairs:
-                row, was_read = self._read(digest)
+                row = self._read(digest)
                 if row is None:
                     failed.append(digest)
                     break
-                num_read += was_read
                 block_ids.append(block_id)
                 rows.append(row)
                 count += 1
             loaded[request_id] = count
         if rows:
             self._scatter(block_ids, torch.stack(rows))
-        return loaded, failed, num_read * self.file_bytes, time.perf_counter() - start
+        return loaded, failed, len(rows) * self.file_bytes, time.perf_counter() - start
 
-    def _read(self, digest: bytes) -> tuple[torch.Tensor | None, bool]:
-        """A block's file (header included) as a uint8 row, checked, and whether it was read
-        from disk (not from a snapshot still waiting for the writer); None when it cannot be used."""
-        row = self._pending.get(digest)
+    def _read(self, digest: bytes) -> torch.Tensor | None:
+        """A block (header included) as a uint8 row: from host memory, a snapshot still waiting
+        for the writer, or its file, checked; None when it cannot be used."""
+        row = self.host.get(digest)
         if row is not None:
-            return row, False
+            self.host.move_to_end(digest)
+            return row
+        row = self._pending.get(digest)
+        if row is not None or self.target is None:
+            return row
         path = self.target.path_of(digest)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 row = torch.empty(size, dtype=torch.uint8)
+                # NOTE: a file cut short while being read has fewer bytes: the header's check refuses it.
+                row = row[:f.readinto(row.numpy())]
                 data = row.numpy()
-                if f.readinto(data) != size:
-                    raise ValueError("the file was cut short while being read")
         except FileNotFoundError:
-            return None, False
+            return None
         except OSError as exc:
             self._warn_once("read", "could not read KV block %s: %s", path, exc)
-            return None, False
+            return None
         try:
             crc = self.target.check_header(data, digest, self.payload_bytes)
             if zlib.crc32(data[HEADER.size:]) != crc:
@@ -182,8 +207,9 @@ class KVOffloadIO:
         except ValueError as exc:
             logger.warning("KV block %s is not used: %s; deleted", path.name, exc)
             path.unlink(missing_ok=True)
-            return None, False
-        return row, True
+            return None
+        self._keep(digest, row)
+        return row
 
     def _scatter(self, block_ids: list[int], rows: torch.Tensor) -> None:
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)

@@ -152,7 +152,8 @@ def ready_message(runner):
                        compiled=runner.compile_description,
                        weights=runner.weights_description, one_call_forward=runner.one_call_forward,
                        cuda_graphs=runner.graphs_description, threads=describe_threads(),
-                       kv_offload_namespace=runner.offload.target.namespace.hex() if runner.offload else "",
+                       kv_offload_namespace=runner.offload.target.namespace.hex()
+                       if runner.offload and runner.offload.target else "",
                        kv_offload_file_bytes=runner.offload.file_bytes if runner.offload else 0)
 
 

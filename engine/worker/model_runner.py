@@ -109,7 +109,7 @@ class ModelRunner:
             self.draft_kv_caches, self.draft_cpu_caches = self._allocate_caches(self.draft_backend,
                                                                                 init.draft_model_config, allocation)
             self.kv_cache_bytes += sum(k.nbytes + v.nbytes for k, v in self.draft_kv_caches)
-        if config.kv_offload_dir is not None:
+        if config.offloads_kv:
             self.offload = self._open_offload(config, init)
         # Whole steps in one C call where the model allows (engine/models/one_call_forward.py).
         self.one_call_forward = self.model.prepare_one_call_forward(self.kv_caches)
@@ -141,8 +141,12 @@ class ModelRunner:
             self._capture_decode_graphs(allocation, progress)
 
     def _open_offload(self, config, init: WorkerInit) -> KVOffloadIO:
-        """The disk tier's reader and writer, in the namespace of this model's weights and of
-        this cache's layout (a block of any other never reads as one of these)."""
+        """The offload tier's reader and writer: in host memory, and on disk in the namespace of
+        this model's weights and of this cache's layout (a block of any other never reads as
+        one of these)."""
+        host_bytes = config.kv_offload_host_bytes or 0
+        if config.kv_offload_dir is None:
+            return KVOffloadIO(None, self.kv_caches, host_bytes)
         description = {
             "model": model_fingerprint(Path(init.model_dir)),
             "architecture": self.model_config.architecture,
@@ -153,7 +157,7 @@ class ModelRunner:
         }
         target = KVOffloadTarget(Path(config.kv_offload_dir), namespace_of(description))
         write_description(target, {**description, "model_path": str(init.model_dir)})
-        return KVOffloadIO(target, self.kv_caches)
+        return KVOffloadIO(target, self.kv_caches, host_bytes)
 
     def _compile(self, progress) -> None:
         """Compiles the model's regions (loading them where an earlier start kept them) and
