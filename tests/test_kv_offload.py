@@ -101,6 +101,7 @@ def test_host_memory_alone_or_in_front_of_the_disk_serves_the_evicted_prefix(mod
     assert from_host[2] == 192 and from_host[:2] == from_pool[:2]
 
 
+@pytest.mark.slow  # NOTE: several engines started; `python -m pytest -m slow` runs it
 def test_a_restart_finds_the_blocks_and_damaged_or_foreign_files_are_never_used(model_dir, tmp_path):
     with _llm(model_dir, tmp_path) as llm:
         computed = _answer(llm)
@@ -168,6 +169,7 @@ def test_another_model_reads_nothing(model_dir, tmp_path):
     assert len([p for p in tmp_path.iterdir() if (p / "namespace.json").exists()]) == 2
 
 
+@pytest.mark.slow  # NOTE: several engines started; `python -m pytest -m slow` runs it
 def test_the_directory_stays_within_its_budget(model_dir, tmp_path):
     file_bytes = None
     with _llm(model_dir, tmp_path) as llm:
@@ -289,6 +291,7 @@ def test_a_killed_server_restarts_with_its_prefix_cache_and_skips_damaged_files(
         third.close()
 
 
+@pytest.mark.slow  # NOTE: several engines started; `python -m pytest -m slow` runs it
 def test_a_restarted_worker_reads_the_prefix_its_predecessor_wrote(model_dir, tmp_path):
     with _llm(model_dir, tmp_path) as llm:
         computed = _answer(llm)

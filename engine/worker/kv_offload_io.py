@@ -8,7 +8,8 @@ reader never sees half a file). The files are written by the worker's own thread
 step's answer is sent, while the engine applies it and builds the next step, and until
 that step arrives (one file at least per step, so that a busy engine does not starve
 them): never beside the step's OpenMP threads, which a third thread on their cores would
-stall (measured: a writer thread made the benchmark's steps about 30% slower on 2 cores).
+stall (measured on 2 cores: a writer thread made the steps of `pagoda bench kv-offload` about
+30% slower; docs/kv-cache.md).
 Loads run in the step that asks for them, before its forward; a block that cannot be read
 whole and checked stops its request's run of blocks there, is reported, and its file is
 deleted when it is damaged.
