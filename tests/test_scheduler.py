@@ -246,3 +246,84 @@ def test_a_step_that_only_swaps_in_still_goes_to_the_worker():
     assert SchedulerOutput(step_id=1, swap_in=[(0, 1)]).has_work
     assert SchedulerOutput(step_id=1, copy_blocks=[(0, 1)]).has_work
     assert not SchedulerOutput(step_id=1).has_work
+
+
+def _with_tier(num_blocks=16):
+    """A scheduler over a small pool with a host-memory offload tier's index (the worker's part
+    is the test's: it answers each step's reads)."""
+    from pagoda.engine.core.kv_offload_index import KVTierIndex
+
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, caching=True, budget=64)
+    scheduler.kv_cache_manager.offload = KVTierIndex(None, file_bytes=100, max_bytes=100 * 1000, block_size=4)
+    return scheduler
+
+
+def _run_to_end(scheduler, loaded=lambda request_id, pairs: len(pairs)):
+    """Steps until every request finishes; each step's reads succeed as ``loaded`` says."""
+    reads = []
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            return reads
+        out = scheduler.schedule()
+        sampled = {r: 7 for r in out.num_scheduled_tokens if scheduler.requests[r].num_pending_tokens}
+        answer = RunnerOutput(step_id=out.step_id, sampled=sampled,
+                              kv_loaded={r: loaded(r, pairs) for r, pairs in out.kv_load.items()})
+        answer.kv_failed = [pairs[answer.kv_loaded[r]][1] for r, pairs in out.kv_load.items()
+                            if answer.kv_loaded[r] < len(pairs)]
+        reads.append(dict(out.kv_load))
+        scheduler.update(out, answer)
+        scheduler.kv_cache_manager.check_invariants()
+    raise AssertionError("the requests did not finish")
+
+
+def test_an_evicted_prefix_is_read_back_then_the_rest_computed():
+    scheduler = _with_tier()
+    prompt = list(range(1, 22))  # 5 full blocks before the last token
+    add(scheduler, "a", 21, max_tokens=2, prompt=prompt)
+    _run_to_end(scheduler)
+    assert scheduler.kv_cache_manager.offload.num_files == 5  # the full blocks of its 23 tokens
+    scheduler.kv_cache_manager.reset_prefix_cache()
+    request = add(scheduler, "b", 21, max_tokens=2, prompt=prompt)
+    reads = _run_to_end(scheduler)
+    assert [len(pairs) for read in reads for pairs in read.values()] == [5]
+    assert request.metrics.num_cached_tokens == 20 and scheduler.stats.num_prompt_tokens_loaded == 20
+    assert "kv_load" in [name for name, _ in request.metrics.events]
+    # A read that fails at its third block: two blocks count, the rest is computed.
+    scheduler.kv_cache_manager.reset_prefix_cache()
+    request = add(scheduler, "c", 21, max_tokens=2, prompt=prompt)
+    _run_to_end(scheduler, loaded=lambda request_id, pairs: 2)
+    assert request.metrics.num_cached_tokens == 8 and scheduler.kv_cache_manager.offload.stats.num_load_failures == 1
+    assert scheduler.kv_cache_manager.get_num_free_blocks() == scheduler.kv_cache_manager.num_blocks
+
+
+def test_a_request_aborted_or_lost_while_its_prefix_is_read_frees_its_blocks():
+    scheduler = _with_tier()
+    prompt = list(range(1, 22))
+    add(scheduler, "a", 21, max_tokens=1, prompt=prompt)
+    _run_to_end(scheduler)
+    kv = scheduler.kv_cache_manager
+    kv.reset_prefix_cache()
+    add(scheduler, "b", 21, max_tokens=1, prompt=prompt)
+    out = scheduler.schedule()
+    assert list(out.kv_load) == ["b"] and "b" in scheduler.loading
+    scheduler.finish_request("b", RequestStatus.FINISHED_ABORTED)  # while the worker reads
+    scheduler.update(out, RunnerOutput(step_id=out.step_id, kv_loaded={"b": 5}))
+    kv.check_invariants()
+    assert not scheduler.loading and kv.get_num_free_blocks() == kv.num_blocks
+    # A worker lost while it reads: the request starts over (reads again) on the next worker.
+    request = add(scheduler, "c", 21, max_tokens=1, prompt=prompt)
+    out = scheduler.schedule()
+    assert list(out.kv_load) == ["c"]
+    scheduler.reset_after_worker_loss()
+    assert not scheduler.loading and request in list(scheduler.waiting)
+    reads = _run_to_end(scheduler)
+    assert [list(read) for read in reads if read] == [["c"]] and request.is_finished
+    # A step that failed in the worker: the read is undone, the request queued again.
+    kv.reset_prefix_cache()
+    request = add(scheduler, "d", 21, max_tokens=1, prompt=prompt)
+    out = scheduler.schedule()
+    scheduler.discard_step(out)
+    kv.check_invariants()
+    assert not scheduler.loading and request.num_computed_tokens == 0 and request in list(scheduler.waiting)
+    _run_to_end(scheduler)
+    assert kv.get_num_free_blocks() == kv.num_blocks

@@ -287,8 +287,9 @@ class Scheduler:
             if lora is not None and lora.id not in running_loras and len(running_loras) >= self.max_loras:
                 deferred.append(self.waiting.pop())
                 continue
-            # NOTE: samples yet to fork from running parents hold their places too.
-            num_reserved = len(self.running) + sum(len(r.pending_forks) for r in self.running)
+            # NOTE: samples yet to fork from running parents hold their places too, and so do
+            # requests whose prefix is being read from the offload tier.
+            num_reserved = len(self.running) + len(self.loading) + sum(len(r.pending_forks) for r in self.running)
             fits_seqs = num_reserved + 1 + len(request.pending_forks) <= self.max_num_seqs
             refusal = self._admit(request, self._budget) if fits_seqs else "seqs"
             if refusal is not None:
