@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: The medium a block lives in (vLLM's ``medium`` field): the worker's KV pool on the CPU.
+#: The medium a block lives in (vLLM's ``medium`` field): the worker's KV pool on the CPU; the
+#: prefix cache's offload tier on disk, or in the worker's host memory alone.
 MEDIUM = "CPU"
+DISK_MEDIUM = "DISK"
+HOST_MEDIUM = "HOST"
 
 
 @dataclass(slots=True)
@@ -73,23 +76,23 @@ class KVEventLog:
         self.block_size = block_size
         self.events: list[KVCacheEvent] = []
 
-    def stored(self, block_hash: int, block_key: tuple) -> None:
+    def stored(self, block_hash: int, block_key: tuple, medium: str = MEDIUM) -> None:
         parent, token_ids = block_key[0], block_key[1]
         last = self.events[-1] if self.events else None
         # NOTE: a chain of blocks stored together is one event, as vLLM sends it.
-        if (isinstance(last, BlockStored) and last.block_hashes[-1] == parent
+        if (isinstance(last, BlockStored) and last.medium == medium and last.block_hashes[-1] == parent
                 and len(last.token_ids) < 64 * self.block_size):
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
             return
-        self.events.append(BlockStored([block_hash], parent, list(token_ids), self.block_size))
+        self.events.append(BlockStored([block_hash], parent, list(token_ids), self.block_size, medium=medium))
 
-    def removed(self, block_hash: int) -> None:
+    def removed(self, block_hash: int, medium: str = MEDIUM) -> None:
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.block_hashes.append(block_hash)
         else:
-            self.events.append(BlockRemoved([block_hash]))
+            self.events.append(BlockRemoved([block_hash], medium))
 
     def cleared(self) -> None:
         self.events.append(AllBlocksCleared())

@@ -124,3 +124,26 @@ def test_a_subscriber_follows_the_cache_and_a_late_one_gets_the_replay(tiny_llam
     # The replay holds what the live subscriber saw, with the same numbers.
     assert [seq for seq, _ in replayed][-len(received):] == seqs
     assert [events for _, events in replayed][-len(received):] == [events for _, _, events in received]
+
+
+def test_the_offload_tier_reports_its_blocks_under_their_pool_hashes(tmp_path):
+    from pagoda.engine.core.kv_cache_manager import KVCacheManager
+    from pagoda.engine.core.kv_offload_index import KVTierIndex
+    from pagoda.engine.core.request import Request
+    from pagoda.engine.kv_offload import KVOffloadTarget
+    from pagoda.engine.sampling_params import SamplingParams
+
+    kv = KVCacheManager(8, BLOCK)
+    kv.block_pool.events = log = KVEventLog(BLOCK)
+    kv.offload = tier = KVTierIndex(KVOffloadTarget(tmp_path, b"\x03" * 16), file_bytes=10, max_bytes=20,
+                                    block_size=BLOCK)
+    tier.events = log
+    request = Request("r", list(range(1, 10)), SamplingParams(max_tokens=1), 1)
+    kv.allocate_slots(request, 9)  # two full blocks: in the pool, and sent to the disk tier
+    hashes = [h for h, _ in kv.block_hashes(request, 2)]
+    wire = KVEventBatch(1.0, log.take()).to_wire()[1]
+    assert [(e[0], e[1], e[-1]) for e in wire] == [("BlockStored", hashes, "CPU"), ("BlockStored", hashes, "DISK")]
+    tier.block_cached(5, b"\x07" * 16, 0, 12345, (hashes[1], (9, 9, 9, 9), ()))  # a third file: the oldest goes
+    wire = KVEventBatch(2.0, log.take()).to_wire()[1]
+    assert wire == [["BlockStored", [12345], hashes[1], [9, 9, 9, 9], BLOCK, None, "DISK"],
+                    ["BlockRemoved", [hashes[0]], "DISK"]]

@@ -304,10 +304,13 @@ class KVCacheManager:
         if num_full <= start:
             return
         blocks = self.req_to_blocks[request_id]
-        offload = self.offload
-        for i, (block_hash, key) in enumerate(self.block_hashes(request, num_full)[start:num_full], start):
-            if self.block_pool.cache_block(blocks[i], block_hash, key) and offload is not None:
-                offload.block_cached(blocks[i].block_id, self.block_digests(request, i + 1)[i], request.kv_retention)
+        cached = [i for i, (block_hash, key) in enumerate(self.block_hashes(request, num_full)[start:num_full], start)
+                  if self.block_pool.cache_block(blocks[i], block_hash, key)]
+        if cached and self.offload is not None:
+            # NOTE: after the pool's, so that each medium's KV events come as one chain.
+            digests, hashes = self.block_digests(request, num_full), self.req_to_hashes[request_id]
+            for i in cached:
+                self.offload.block_cached(blocks[i].block_id, digests[i], request.kv_retention, *hashes[i])
         self.req_to_num_cached[request_id] = num_full
 
     def fork(self, parent: Request, child: Request) -> list[int]:

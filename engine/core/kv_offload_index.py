@@ -20,6 +20,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagoda.engine.kv_events import DISK_MEDIUM, HOST_MEDIUM
 from pagoda.engine.kv_offload import SUFFIX, KVOffloadTarget
 from pagoda.plugins.eviction import Evictor, LRUEvictor
 
@@ -73,6 +74,12 @@ class KVTierIndex:
         # Files this engine deleted lately: until the worker has, has() must not find them again.
         self._recently_deleted: OrderedDict[bytes, None] = OrderedDict()
         self.stats = KVOffloadStats()
+        # KV events (engine/kv_events.py's KVEventLog) where the engine publishes them: the tier's
+        # stores and deletions, under the pool's block hashes (known for the blocks this engine
+        # stored; files found at start-up are not announced).
+        self.events = None
+        self.medium = DISK_MEDIUM if target is not None else HOST_MEDIUM
+        self._hash_of: dict[bytes, int] = {}
         # Bytes a second read back, and prompt tokens a second computed (None: not measured yet).
         self.read_rate: float | None = None
         self.prefill_rate: float | None = None
@@ -145,13 +152,18 @@ class KVTierIndex:
 
     # -- what happened ---------------------------------------------------------------
 
-    def block_cached(self, block_id: int, digest: bytes, retention: int) -> None:
-        """A block entered the prefix cache: stored unless its file exists."""
+    def block_cached(self, block_id: int, digest: bytes, retention: int, block_hash: int | None = None,
+                     block_key: tuple | None = None) -> None:
+        """A block entered the prefix cache: stored unless the tier holds it (its pool hash and
+        key name it in KV events)."""
         if digest in self._id_of:
             return
         self._add(digest, retention)
         self.stores.append((block_id, digest))
         self.stats.num_stored += 1
+        if self.events is not None and block_hash is not None:
+            self._hash_of[digest] = block_hash
+            self.events.stored(block_hash, block_key, self.medium)
         self._trim()
 
     def used(self, digest: bytes) -> None:
@@ -168,6 +180,7 @@ class KVTierIndex:
             if file_id is not None:
                 del self._digest_of[file_id]
                 self.evictor.remove(file_id)
+                self._announce_removal(digest)
 
     def drop_pending_stores(self) -> None:
         """Forgets the stores not sent yet: their blocks' contents are not to be trusted (the
@@ -208,7 +221,14 @@ class KVTierIndex:
     def _pop(self) -> bytes:
         digest = self._digest_of.pop(self.evictor.pop())
         del self._id_of[digest]
+        self._announce_removal(digest)
         return digest
+
+    def _announce_removal(self, digest: bytes) -> None:
+        if self._hash_of:
+            block_hash = self._hash_of.pop(digest, None)
+            if block_hash is not None and self.events is not None:
+                self.events.removed(block_hash, self.medium)
 
     def _trim(self) -> None:
         while self.num_files > self.max_files:

@@ -156,9 +156,11 @@ class AsyncEngine:
         """The offload tier's index: over the worker's namespace on disk, with the blocks a
         previous run (or another replica) left there; or over the worker's host memory."""
         config = self.config
+        events = self.core.kv_events[0] if self.core.kv_events is not None else None
         if config.kv_offload_dir is None:
             index = KVTierIndex(None, ready.kv_offload_file_bytes, config.kv_offload_host_bytes, config.block_size,
                                 evictor=self.policy.make_evictor())
+            index.events = events
             self.core.scheduler.kv_cache_manager.offload = index
             logger.info("KV host-memory tier: %.1f GiB (%d blocks of %.0f KiB)", config.kv_offload_host_bytes / 1024**3,
                         index.max_files, index.file_bytes / 1024)
@@ -169,6 +171,7 @@ class AsyncEngine:
                             evictor=self.policy.make_evictor())
         start = time.perf_counter()
         found = await asyncio.to_thread(index.scan)
+        index.events = events
         self.core.scheduler.kv_cache_manager.offload = index
         logger.info("KV disk tier: %s, %.1f GiB at most (%d blocks of %.0f KiB)%s; %d blocks found in %.2f s",
                     target.root, budget / 1024**3, index.max_files, index.file_bytes / 1024,
