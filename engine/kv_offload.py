@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 from dataclasses import dataclass
@@ -123,6 +124,6 @@ def write_description(target: KVOffloadTarget, description: dict) -> None:
     path = target.root / "namespace.json"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"namespace.json.{id(description)}.tmp")
+        tmp = path.with_name(f"namespace.json.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(description, indent=2, sort_keys=True) + "\n")
         tmp.replace(path)
