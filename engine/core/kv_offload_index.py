@@ -14,17 +14,15 @@ worker drops a block when the index deletes it.
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagoda.engine.kv_events import DISK_MEDIUM, HOST_MEDIUM
 from pagoda.engine.kv_offload import SUFFIX, KVOffloadTarget
 from pagoda.plugins.eviction import Evictor, LRUEvictor
-
-logger = logging.getLogger(__name__)
 
 # A writer's temporary file older than this is from a process that died mid-write.
 _STALE_TMP_SECONDS = 300.0
@@ -110,7 +108,7 @@ class KVTierIndex:
                         continue  # NOTE: another replica deleted it meanwhile
                     if name.endswith(".tmp"):
                         if now - stat.st_mtime > _STALE_TMP_SECONDS:
-                            _unlink(entry.path)
+                            Path(entry.path).unlink(missing_ok=True)
                         continue
                     if not name.endswith(SUFFIX):
                         continue
@@ -119,14 +117,14 @@ class KVTierIndex:
                     except ValueError:
                         continue
                     if stat.st_size != self.file_bytes:
-                        _unlink(entry.path)
+                        Path(entry.path).unlink(missing_ok=True)
                         continue
                     found.append((stat.st_mtime, digest))
         found.sort()
         for _, digest in found:
             self._add(digest, 0)
         while self.num_files > self.max_files:
-            _unlink(self.target.path_of(self._pop()))
+            self.target.path_of(self._pop()).unlink(missing_ok=True)
         return self.num_files
 
     # -- the scheduler's questions ---------------------------------------------------
@@ -176,11 +174,10 @@ class KVTierIndex:
     def forget(self, digests) -> None:
         """Blocks that are not (or not usable) on disk after all."""
         for digest in digests:
-            file_id = self._id_of.pop(digest, None)
+            file_id = self._id_of.get(digest)
             if file_id is not None:
-                del self._digest_of[file_id]
                 self.evictor.remove(file_id)
-                self._announce_removal(digest)
+                self._remove(digest)
 
     def drop_pending_stores(self) -> None:
         """Forgets the stores not sent yet: their blocks' contents are not to be trusted (the
@@ -219,16 +216,17 @@ class KVTierIndex:
         self.evictor.add(file_id, retention)
 
     def _pop(self) -> bytes:
-        digest = self._digest_of.pop(self.evictor.pop())
-        del self._id_of[digest]
-        self._announce_removal(digest)
+        """The evictor's choice, out of the index."""
+        digest = self._digest_of[self.evictor.pop()]
+        self._remove(digest)
         return digest
 
-    def _announce_removal(self, digest: bytes) -> None:
-        if self._hash_of:
-            block_hash = self._hash_of.pop(digest, None)
-            if block_hash is not None and self.events is not None:
-                self.events.removed(block_hash, self.medium)
+    def _remove(self, digest: bytes) -> None:
+        """Out of the index (the evictor has let go of it already), announced as removed."""
+        del self._digest_of[self._id_of.pop(digest)]
+        block_hash = self._hash_of.pop(digest, None)
+        if block_hash is not None and self.events is not None:
+            self.events.removed(block_hash, self.medium)
 
     def _trim(self) -> None:
         while self.num_files > self.max_files:
@@ -242,10 +240,3 @@ class KVTierIndex:
 
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - _RATE_WEIGHT) * old + _RATE_WEIGHT * new
-
-
-def _unlink(path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -156,27 +156,22 @@ class AsyncEngine:
         """The offload tier's index: over the worker's namespace on disk, with the blocks a
         previous run (or another replica) left there; or over the worker's host memory."""
         config = self.config
-        events = self.core.kv_events[0] if self.core.kv_events is not None else None
-        if config.kv_offload_dir is None:
-            index = KVTierIndex(None, ready.kv_offload_file_bytes, config.kv_offload_host_bytes, config.block_size,
-                                evictor=self.policy.make_evictor())
-            index.events = events
-            self.core.scheduler.kv_cache_manager.offload = index
-            logger.info("KV host-memory tier: %.1f GiB (%d blocks of %.0f KiB)", config.kv_offload_host_bytes / 1024**3,
-                        index.max_files, index.file_bytes / 1024)
-            return
-        target = KVOffloadTarget(Path(config.kv_offload_dir), bytes.fromhex(ready.kv_offload_namespace))
-        budget = config.kv_offload_bytes or default_offload_bytes(target.directory)
-        index = KVTierIndex(target, ready.kv_offload_file_bytes, budget, config.block_size,
-                            evictor=self.policy.make_evictor())
+        target = budget = None
+        if config.kv_offload_dir is not None:
+            target = KVOffloadTarget(Path(config.kv_offload_dir), bytes.fromhex(ready.kv_offload_namespace))
+            budget = config.kv_offload_bytes or default_offload_bytes(target.directory)
+        index = KVTierIndex(target, ready.kv_offload_file_bytes, budget or config.kv_offload_host_bytes,
+                            config.block_size, evictor=self.policy.make_evictor())
         start = time.perf_counter()
         found = await asyncio.to_thread(index.scan)
-        index.events = events
+        index.events = self.core.kv_events[0] if self.core.kv_events is not None else None
         self.core.scheduler.kv_cache_manager.offload = index
-        logger.info("KV disk tier: %s, %.1f GiB at most (%d blocks of %.0f KiB)%s; %d blocks found in %.2f s",
-                    target.root, budget / 1024**3, index.max_files, index.file_bytes / 1024,
-                    f", {config.kv_offload_host_bytes / 1024**3:.1f} GiB of host memory in front"
-                    if config.kv_offload_host_bytes else "", found, time.perf_counter() - start)
+        host = config.kv_offload_host_bytes
+        where = (f"{target.root}, {budget / 1024**3:.1f} GiB at most" if target is not None
+                 else f"host memory, {host / 1024**3:.1f} GiB")
+        logger.info("KV offload tier: %s (%d blocks of %.0f KiB)%s; %d blocks found in %.2f s", where, index.max_files,
+                    index.file_bytes / 1024, f", {host / 1024**3:.1f} GiB of host memory in front"
+                    if host and target is not None else "", found, time.perf_counter() - start)
 
     def _make_executor(self, on_death):
         """The worker(s), from the current WorkerInit (a restart allocates what the first start
