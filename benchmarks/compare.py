@@ -116,7 +116,7 @@ def run_pagoda(args: argparse.Namespace, plan: list[dict]) -> list[dict]:
     with LLM(**asdict(config)) as llm:
         seconds = time.perf_counter() - start
         ready = llm.engine.worker.ready
-        args.pagoda_weights = f"{ready.dtype}, {ready.weights}"
+        args.pagoda_weights = f"{ready.dtype}, {ready.weights}{', batch-invariant' if ready.batch_invariant else ''}"
         emit(args, {"engine": "pagoda", "event": "started", "seconds": seconds, "weights": args.pagoda_weights},
              f"pagoda: started in {seconds:.1f} s")
         for workload in plan:

@@ -87,8 +87,9 @@ class EngineConfig:
             chunked prefill, preemption and worker restarts): every kernel reduces in an
             order that does not depend on the batch. On the CPU in bfloat16 with Pagoda's
             own matrix kernel (AMX tiles for every row where they run, else AVX512-BF16),
-            eager, cpu_paged attention; it costs compilation and, without AMX, the
-            vectors' speed on large batches (docs/engine.md).
+            eager, cpu_paged attention. None (the default): on where it costs little
+            (AVX512-BF16 without AMX tiles, a model whose steps run in one C call; measured
+            at most 6% there), else off; on AMX tiles it costs up to 2.7x (docs/engine.md).
         pooling: How an embedding (``LLM.embed``, ``/v1/embeddings``) pools the prompt's
             final hidden states: "last" token (decoder embedding models), "mean" or
             "cls" (the first token).
@@ -151,7 +152,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     plugins: tuple[str, ...] = ()
     reasoning_parser: str | None = None
-    batch_invariant: bool = False
+    batch_invariant: bool | None = None
     pooling: str = "last"
     normalize_embeddings: bool = True
     speculative_config: SpeculativeConfig | dict | str | None = None
@@ -251,11 +252,13 @@ def _positive_int(config: EngineConfig, name: str) -> None:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
-def compiles_model(config: EngineConfig, device_type: str, world_size: int) -> bool:
+def compiles_model(config: EngineConfig, device_type: str, world_size: int,
+                   batch_invariant: bool | None = None) -> bool:
     """Whether the worker compiles the model (torch.compile of its regions): on the CPU or a
-    GPU, one rank, unless enforce_eager or batch_invariant."""
-    return (device_type in ("cpu", "cuda") and world_size == 1
-            and not (config.enforce_eager or config.batch_invariant))
+    GPU, one rank, unless enforce_eager or batch invariance (``batch_invariant`` as the
+    worker resolved it; None: config.batch_invariant, where None means it may compile)."""
+    invariant = config.batch_invariant if batch_invariant is None else batch_invariant
+    return device_type in ("cpu", "cuda") and world_size == 1 and not (config.enforce_eager or invariant)
 
 
 # NOTE: for tests: a device of this many bytes simulated on the CPU, so that the start that sizes

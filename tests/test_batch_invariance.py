@@ -102,3 +102,50 @@ def test_batch_invariance_refuses_what_it_cannot_keep(tiny_llama_dir):
     with pytest.raises(Exception, match="cpu_paged"):
         LLM(str(tiny_llama_dir), dtype="bfloat16", batch_invariant=True, attention_backend="naive",
             max_model_len=128)
+
+
+def test_invariance_is_the_default_where_it_costs_little(tiny_llama_dir, monkeypatch):
+    """batch_invariant None (the default) is on where the default path's products already sum
+    every row alike (Pagoda's AVX512-BF16 kernel without AMX tiles: the "blocked" packing) and
+    nothing else would be lost, off elsewhere; a live engine says which it runs, and where on,
+    a prompt found in the prefix cache gives the tokens and logprobs it gave when computed."""
+    import dataclasses
+
+    import torch
+
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.model_config import ModelConfig
+    from pagoda.engine.models.linear import choose_packing
+    from pagoda.engine.worker.model_runner import resolve_batch_invariant
+
+    cpu, llama = torch.device("cpu"), ModelConfig.from_dir(tiny_llama_dir)
+
+    def resolve(config=EngineConfig(), dtype=torch.bfloat16, fp8=None, model=llama, backend="cpu_paged", ranks=1):
+        return resolve_batch_invariant(config, cpu, dtype, fp8, model, backend, ranks)
+
+    monkeypatch.delenv(PACKING_ENV, raising=False)
+    default = choose_packing(cpu, torch.bfloat16) == "blocked"
+    assert resolve() == default
+    assert resolve(EngineConfig(batch_invariant=True)) and not resolve(EngineConfig(batch_invariant=False))
+    monkeypatch.setenv(PACKING_ENV, "blocked")  # the kernel an AMD Zen 4 runs, forced on any CPU that has it
+    assert resolve()
+    # Not where it would cost or cannot hold: float32, another backend, an fp8 cache, adapters,
+    # several ranks, a family whose steps run layer by layer (compiled, else eager).
+    assert not resolve(dtype=torch.float32)
+    assert not resolve(backend="naive")
+    assert not resolve(fp8=torch.float8_e4m3fn)
+    assert not resolve(EngineConfig(enable_lora=True))
+    assert not resolve(ranks=2)
+    assert not resolve(model=dataclasses.replace(llama, qk_norm=True))
+    if packing_available("onednn"):
+        monkeypatch.setenv(PACKING_ENV, "onednn")  # products of few rows round apart from many
+        assert not resolve()
+    monkeypatch.delenv(PACKING_ENV)
+    with LLM(str(tiny_llama_dir), dtype="bfloat16", max_model_len=256) as llm:
+        assert llm.engine.worker.ready.batch_invariant == default
+        assert ("batch-invariant" in llm.engine.describe()) == default
+        if default:
+            computed = tokens(llm.generate(PROMPTS[:8], PARAMS[:8]))
+            cached = llm.generate(PROMPTS[:8], PARAMS[:8])
+            assert all(o.metrics.num_cached_tokens > 0 for o in cached if len(o.prompt_token_ids) > 32)
+            assert tokens(cached) == computed

@@ -16,8 +16,8 @@ It runs where the model is a single rank in bfloat16 on the CPU, every linear la
 decoder runs one of Pagoda's kernels (quantized weights: GGUF files' own types,
 ``--quantization int8``; bfloat16 weights packed "blocked" or "amx", see
 engine/models/linear.py; not oneDNN's), the attention backend is ``cpu_paged`` over a
-bfloat16 cache, and batch invariance is not asked for (a row then takes one path whatever its
-step holds). A step whose sequences share a prefix that the backend attends to as a cascade
+bfloat16 cache (with batch invariance, as the backend plans: neither attention tiles nor a
+cascade). A step whose sequences share a prefix that the backend attends to as a cascade
 runs layer by layer where the backend has no tiles for the shared part (head sizes other than
 64 and 128). ``PAGODA_ONE_CALL_FORWARD=0`` turns it off (for A/B measurements).
 """

@@ -33,6 +33,7 @@ from pagoda.engine.model_loader import (compressed_tensors_config, default_cache
                                         resolve_model_dtype)
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
+from pagoda.engine.models.one_call_forward import architecture_reason
 from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
 from pagoda.engine.models.lora import LoRAManager
 from pagoda.engine.models.decoder import DecoderForCausalLM, RotaryEmbedding
@@ -43,6 +44,23 @@ from pagoda.engine.worker.prompt_scoring import score_prompts
 from pagoda.engine.worker.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_batch_invariant(config, device: torch.device, dtype: torch.dtype, fp8_cache: torch.dtype | None,
+                            model_config, backend_name: str, world_size: int) -> bool:
+    """EngineConfig.batch_invariant as this worker runs it: as asked, or (None) on where it
+    costs little, which is where the default path already sums every row alike: bfloat16
+    products on Pagoda's AVX512-BF16 kernel without AMX tiles (the "blocked" packing, the
+    same whatever the rows), cpu_paged attention over a bfloat16 cache, every step in one C
+    call (a family that runs layer by layer would lose its compiled regions), one rank, no
+    LoRA. Measured on AMD Zen 4: at most 6% on any `pagoda bench compare` row, with GGUF
+    and dense weights (docs/engine.md#batch-invariance); on AMX tiles it costs up to 2.7x,
+    so it stays off there unless asked."""
+    if config.batch_invariant is not None:
+        return config.batch_invariant
+    return (device.type == "cpu" and choose_packing(device, dtype) == "blocked" and backend_name == "cpu_paged"
+            and fp8_cache is None and world_size == 1 and not config.enable_lora
+            and architecture_reason(model_config) is None)
 
 
 class ModelRunner:
@@ -76,6 +94,11 @@ class ModelRunner:
             attention_backend = "cpu_paged"
         backend_cls = get_attention_backend(attention_backend, self.device, fp8_cache,
                                             attention_shape(model_config, self.dtype))
+        self.batch_invariant = resolve_batch_invariant(config, self.device, self.dtype, fp8_cache, model_config,
+                                                       backend_cls.name, init.world_size)
+        if self.batch_invariant and config.batch_invariant is None:
+            progress("outputs batch-invariant (the default on this CPU: AVX512-BF16 without AMX tiles, "
+                     "where it costs little; --no-batch-invariant turns it off)")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._free_at_start = torch.cuda.mem_get_info(self.device)[0]
@@ -130,10 +153,11 @@ class ModelRunner:
         # code rounds differently from the many-row code's.
         # NOTE: nor where every step runs in one call: the compiled regions would serve no step
         # (the warm-up then allocates the call's activations before the first request).
-        if compiles_model(config, self.device.type, self.tp.world_size) and self.model.one_call_takes_every_step():
+        compiles = compiles_model(config, self.device.type, self.tp.world_size, self.batch_invariant)
+        if compiles and self.model.one_call_takes_every_step():
             progress("every step runs in one C call: nothing to compile")
             self._warm_up()
-        elif compiles_model(config, self.device.type, self.tp.world_size):
+        elif compiles:
             self._compile(progress)
         self.decode_graphs = None
         self.graphs_description = graphs_off or ""
@@ -151,7 +175,7 @@ class ModelRunner:
             "model": model_fingerprint(Path(init.model_dir)),
             "architecture": self.model_config.architecture,
             "dtype": str(self.dtype), "kv_cache_dtype": str(self.kv_cache_dtype),
-            "quantization": config.quantization, "batch_invariant": config.batch_invariant,
+            "quantization": config.quantization, "batch_invariant": self.batch_invariant,
             "attention_backend": self.attention_backend.name, "block_size": self.block_size,
             "blocks": [[list(t.shape[1:]), str(t.dtype)] for pair in self.kv_caches for t in pair],
         }
@@ -244,7 +268,7 @@ class ModelRunner:
                            tp.world_size)
         backend = backend_cls(heads.num_heads, heads.num_kv_heads, model_config.head_dim,
                               model_config.attention_scale)
-        if config.batch_invariant:
+        if self.batch_invariant:
             backend.batch_invariant = True  # cpu_paged: every row by the vector kernel alone
         # NOTE: built on the meta device so that no time goes into random init of weights
         # that the checkpoint overwrites anyway.
@@ -270,16 +294,16 @@ class ModelRunner:
             self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
             model.lora_context = self.lora.context
         quantized = self._quantize(model, model_dir, mode, compressed)
-        packing = choose_packing(self.device, self.dtype, config.batch_invariant)
+        packing = choose_packing(self.device, self.dtype, self.batch_invariant)
         if packing is not None:
-            model.pack_weights(packing, config.batch_invariant)
+            model.pack_weights(packing, self.batch_invariant)
         resident = sum(t.nbytes for t in model.parameters()) + sum(
             t.nbytes for t in (model._packed_lm_head or ())[:1])
         self.weights_description = f"{quantized}{resident / 1e6:.0f} MB of weights"
         progress(f"weights loaded in {time.perf_counter() - start:.1f} s ({self.weights_description})"
                  + (f", packed for the {packing} matrix kernel" if packing else "")
                  + (f" (AMX tiles from {describe_amx_rows(model)} rows; measured in "
-                    f"{linear.calibration_seconds * 1e3:.0f} ms)" if packing == "amx" and not config.batch_invariant
+                    f"{linear.calibration_seconds * 1e3:.0f} ms)" if packing == "amx" and not self.batch_invariant
                     else ""))
         return model.eval(), backend
 
