@@ -28,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pagoda.environment import read
+from pagoda.benchmarks.memory_bandwidth import floor_line, measure_read_rate
 from pagoda.benchmarks.progress import emit, note
 from pagoda.benchmarks.workloads import WORKLOADS, Workload
 from pagoda.engine.args import add_engine_args, engine_config_from_args
@@ -117,7 +118,9 @@ def run_pagoda(args: argparse.Namespace, plan: list[dict]) -> list[dict]:
         seconds = time.perf_counter() - start
         ready = llm.engine.worker.ready
         args.pagoda_weights = f"{ready.dtype}, {ready.weights}{', batch-invariant' if ready.batch_invariant else ''}"
-        emit(args, {"engine": "pagoda", "event": "started", "seconds": seconds, "weights": args.pagoda_weights},
+        args.weight_bytes_per_token = ready.weight_bytes_per_token
+        emit(args, {"engine": "pagoda", "event": "started", "seconds": seconds, "weights": args.pagoda_weights,
+                    "weight_bytes_per_token": ready.weight_bytes_per_token},
              f"pagoda: started in {seconds:.1f} s")
         for workload in plan:
             for index, run in enumerate(workload["runs"]):
@@ -231,11 +234,16 @@ def run_compare(args: argparse.Namespace) -> int:
     args.max_model_len = max_model_len
     plan = [{"name": w.name, "runs": draw_runs(w, args.runs, args.bench_seed, vocab_size)} for w in workloads]
     cpu = describe_cpu()
+    if "single" in names:
+        cpu["read_rate_gb_per_s"] = round(measure_read_rate() / 1e9, 2)
+        note(args, f"memory read rate: {cpu['read_rate_gb_per_s']} GB/s (for the single stream's bandwidth floor)")
     results = run_pagoda(args, plan)
     if args.peer != "none":
         results += run_peer(args, plan, model_dir, max_model_len)
     if args.output:
-        Path(args.output).write_text(json.dumps([{"engine": "machine", "event": "cpu", **cpu}, *results], indent=1))
+        Path(args.output).write_text(json.dumps([{"engine": "machine", "event": "cpu", **cpu,
+                                                   "pagoda_weight_bytes_per_token": args.weight_bytes_per_token},
+                                                  *results], indent=1))
 
     print(f"\n{cpu_line(cpu)}")
     print(precision_line(args, model_dir))
@@ -252,6 +260,10 @@ def run_compare(args: argparse.Namespace) -> int:
             if theirs is not None:
                 line += f"{theirs[0]:>12.2f}{theirs[1] / theirs[0]:>9.1f}{theirs[0] / ours[0]:>16.2f}x"
         print(line)
+    if "single" in names:
+        per_token = {engine: median[0] / median[1] for engine in ("pagoda", args.peer)
+                     if (median := _median(results, engine, "single")) is not None}
+        print(floor_line(args.weight_bytes_per_token, cpu["read_rate_gb_per_s"] * 1e9, per_token))
     return 0
 
 

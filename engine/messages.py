@@ -279,6 +279,7 @@ class WorkerReady:
     weights: str = ""  # their format and resident size, for the start-up line
     one_call_forward: bool = False  # decode steps run in one call (engine/models/one_call_forward.py)
     batch_invariant: bool = False  # as the worker resolved EngineConfig.batch_invariant
+    weight_bytes_per_token: int = 0  # the weights one decoded token reads (DecoderForCausalLM)
     cuda_graphs: str = ""  # on a GPU: which decode steps replay CUDA graphs, or why none do
     threads: str = ""  # "2 threads on CPUs 0-1": the worker's torch threads and where they may run
     kv_offload_namespace: str = ""  # with a disk tier: the namespace of its blocks (hex)

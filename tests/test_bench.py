@@ -106,10 +106,21 @@ def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llam
     assert f"CPU: {cpu['model_name']}" in out
     assert re.search(r"^precision: pagoda float32, \d+ MB of weights$", out, re.M), out
     records = json.loads(output.read_text())
+    rate, weight_bytes = records[0].pop("read_rate_gb_per_s"), records[0].pop("pagoda_weight_bytes_per_token")
     assert records[0] == {"engine": "machine", "event": "cpu", **cpu}
-    # As it goes: a line before the engine starts, one when it has, one per run (warm-up and
-    # timed), in order, each with its time; then the table, a row per workload.
+    # The bytes a decoded token reads: every weight of the float32 checkpoint, the embedding
+    # table too (the head is tied to it and multiplies it whole).
+    from safetensors.torch import load_file
+
+    tensors = load_file(tiny_llama_dir / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    assert weight_bytes == sum(t.numel() * 4 for t in tensors.values())
+    # As it goes: the memory read rate (measured before the engine starts), a line before the
+    # engine starts, one when it has, one per run (warm-up and timed), in order, each with its
+    # time; then the table, a row per workload, and the single stream's bandwidth floor.
     lines = out.splitlines()
+    assert lines[0] == f"memory read rate: {rate} GB/s (for the single stream's bandwidth floor)" and rate > 0.5
+    lines = lines[1:]
     assert lines[0].startswith("pagoda: starting the engine on") and re.fullmatch(r"pagoda: started in [0-9.]+ s",
                                                                                   lines[1])
     runs = [re.fullmatch(r"pagoda +(\S+) +(warm-up|run 1/1) +([0-9.]+) s +([0-9.]+) tok/s", line) for line in lines[2:6]]
@@ -119,7 +130,15 @@ def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llam
     assert [float(runs[i][3]) for i in (1, 3)] == [round(r["seconds"], 2) for r in timed]
     assert not any(line.startswith("{") for line in lines)  # JSON only with --json
     table = lines[lines.index(next(line for line in lines if line.startswith("workload"))):]
-    assert len(table) == 3 and table[1].startswith("1 x ") and "prompt" in table[2]
+    assert len(table) == 4 and table[1].startswith("1 x ") and "prompt" in table[2]
+    floor = re.fullmatch(r"bandwidth floor: ([0-9.]+) GB of weights read per token \(Pagoda's\) at ([0-9.]+) GB/s "
+                         r"measured = ([0-9.]+) ms/token; single stream \(its prefill included\): "
+                         r"pagoda ([0-9.]+) ms/token \(([0-9.]+)x the floor\)", table[3])
+    assert floor, table[3]
+    assert float(floor[1]) == round(weight_bytes / 1e9, 2) and float(floor[2]) == round(rate, 1)
+    per_token = timed[0]["seconds"] / timed[0]["output_tokens"]
+    assert float(floor[4]) == round(per_token * 1e3, 1)
+    assert float(floor[5]) == pytest.approx(per_token / (weight_bytes / (rate * 1e9)), rel=0.01, abs=0.01)
 
 
 def test_compare_against_vllm_is_at_equal_precision_unless_told_otherwise(tmp_path):

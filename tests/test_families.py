@@ -104,6 +104,24 @@ def test_bfloat16_prompt_logprobs_within_tolerance(family):
     assert error.mean().item() <= 1.5 * (theirs - want).abs().mean().item()
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gemma2"], indirect=True)
+def test_weight_bytes_per_token_count_a_tokens_experts_and_the_head(family):
+    # The bandwidth floor's numerator (pagoda bench compare): every float32 weight but the
+    # embedding table where the head is its own, and of the experts top_k of num_experts.
+    name, model_dir, hf, _ = family
+    config = hf.config
+    expected = sum(p.numel() * 4 for p in hf.parameters())  # a tied table counted once: the head reads it
+    if not config.tie_word_embeddings:
+        expected -= hf.get_input_embeddings().weight.numel() * 4
+    experts = sum(p.numel() * 4 for n, p in hf.named_parameters() if ".experts." in n)
+    if experts:
+        num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+        expected -= experts - experts * config.num_experts_per_tok // num_experts
+    assert bool(experts) == (name != "gemma2")
+    with LLM(str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64) as llm:
+        assert llm.engine.worker.ready.weight_bytes_per_token == expected
+
+
 def test_moe_experts_op_matches_a_token_by_token_reference():
     from pagoda.engine.models.moe import moe_experts
 

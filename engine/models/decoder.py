@@ -469,6 +469,22 @@ class DecoderForCausalLM(nn.Module):
         self._one_call = None if reason is not None else one_call_forward.OneCallForward(self, kv_caches)
         return self._one_call is not None
 
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decoded token reads (of this rank): every parameter but the
+        embedding table, of which it gathers one row (unless a tied head multiplies the table
+        itself), the packed head, and of each mixture-of-experts layer top_k of its experts.
+        Over the machine's memory read rate, the floor of a single stream's time per token."""
+        total = sum(t.nbytes for t in self.parameters())
+        if self.lm_head is not None or self._packed_lm_head is not None:
+            total -= self.embed_tokens.weight.nbytes
+        if self._packed_lm_head is not None:
+            total += self._packed_lm_head[0].nbytes
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                experts = module.gate_up.nbytes + module.down.nbytes
+                total -= experts - experts * module.top_k // module.num_experts
+        return total
+
     def one_call_takes_every_step(self) -> bool:
         """Whether every step runs in one call (prepare_one_call_forward), none layer by layer."""
         return self._one_call is not None and self._one_call.takes_every_step()

@@ -152,6 +152,7 @@ def ready_message(runner):
                        compiled=runner.compile_description,
                        weights=runner.weights_description, one_call_forward=runner.one_call_forward,
                        batch_invariant=runner.batch_invariant,
+                       weight_bytes_per_token=runner.model.weight_bytes_per_token(),
                        cuda_graphs=runner.graphs_description, threads=describe_threads(),
                        kv_offload_namespace=runner.offload.target.namespace.hex()
                        if runner.offload and runner.offload.target else "",
