@@ -234,16 +234,26 @@ def run_compare(args: argparse.Namespace) -> int:
     args.max_model_len = max_model_len
     plan = [{"name": w.name, "runs": draw_runs(w, args.runs, args.bench_seed, vocab_size)} for w in workloads]
     cpu = describe_cpu()
-    if "single" in names:
-        cpu["read_rate_gb_per_s"] = round(measure_read_rate() / 1e9, 2)
-        note(args, f"memory read rate: {cpu['read_rate_gb_per_s']} GB/s (for the single stream's bandwidth floor)")
+    read_rates = []  # bytes/s, before each engine and after both: the rate moves on shared machines
+
+    def measure(when: str) -> None:
+        if "single" in names:
+            read_rates.append(measure_read_rate())
+            emit(args, {"engine": "machine", "event": "read_rate", "when": when,
+                        "gb_per_s": round(read_rates[-1] / 1e9, 2)},
+                 f"memory read rate {when}: {read_rates[-1] / 1e9:.2f} GB/s (for the single stream's bandwidth floor)")
+
+    measure("before pagoda")
     results = run_pagoda(args, plan)
     if args.peer != "none":
+        measure(f"before {args.peer}")
         results += run_peer(args, plan, model_dir, max_model_len)
+    measure("after the runs")
     if args.output:
-        Path(args.output).write_text(json.dumps([{"engine": "machine", "event": "cpu", **cpu,
-                                                   "pagoda_weight_bytes_per_token": args.weight_bytes_per_token},
-                                                  *results], indent=1))
+        rates = [round(rate / 1e9, 2) for rate in read_rates]
+        machine = {"engine": "machine", "event": "cpu", **cpu, "read_rates_gb_per_s": rates,
+                   "pagoda_weight_bytes_per_token": args.weight_bytes_per_token}
+        Path(args.output).write_text(json.dumps([machine, *results], indent=1))
 
     print(f"\n{cpu_line(cpu)}")
     print(precision_line(args, model_dir))
@@ -263,7 +273,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if "single" in names:
         per_token = {engine: median[0] / median[1] for engine in ("pagoda", args.peer)
                      if (median := _median(results, engine, "single")) is not None}
-        print(floor_line(args.weight_bytes_per_token, cpu["read_rate_gb_per_s"] * 1e9, per_token))
+        print(floor_line(args.weight_bytes_per_token, read_rates, per_token))
     return 0
 
 
