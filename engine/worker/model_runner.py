@@ -152,9 +152,10 @@ class ModelRunner:
         # NOTE: not with batch_invariant: inductor compiles a one-row batch apart, and its
         # code rounds differently from the many-row code's.
         # NOTE: nor where every step runs in one call: the compiled regions would serve no step
-        # (the warm-up then allocates the call's activations before the first request).
+        # (the warm-up then allocates the call's activations before the first request, with
+        # batch invariance too).
         compiles = compiles_model(config, self.device.type, self.tp.world_size, self.batch_invariant)
-        if compiles and self.model.one_call_takes_every_step():
+        if (compiles or self.batch_invariant) and self.model.one_call_takes_every_step():
             progress("every step runs in one C call: nothing to compile")
             self._warm_up()
         elif compiles:
