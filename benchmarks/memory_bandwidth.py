@@ -2,9 +2,9 @@
 
 A decoded token reads every weight of the model once (of a mixture of experts, its token's
 experts): at batch 1 the step cannot be faster than those bytes over the rate at which the
-cores read memory. `pagoda bench compare` measures the rate before each engine starts (on these shared
-machines it moves by tens of percent within an hour) and prints the floor beside the single
-stream's time per token.
+cores read memory. `pagoda bench compare` measures the rate before each engine runs and after
+both (on these shared machines it moves by tens of percent within minutes) and prints the floor
+at the highest, beside the single stream's time per token.
 """
 
 from __future__ import annotations

@@ -166,7 +166,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 stop_server(server)
     print_table(results, scenarios, args)
     if args.output:
-        Path(args.output).write_text(json.dumps({"cpu": cpu, "quantization": args.quantization, "input_len": args.input_len, "prefix_len": args.prefix_len,
+        Path(args.output).write_text(json.dumps({"cpu": cpu, "quantization": args.quantization,
+                                                 "input_len": args.input_len, "prefix_len": args.prefix_len,
                                                  "output_len": args.output_len, "num_prompts": args.num_prompts,
                                                  "results": results}, indent=1))
     return 0
