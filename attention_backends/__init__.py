@@ -68,8 +68,8 @@ class AttentionShape:
     head_dim: int
     num_heads: int
     num_kv_heads: int
-    # Layers with a window of their own beside global ones, or soft-capped scores (Gemma):
-    # only backends that support_window_and_softcap run them.
+    # Layers with a sliding window, or soft-capped scores (Gemma, and Mistral or Phi-3 served
+    # past their window): only backends that support_window_and_softcap run them.
     window_or_softcap: bool = False
 
 
@@ -90,8 +90,11 @@ def get_attention_backend(name: str, device: torch.device, kv_cache_dtype: torch
         if shape is None:
             return None
         if shape.window_or_softcap and not backend.supports_window_and_softcap:
-            return ("its layers have sliding windows beside global attention, or soft-capped scores, which this "
-                    "backend does not run (naive does)")
+            return ("its layers have sliding windows, or soft-capped scores, which this backend does not run "
+                    "(cpu_paged and naive do)")
+        if shape.window_or_softcap:
+            return backend.shape_problem(shape.dtype, shape.head_dim, shape.num_heads, shape.num_kv_heads,
+                                         window_or_softcap=True)
         return backend.shape_problem(shape.dtype, shape.head_dim, shape.num_heads, shape.num_kv_heads)
 
     if name == "auto":

@@ -121,8 +121,10 @@ class AttentionBackend(ABC):
         return "it does not support this device"
 
     @classmethod
-    def shape_problem(cls, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
-        """Why the backend cannot attend in ``dtype`` with these heads, or None if it can."""
+    def shape_problem(cls, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+                      window_or_softcap: bool = False) -> str | None:
+        """Why the backend cannot attend in ``dtype`` with these heads (and windows or soft caps,
+        asked only of backends that support_window_and_softcap), or None if it can."""
         return None
 
     # Whether forward() takes ``window`` (keys within the last ``window`` positions of each

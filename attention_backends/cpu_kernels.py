@@ -61,13 +61,15 @@ def _tokens_apart(x: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, return_lse: bool = False,
-                    skip: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, return_lse: bool = False, skip: torch.Tensor | None = None,
+                    window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of every query row over its request's paged context.
 
     Request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]``, the last of its
-    ``seq_lens[i]`` positions; a row at position p attends to keys 0..p. Decodes are
-    requests with one row.
+    ``seq_lens[i]`` positions; a row at position p attends to keys 0..p (within a window,
+    p - window + 1..p: the blocks wholly before are never read). Decodes are requests with
+    one row.
 
     Args:
         query: [num_tokens, num_heads, head_dim], contiguous.
@@ -83,6 +85,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             [num_tokens, num_heads]), to merge with attention over other keys.
         skip: None, or bool [num_reqs]: requests whose rows another kernel computes (their
             output rows are left unwritten).
+        window: None, or the number of keys a row sees (itself included: Mistral's and
+            Gemma's sliding windows).
+        softcap: None, or the cap of the scaled scores: ``softcap * tanh(score / softcap)``
+            (Gemma 2).
 
     Returns:
         [num_tokens, num_heads, head_dim] in the query's dtype (and the log-sum-exp).
@@ -104,7 +110,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
        block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(),
        None if lse is None else lse.data_ptr(), None if skip is None else skip.data_ptr(), num_reqs, num_heads,
-       num_kv_heads, head_dim, block_size, scale * (factor or 1.0), factor or 1.0)
+       num_kv_heads, head_dim, block_size, scale * (factor or 1.0), factor or 1.0, window or 0, softcap or 0.0)
     return (out, lse) if return_lse else out
 
 

@@ -25,8 +25,12 @@ would read the shared blocks once per request (64 requests over a 512-token pref
 over the same keys). One level, as vLLM's GPU cascade: a step whose requests do not all share
 the prefix runs as before.
 
+Sliding windows and soft-capped scores (Mistral, Phi-3, Gemma): the layers that have them take
+the vector kernel alone (it starts each tile's walk at its first row's window and masks per
+row), never the prefill tiles or a cascade; the other layers of the step as above.
+
 Dtypes: bfloat16 and float32 use the kernels; other dtypes (float16) fall back to
-torch_sdpa's torch code on the same layout.
+torch_sdpa's torch code on the same layout (without windows or soft caps).
 """
 
 from __future__ import annotations
@@ -249,6 +253,7 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
     name = "cpu_paged"
     fp8_kv_cache = FP8_DTYPES
     keys_transposed = True
+    supports_window_and_softcap = True
     # NOTE: set by the model runner for batch_invariant: each query row is then computed by
     # the vector kernel alone, never on the prefill tiles or in a cascade (whether a row takes
     # those depends on how its prompt is chunked and on what its step holds).
@@ -274,6 +279,13 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
         return device.type == "cpu" and kernel_library.available()
+
+    @classmethod
+    def shape_problem(cls, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+                      window_or_softcap: bool = False) -> str | None:
+        if window_or_softcap and not cpu_kernels.supports(dtype):
+            return f"its kernels run sliding windows and soft caps in bfloat16 and float32, not {dtype}"
+        return None
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str:
@@ -309,7 +321,8 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
         cpu_kernels.write_kv(to_cache_dtype(key, key_cache.dtype), to_cache_dtype(value, value_cache.dtype), slot_mapping,
                              key_cache, value_cache)
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         if not cpu_kernels.supports_cache(query.dtype, key_cache.dtype):
             if not isinstance(metadata.backend_data, SdpaStepData):
@@ -317,6 +330,10 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
             return super().forward(query, key, value, kv_cache, metadata)
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         query = query.contiguous()
+        if window is not None or softcap is not None:
+            return cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
+                                               metadata.seq_lens_tensor, metadata.query_start_loc, self.scale,
+                                               window=window, softcap=softcap)
         plan: StepPlan = metadata.backend_data
         # NOTE: an fp8 cache is read by the vector kernel alone (the tiles and torch's flash
         # attention take the model's dtype).

@@ -327,7 +327,7 @@ def paged_kernel_for(march: str, directory):
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in ("paged_attention_f32", "paged_attention_bf16", "paged_attention_bf16_e4m3"):
         getattr(lib, name).argtypes = [p, p, p, p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
-                                       ctypes.c_float]
+                                       ctypes.c_float, i64, ctypes.c_float]
     return lib
 
 
@@ -338,7 +338,8 @@ def test_avx2_and_portable_builds_of_the_paged_kernel_match_this_ones(tmp_path, 
     their own exp) and for an older one (x86-64-v2: the generic loop) gives this machine's
     build's outputs and log-sum-exps up to float32 rounding: prefill chunks and decodes, block
     sizes 16 and 32, 3 query heads per KV head, a float32, a bfloat16 and an fp8 cache, scores
-    spread wide enough that exp sees large negative inputs."""
+    spread wide enough that exp sees large negative inputs; without and with a window and a
+    soft cap."""
     from pagoda.attention_backends import cpu_kernels
     from pagoda.native import library as kernel_library
 
@@ -366,28 +367,88 @@ def test_avx2_and_portable_builds_of_the_paged_kernel_match_this_ones(tmp_path, 
                               ("paged_attention_bf16", query.bfloat16(), keys.bfloat16(), values.bfloat16()),
                               ("paged_attention_bf16_e4m3", query.bfloat16(), keys.to(torch.float8_e4m3fn),
                                values.to(torch.float8_e4m3fn))):
-            native, native_lse = cpu_kernels.paged_attention(q, k, v, tables, lens, starts, 0.125, return_lse=True)
+          for window, softcap in ((None, None), (23, 4.0)):
+            native, native_lse = cpu_kernels.paged_attention(q, k, v, tables, lens, starts, 0.125, return_lse=True,
+                                                             window=window, softcap=softcap)
             out, lse = torch.empty_like(q), torch.empty(q.shape[0], heads)
             factor = 256.0 if k.dtype == torch.float8_e4m3fn else 1.0  # as cpu_kernels.paged_attention passes it
             getattr(lib, name)(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.stride(0),
                                lens.data_ptr(), starts.data_ptr(), out.data_ptr(), lse.data_ptr(), None, len(seq_lens),
-                               heads, kv_heads, head_dim, block_size, 0.125 * factor, factor)
+                               heads, kv_heads, head_dim, block_size, 0.125 * factor, factor, window or 0,
+                               softcap or 0.0)
             tolerance = dict(rtol=1e-4, atol=1e-4) if q.dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-            torch.testing.assert_close(out.float(), native.float(), **tolerance, msg=f"{name} bs {block_size}")
-            torch.testing.assert_close(lse, native_lse, rtol=1e-5, atol=1e-5, msg=f"{name} bs {block_size}")
+            what = f"{name} bs {block_size} window {window}"
+            torch.testing.assert_close(out.float(), native.float(), **tolerance, msg=what)
+            torch.testing.assert_close(lse, native_lse, rtol=1e-5, atol=1e-5, msg=what)
 
 
-def _attention_reference(query, keys, values, last, scale):
+def _attention_reference(query, keys, values, last, scale, window=None, softcap=None):
     """float32 softmax(q k^T) v of each row (tokens, heads, dims) over keys (kv_heads, n, dims)
-    0..last[token] (a causal chunk: last per token), with the heads grouped over the KV heads."""
+    0..last[token] (a causal chunk: last per token; the last ``window`` of them with a window),
+    with the heads grouped over the KV heads (and the scores soft-capped with ``softcap``)."""
     group = query.shape[1] // keys.shape[0]
     out = torch.empty(query.shape, dtype=torch.float32)
     for t in range(query.shape[0]):
-        k, v = keys[:, :last[t] + 1].float(), values[:, :last[t] + 1].float()
+        first = max(0, last[t] + 1 - window) if window else 0
+        k, v = keys[:, first:last[t] + 1].float(), values[:, first:last[t] + 1].float()
         q = query[t].float().view(keys.shape[0], group, -1)
-        weights = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1)
-        out[t] = (weights @ v).reshape(query.shape[1], -1)
+        scores = q @ k.transpose(1, 2) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        out[t] = (torch.softmax(scores, dim=-1) @ v).reshape(query.shape[1], -1)
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])  # 8: the generic loop
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (1, 128)])
+def test_paged_kernel_windows_and_soft_caps(dtype, block_size, group, head_dim):
+    """Sliding windows (Mistral's, Gemma's) and soft caps (Gemma 2's) in csrc/paged_attention.c
+    against a torch reference: prefill chunks and decodes; windows of one key, shorter than a
+    block, across the 256-key partitions, longer than the context. The blocks wholly before
+    every row's window hold NaN, as a block given back to the pool and written by another
+    request holds anything: the kernel never reads them."""
+    from pagoda.attention_backends import cpu_kernels
+
+    if not cpu_kernels.supports(dtype):
+        pytest.skip("the CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(5)
+    kv_heads = 2
+    heads = kv_heads * group
+    query_lens, seq_lens = [5, 1, 19, 1, 40, 1], [40, 300, 19, 600, 560, 17]
+    blocks_per = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per)
+    order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks_per), dtype=torch.int32)
+    owned, at = [], 0
+    for i, n in enumerate(blocks_per):
+        tables[i, :n] = order[at:at + n]
+        owned.append(order[at:at + n].long())
+        at += n
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    query = (torch.randn(sum(query_lens), heads, head_dim, generator=gen) * 2).to(dtype)
+    clean_keys = torch.randn(num_blocks, kv_heads, head_dim, block_size, generator=gen).to(dtype)
+    clean_values = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for window in (1, 7, 16, 100, 300, 4096):
+        keys, values = clean_keys.clone(), clean_values.clone()
+        for i, (n, q) in enumerate(zip(seq_lens, query_lens)):
+            first = max(0, n - q + 1 - window)  # the first key of the request's first row
+            keys[owned[i][:first // block_size]] = float("nan")
+            values[owned[i][:first // block_size]] = float("nan")
+        for softcap in (None, 3.0):
+            out, lse = cpu_kernels.paged_attention(query, keys, values, tables, lens, starts, scale, return_lse=True,
+                                                   window=window, softcap=softcap)
+            assert not out.isnan().any() and not lse.isnan().any(), f"window {window}: a block before it was read"
+            for i, (n, q) in enumerate(zip(seq_lens, query_lens)):
+                k = clean_keys[owned[i]].permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
+                v = clean_values[owned[i]].transpose(0, 1).reshape(kv_heads, -1, head_dim)
+                rows = slice(int(starts[i]), int(starts[i + 1]))
+                expected = _attention_reference(query[rows], k, v, list(range(n - q, n)), scale, window, softcap)
+                torch.testing.assert_close(out[rows].float(), expected, **tolerance,
+                                           msg=f"request {i}, window {window}, softcap {softcap}")
 
 
 @pytest.mark.parametrize("march,budget,shape", [("x86-64-v3", None, (6, 2, 64)), ("x86-64-v3", 4096, (6, 2, 64)),
@@ -460,7 +521,8 @@ def test_avx2_and_portable_builds_of_the_tiles(tmp_path, march, budget, shape, d
     by_kernel = torch.zeros_like(query)
     getattr(paged, f"paged_attention_{suffix}")(
         query.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-        starts.data_ptr(), by_kernel.data_ptr(), None, None, 2, heads, kv_heads, head_dim, block_size, scale, 1.0)
+        starts.data_ptr(), by_kernel.data_ptr(), None, None, 2, heads, kv_heads, head_dim, block_size, scale, 1.0, 0,
+        0.0)
     assert torch.equal(out, by_kernel)
     tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for request, (first, count) in enumerate(((0, 37), (37, 20))):

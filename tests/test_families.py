@@ -194,16 +194,18 @@ def test_packed_experts_match_the_experts_as_loaded(packing):
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"], indirect=True)
 def test_gemma_layers_keep_their_windows_past_the_window(family):
     # The first layer attends within 8 tokens, the second globally: prompts of 22-30 tokens are
-    # past the window, the context is not capped at it, and the backend that runs windows and
-    # soft-capping beside global layers is the one chosen.
+    # past the window, the context is not capped at it; the CPU kernel runs windows and
+    # soft-capping beside global layers (auto chooses it), and so does naive.
     name, model_dir, _, expected = family
     config = ModelConfig.from_dir(model_dir)
     assert (config.sliding_window, config.sliding_layers) == (8, (0,)) and not config.windowed_everywhere
     assert max(len(p) for p in PROMPTS) > config.sliding_window
-    with LLM(str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64) as llm:
-        assert llm.engine.worker.ready.attention_backend == "naive"
-        assert llm.engine.max_model_len == 64
-        assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    for backend in ("auto", "naive"):
+        with LLM(str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64,
+                 attention_backend=backend) as llm:
+            assert llm.engine.worker.ready.attention_backend == ("cpu_paged" if backend == "auto" else backend)
+            assert llm.engine.max_model_len == 64
+            assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
 
 
 def test_phi3_longrope_over_part_of_each_head_matches_transformers(tmp_path):

@@ -441,7 +441,7 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
                 paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables + n,
                                      block_table_stride, suffix_seq_lens + g * num_reqs, query_start, own, own_lse,
                                      m ? others + g * num_reqs : NULL, num_reqs, num_heads, num_kv_heads, head_dim,
-                                     block_size, scale, 1.0f);
+                                     block_size, scale, 1.0f, 0, 0.0f);
                 whole = shared_prefix_attention_bf16(queries, layer->key_cache, layer->value_cache, blocks, n,
                                                      block_size, rows, m ? listed : NULL, m, query_start, num_heads,
                                                      num_kv_heads, head_dim, scale, own, own_lse, attn, tiles);
@@ -451,7 +451,7 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
             if (!whole && group_sizes[1]) { /* the rows of the requests in no group */
                 paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,
                                      seq_lens, query_start, attn, NULL, skip, num_reqs, num_heads, num_kv_heads,
-                                     head_dim, block_size, scale, 1.0f);
+                                     head_dim, block_size, scale, 1.0f, 0, 0.0f);
                 whole = num_tile_requests &&
                         prefill_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables,
                                                block_table_stride, seq_lens, query_start, tile_requests,
@@ -461,7 +461,7 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
         } else {
             paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,
                                  seq_lens, query_start, attn, NULL, skip_tiled, num_reqs, num_heads, num_kv_heads,
-                                 head_dim, block_size, scale, 1.0f);
+                                 head_dim, block_size, scale, 1.0f, 0, 0.0f);
             whole = skip_tiled && prefill_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables,
                                                          block_table_stride, seq_lens, query_start, tile_requests,
                                                          num_tile_requests, num_heads, num_kv_heads, head_dim,
@@ -470,7 +470,7 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
         if (whole)
             paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,
                                  seq_lens, query_start, attn, NULL, NULL, num_reqs, num_heads, num_kv_heads, head_dim,
-                                 block_size, scale, 1.0f);
+                                 block_size, scale, 1.0f, 0, 0.0f);
         if ((failed = product(attn, rows, q_size, &layer->o, hidden, NULL, o))) break;
         if (lora_width) lora_add(attn, q_size, &lora->o, lora_segments, num_lora_segments, hidden, o, lora_t);
         add_rms_norm(h, o, layer->post_norm, rows, hidden, eps, x);

@@ -109,8 +109,9 @@ DEFINE_WRITE_KV(paged_write_kv_u8, uint8_t) /* fp8 caches: the bytes torch conve
 
 /* ---- the generic path: one query token per task, any block size, no vector extensions ----- */
 
-/* One (query token, KV head) task over a context of len tokens: queries and output of type T,
- * the caches' elements of type TK. */
+/* One (query token, KV head) task over a context of len tokens, the first `first` of them outside
+ * its window (from the block that holds key `first` on): queries and output of type T, the
+ * caches' elements of type TK. */
 #define TASK_BODY(T, LOAD, STORE, TK, LOADK, BS)                                                                     \
     float q[group][head_dim], acc[group][head_dim], m[group], l[group];                                    \
     float s[group][BS], krow[BS], vrow[head_dim];                                                          \
@@ -120,8 +121,9 @@ DEFINE_WRITE_KV(paged_write_kv_u8, uint8_t) /* fp8 caches: the bytes torch conve
         m[g] = MIN_SCORE;                                                                                  \
         l[g] = 0;                                                                                          \
     }                                                                                                      \
-    for (int64_t start = 0; start < len; start += BS) {                                                    \
+    for (int64_t start = first / BS * BS; start < len; start += BS) {                                      \
         const int64_t n = len - start < BS ? len - start : BS;                                             \
+        const int64_t seen_from = first - start; /* keys of the block before it are outside the window */  \
         const int64_t base = (int64_t)table[start / BS] * block_stride + kh * BS * head_dim;              \
         const TK *k = key_cache + base;                                                                    \
         const TK *v = value_cache + base;                                                                  \
@@ -135,12 +137,15 @@ DEFINE_WRITE_KV(paged_write_kv_u8, uint8_t) /* fp8 caches: the bytes torch conve
             }                                                                                              \
         }                                                                                                  \
         for (int64_t g = 0; g < group; g++) {                                                              \
+            if (softcap > 0)                                                                               \
+                for (int64_t t = 0; t < n; t++) s[g][t] = softcap * tanhf(s[g][t] / softcap);              \
             float block_max = m[g];                                                                        \
-            for (int64_t t = 0; t < n; t++) block_max = s[g][t] > block_max ? s[g][t] : block_max;         \
+            for (int64_t t = seen_from > 0 ? seen_from : 0; t < n; t++)                                    \
+                block_max = s[g][t] > block_max ? s[g][t] : block_max;                                     \
             const float correction = expf(m[g] - block_max);                                               \
             float sum = 0;                                                                                 \
             for (int64_t t = 0; t < BS; t++) {                                                             \
-                const float p = t < n ? expf(s[g][t] - block_max) : 0.0f;                                  \
+                const float p = t < n && t >= seen_from ? expf(s[g][t] - block_max) : 0.0f;                \
                 s[g][t] = p;                                                                               \
                 sum += p;                                                                                  \
             }                                                                                              \
@@ -204,6 +209,18 @@ VOP vec16 v_exp(vec16 v) { return exp16(v); }
 VOP vec16 v_keep_first(vec16 v, int64_t count, float fill) {
     return _mm512_mask_blend_ps(first_lanes16(count), _mm512_set1_ps(fill), v);
 }
+/* the lanes from `from` on, the first ones `fill` */
+VOP vec16 v_keep_from(vec16 v, int64_t from, float fill) {
+    return _mm512_mask_blend_ps(first_lanes16(from), v, _mm512_set1_ps(fill));
+}
+/* cap * tanh(v / cap), tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) (no overflow) */
+VOP vec16 v_softcap(vec16 v, float cap) {
+    const __m512 x = _mm512_div_ps(v, _mm512_set1_ps(cap)), one = _mm512_set1_ps(1.0f);
+    const __m512 e = exp16(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.0f)));
+    const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)), _mm512_set1_ps(cap));
+}
 
 static inline vec16 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -252,6 +269,20 @@ VOP vec16 v_keep_first(vec16 v, int64_t count, float fill) {
     const __m256 hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)));
     return V2(_mm256_blendv_ps(_mm256_set1_ps(fill), v.lo, lo), _mm256_blendv_ps(_mm256_set1_ps(fill), v.hi, hi));
 }
+VOP vec16 v_keep_from(vec16 v, int64_t from, float fill) {
+    const __m256i n = _mm256_set1_epi32((int)(from < 0 ? 0 : from > 16 ? 16 : from));
+    const __m256 lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const __m256 hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)));
+    return V2(_mm256_blendv_ps(v.lo, _mm256_set1_ps(fill), lo), _mm256_blendv_ps(v.hi, _mm256_set1_ps(fill), hi));
+}
+static inline __m256 softcap8(__m256 v, float cap) {
+    const __m256 x = _mm256_div_ps(v, _mm256_set1_ps(cap)), one = _mm256_set1_ps(1.0f);
+    const __m256 signbit = _mm256_set1_ps(-0.0f);
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_andnot_ps(signbit, x), _mm256_set1_ps(-2.0f)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(signbit, x)), _mm256_set1_ps(cap));
+}
+VOP vec16 v_softcap(vec16 v, float cap) { return V2(softcap8(v.lo, cap), softcap8(v.hi, cap)); }
 
 static inline vec16 load16_f32(const float *p) { return v_load(p); }
 static inline vec16 widen16(__m256i halves) { /* 16 float16 bit patterns */
@@ -316,12 +347,25 @@ static inline __attribute__((always_inline)) void prefetch_values16(
  * arithmetic), and each key and value is still read once per tile. */
 #define PARTITION 256
 
-/* Keeps 16 scores whose keys start at position start, -inf-like past the row's last key,
- * and takes them into the row's running vector max. */
+/* The first key a row at position pos sees within a window of `window` keys (0: no window). */
+static inline int64_t window_start(int64_t pos, int64_t window) {
+    return window > 0 && pos >= window ? pos - window + 1 : 0;
+}
+
+/* The end of the partition that starts at key pstart: partitions end at multiples of PARTITION
+ * (or at len) wherever a tile's loop starts, so a row's sums do not depend on its tile. */
+static inline int64_t partition_end(int64_t pstart, int64_t len) {
+    const int64_t end = (pstart / PARTITION + 1) * PARTITION;
+    return end < len ? end : len;
+}
+
+/* Keeps 16 scores whose keys start at position start, -inf-like before the row's first key (of
+ * its window) and past its last, and takes them into the row's running vector max. */
 static inline __attribute__((always_inline)) void keep_scores(
-        float *dst, vec16 scores, int64_t start, int64_t last, vec16 *vmax) {
+        float *dst, vec16 scores, int64_t start, int64_t first, int64_t last, vec16 *vmax) {
     const int64_t seen = last - start + 1; /* keys of this chunk the row sees */
-    const vec16 masked = v_keep_first(scores, seen, MIN_SCORE);
+    vec16 masked = v_keep_first(scores, seen, MIN_SCORE);
+    if (first > start) masked = v_keep_from(masked, first - start, MIN_SCORE);
     v_store(dst, masked);
     *vmax = v_max(*vmax, masked);
 }
@@ -341,14 +385,16 @@ static inline __attribute__((always_inline)) void begin_values_pass(
             for (int64_t c = 0; c < chunks; c++) acc[r][c] = v_mul(acc[r][c], correction);
         }
         m[r] = new_max;
-        mrow[r] = v_set1(new_max);
+        /* NOTE: a row with no key in the window yet (a tile's earlier rows start the loop) gets
+         * probabilities of exactly 0 for its masked scores, not exp(0) */
+        mrow[r] = v_set1(new_max > MIN_SCORE ? new_max : -MIN_SCORE);
         lsum[r] = v_zero();
     }
 }
 
 /* 16 probabilities from kept scores, added into the row's sum. A masked score (MIN_SCORE) gives
  * exactly 0: exp16 flushes inputs below -87 to 0. The row's maximum gives 1, so a row's sum
- * is at least 1 after its first partition (every row sees key 0). */
+ * is at least 1 after the first partition that holds one of its keys. */
 static inline __attribute__((always_inline)) vec16 probabilities16(const float *scores, vec16 mrow, vec16 *lsum) {
     const vec16 e = v_exp(v_sub(v_load(scores), mrow));
     *lsum = v_add(*lsum, e);
@@ -380,14 +426,16 @@ static inline __attribute__((always_inline)) void store_rows(
 static inline __attribute__((always_inline)) void NAME(                                                    \
         const T *qsrc, int64_t q_token_stride, const TK *key_cache, const TK *value_cache, const int32_t *table, \
         int64_t first_pos, int64_t ntok, float *out, float *lse, int64_t group, int64_t tq,              \
-        int64_t head_dim, int64_t block_stride, int64_t kh, float scale, int64_t bs) {                    \
+        int64_t head_dim, int64_t block_stride, int64_t kh, float scale, int64_t bs, int64_t window,      \
+        float softcap) {                                                                                   \
     const int64_t chunks = head_dim / 16, rows = group * tq;                                               \
     const int64_t len = first_pos + ntok; /* keys the tile's last token sees */                           \
+    const int64_t from = window_start(first_pos, window); /* the first key of the tile's first row */      \
     float q[FAST_MAX_ROWS][128];                                                                           \
     vec16 acc[FAST_MAX_ROWS][FAST_MAX_CHUNKS];                                                            \
     float m[FAST_MAX_ROWS], l[FAST_MAX_ROWS];                                                              \
     float scores[FAST_MAX_ROWS][PARTITION] __attribute__((aligned(64)));                                   \
-    int64_t last[FAST_MAX_ROWS]; /* the last key position each row sees */                                 \
+    int64_t first[FAST_MAX_ROWS], last[FAST_MAX_ROWS]; /* the first and last key each row sees */          \
     for (int64_t j = 0; j < tq; j++) {                                                                     \
         const int64_t token = j < ntok ? j : ntok - 1;                                                     \
         for (int64_t g = 0; g < group; g++) {                                                              \
@@ -400,10 +448,11 @@ static inline __attribute__((always_inline)) void NAME(                         
             m[r] = MIN_SCORE;                                                                              \
             l[r] = 0;                                                                                      \
             last[r] = first_pos + token;                                                                   \
+            first[r] = window_start(last[r], window);                                                      \
         }                                                                                                  \
     }                                                                                                      \
-    for (int64_t pstart = 0; pstart < len; pstart += PARTITION) {                                          \
-        const int64_t pend = len - pstart < PARTITION ? len : pstart + PARTITION;                          \
+    for (int64_t pstart = from / 16 * 16, pend; pstart < len; pstart = pend) {                             \
+        pend = partition_end(pstart, len);                                                                 \
         vec16 vmax[FAST_MAX_ROWS], mrow[FAST_MAX_ROWS], lsum[FAST_MAX_ROWS];                              \
         for (int64_t r = 0; r < rows; r++) vmax[r] = v_set1(MIN_SCORE);                            \
         /* 16 keys at a time: the block's keys are [head_dim][bs], its values [bs][head_dim]. */         \
@@ -429,8 +478,10 @@ static inline __attribute__((always_inline)) void NAME(                         
                 }                                                                                          \
             }                                                                                              \
             for (int64_t r = 0; r < rows; r++) s[r] = v_add(s[r], s1[r]);                                  \
+            if (softcap > 0)                                                                               \
+                for (int64_t r = 0; r < rows; r++) s[r] = v_softcap(s[r], softcap);                        \
             for (int64_t r = 0; r < rows; r++)                                                             \
-                keep_scores(&scores[r][start - pstart], s[r], start, last[r], &vmax[r]);                   \
+                keep_scores(&scores[r][start - pstart], s[r], start, first[r], last[r], &vmax[r]);         \
         }                                                                                                  \
         begin_values_pass(vmax, m, l, acc, mrow, lsum, rows, chunks);                                      \
         for (int64_t start = pstart; start < pend; start += 16) {                                          \
@@ -478,14 +529,14 @@ static inline __m512i pair_rows(const uint16_t *a, const uint16_t *b, __m512i in
 static inline __attribute__((always_inline)) void fast_task_bf16(
         const uint16_t *qsrc, int64_t q_token_stride, const uint16_t *key_cache, const uint16_t *value_cache,
         const int32_t *table, int64_t first_pos, int64_t ntok, float *out, float *lse, int64_t group, int64_t tq,
-        int64_t head_dim, int64_t block_stride, int64_t kh, float scale, int64_t bs) {
+        int64_t head_dim, int64_t block_stride, int64_t kh, float scale, int64_t bs, int64_t window, float softcap) {
     const int64_t chunks = head_dim / 16, rows = group * tq;
-    const int64_t len = first_pos + ntok;
+    const int64_t len = first_pos + ntok, from = window_start(first_pos, window);
     uint32_t q[FAST_MAX_ROWS][64]; /* (q[2i], q[2i+1]) bf16 pairs */
     __m512 acc[FAST_MAX_ROWS][FAST_MAX_CHUNKS];
     float m[FAST_MAX_ROWS], l[FAST_MAX_ROWS];
     float scores[FAST_MAX_ROWS][PARTITION] __attribute__((aligned(64)));
-    int64_t last[FAST_MAX_ROWS];
+    int64_t first[FAST_MAX_ROWS], last[FAST_MAX_ROWS];
     /* lane 2i takes a[i], lane 2i+1 takes b[i] (b's lanes are numbered from 32) */
     uint16_t pattern[32];
     for (int i = 0; i < 16; i++) { pattern[2 * i] = (uint16_t)i; pattern[2 * i + 1] = (uint16_t)(32 + i); }
@@ -499,11 +550,12 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
             m[r] = MIN_SCORE;
             l[r] = 0;
             last[r] = first_pos + token;
+            first[r] = window_start(last[r], window);
         }
     }
     const __m512 scale16 = _mm512_set1_ps(scale);
-    for (int64_t pstart = 0; pstart < len; pstart += PARTITION) {
-        const int64_t pend = len - pstart < PARTITION ? len : pstart + PARTITION;
+    for (int64_t pstart = from / 16 * 16, pend; pstart < len; pstart = pend) {
+        pend = partition_end(pstart, len);
         __m512 vmax[FAST_MAX_ROWS], mrow[FAST_MAX_ROWS], lsum[FAST_MAX_ROWS];
         for (int64_t r = 0; r < rows; r++) vmax[r] = _mm512_set1_ps(MIN_SCORE);
         for (int64_t start = pstart; start < pend; start += 16) {
@@ -517,8 +569,9 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
                 next_keys = start + 32 < len
                             ? (const char *)(key_cache + chunk_base(table, start + 32, bs, block_stride, kh, head_dim))
                             : NULL;
-                if (start == 0 && len > 16)
-                    second_keys = (const char *)(key_cache + chunk_base(table, 16, bs, block_stride, kh, head_dim));
+                if (start == from / 16 * 16 && start + 16 < len)
+                    second_keys = (const char *)(key_cache + chunk_base(table, start + 16, bs, block_stride, kh,
+                                                                        head_dim));
                 values = (const char *)(value_cache + chunk_base(table, start, bs, block_stride, kh, head_dim));
             } else {
                 if (start + 16 < len)
@@ -549,9 +602,11 @@ static inline __attribute__((always_inline)) void fast_task_bf16(
                     s1[r] = _mm512_dpbf16_ps(s1[r], k1, (__m512bh)_mm512_set1_epi32((int)q[r][d / 2 + 1]));
                 }
             }
-            for (int64_t r = 0; r < rows; r++) s[r] = _mm512_add_ps(s[r], s1[r]);
+            for (int64_t r = 0; r < rows; r++) s[r] = _mm512_mul_ps(_mm512_add_ps(s[r], s1[r]), scale16);
+            if (softcap > 0)
+                for (int64_t r = 0; r < rows; r++) s[r] = v_softcap(s[r], softcap);
             for (int64_t r = 0; r < rows; r++)
-                keep_scores(&scores[r][start - pstart], _mm512_mul_ps(s[r], scale16), start, last[r], &vmax[r]);
+                keep_scores(&scores[r][start - pstart], s[r], start, first[r], last[r], &vmax[r]);
         }
         begin_values_pass(vmax, m, l, acc, mrow, lsum, rows, chunks);
         for (int64_t start = pstart; start < pend; start += 16) {
@@ -610,7 +665,7 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
 #define FAST_CASE(FAST, G, TQ, D)                                                                          \
     case ((G) * 100 + (TQ)) * 1000 + (D):                                                                  \
         FAST(qsrc, q_token_stride, key_cache, value_cache, table, first_pos, ntok, result, tile_lse, G, TQ, \
-             D, block_stride, kh, scale, block_size);                                                      \
+             D, block_stride, kh, scale, block_size, window, softcap);                                     \
         break;
 
 /* The shapes with a copy of their own: group size x tile tokens for head_dim 64 and 128. On
@@ -664,7 +719,7 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
                         default:                                                                           \
                             FAST(qsrc, q_token_stride, key_cache, value_cache, table, first_pos, ntok,     \
                                  result, tile_lse, group, tile_tq, head_dim, block_stride, kh, scale,      \
-                                 block_size);                                                              \
+                                 block_size, window, softcap);                                             \
                     }                                                                                      \
                     for (int64_t j = 0; j < ntok; j++) {                                                   \
                         T *dst = out + ((row + j) * num_heads + kh * group) * head_dim;                    \
@@ -690,7 +745,7 @@ static inline int64_t tile_tokens(int64_t group, int64_t head_dim) {
 void NAME(const T *query, const TK *key_cache, const TK *value_cache, const int32_t *block_tables,          \
           int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start, T *out,           \
           float *lse, const uint8_t *skip, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,        \
-          int64_t head_dim, int64_t block_size, float scale, float value_scale) {                           \
+          int64_t head_dim, int64_t block_size, float scale, float value_scale, int64_t window, float softcap) { \
     const int64_t group = num_heads / num_kv_heads;                                                        \
     const int64_t block_stride = num_kv_heads * block_size * head_dim;                                     \
     FAST_PATH(T, STORE, FAST)                                                                              \
@@ -702,6 +757,7 @@ void NAME(const T *query, const TK *key_cache, const TK *value_cache, const int3
             if (skip && skip[i]) continue;                                                                 \
             const int32_t *table = block_tables + i * block_table_stride;                                  \
             const int64_t len = seq_lens[i] - (query_start[i + 1] - row) + 1;                              \
+            const int64_t first = window > 0 && len > window ? len - window : 0;                           \
             if (block_size == 16) { TASK_BODY(T, LOAD, STORE, TK, LOADK, 16) }                             \
             else { TASK_BODY(T, LOAD, STORE, TK, LOADK, block_size) }                                      \
         }                                                                                                  \
