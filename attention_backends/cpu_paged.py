@@ -330,6 +330,8 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
             return super().forward(query, key, value, kv_cache, metadata)
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         query = query.contiguous()
+        if window is not None and metadata.max_seq_len <= window:
+            window = None  # NOTE: no row is past it: the step's plan (tiles, cascade) holds
         if window is not None or softcap is not None:
             return cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                                metadata.seq_lens_tensor, metadata.query_start_loc, self.scale,

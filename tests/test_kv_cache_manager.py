@@ -40,6 +40,52 @@ def test_allocation_is_on_demand_and_freed_tail_first():
     manager.check_invariants()
 
 
+def test_blocks_before_a_sliding_window_go_back_to_the_pool():
+    # A window of 6 in blocks of 4: block i goes back once the next token's window starts past it
+    # (position 4 * (i + 1) + 5), with a lookback of 1 (a rejected draft token) one token later.
+    manager = KVCacheManager(num_blocks=8, block_size=4, sliding_window=6, lookback=1)
+    request = make_request("a", range(10))
+    run(manager, request, 10)  # 10 computed: the next window starts at 5 (4 with the lookback)
+    assert manager.get_block_ids("a") == [0, 1, 2] and manager.num_blocks_held("a") == 3
+    request.all_token_ids += [7]
+    run(manager, request, 1)  # the next window starts at 6, 5 with the lookback: block 0 passed
+    assert manager.get_block_ids("a") == [0, 1, 2] and manager.get_block_ids("a", held=True) == [1, 2]
+    assert manager.get_num_free_blocks() == 6
+    usage = manager.usage()
+    assert (usage.num_used_blocks, usage.num_tokens, usage.num_unused_slots) == (2, 7, 1)
+    manager.check_invariants()
+    # A fork shares the held blocks; the places out of the window stay so in both.
+    child = make_request("b", request.all_token_ids)
+    child.num_computed_tokens = request.num_computed_tokens
+    manager.fork(request, child)
+    assert manager.block_pool.num_shared_blocks() == 2
+    manager.check_invariants()
+    manager.free("b")
+    # A prefix hit past the window takes from the pool only the hits the next token's window sees.
+    request.all_token_ids += [8, 9]
+    run(manager, request, 2)  # 13 tokens: blocks 0-2 full and cached
+    manager.free("a")
+    late = make_request("d", request.all_token_ids[:12] + [5, 5])
+    hits, num_tokens = manager.get_computed_blocks(late)
+    assert [block.block_id for block in hits] == [0, 1, 2] and num_tokens == 12
+    run(manager, late, 2, hits)  # 12 cached: the window starts at 7 (6 with the lookback)
+    assert manager.get_block_ids("d")[:3] == [0, 1, 2] and manager.get_block_ids("d", held=True)[:2] == [1, 2]
+    assert manager.block_pool.blocks[0].ref_cnt == 0  # still free (and cached)
+    manager.check_invariants()
+    # Swapped out and back: the held blocks only, the places out of the window kept.
+    manager = KVCacheManager(num_blocks=8, block_size=4, num_cpu_blocks=4, sliding_window=6)
+    request = make_request("c", range(15))
+    run(manager, request, 14)
+    run(manager, request, 1)  # 14 computed: the window from 9, blocks 0 and 1 passed
+    assert manager.get_block_ids("c", held=True) == [2, 3]
+    assert len(manager.swap_out("c")) == 2 and len(manager.get_cpu_block_ids("c")) == 2
+    manager.check_invariants()
+    assert manager.num_blocks_to_swap_in(request, 2) == 3  # and a block for tokens 15-16
+    assert len(manager.swap_in(request)) == 2
+    assert manager.get_block_ids("c")[:2] == [0, 0] and manager.num_blocks_held("c") == 2
+    manager.check_invariants()
+
+
 def test_allocation_that_does_not_fit_changes_nothing():
     manager = KVCacheManager(num_blocks=2, block_size=4)
     run(manager, make_request("a", range(4)), 4)

@@ -10,6 +10,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.kv_sizing import bytes_per_block, kv_cache_budget, size_kv_cache
 from pagoda.engine.messages import DeviceMemory
 from pagoda.engine.model_config import ModelConfig
+from pagoda.engine.speculative import SpeculativeConfig
 
 # SmolLM2-135M's shape: 30 layers, 9 query heads over 3 KV heads of 64.
 MODEL = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -55,6 +56,25 @@ def test_lengths_beyond_the_model_or_its_window_are_refused_or_capped():
     assert size.max_model_len == 4096 and size.limited_by_window
     with pytest.raises(ValueError, match="sliding window"):
         size_kv_cache(EngineConfig(max_model_len=5000), windowed, BF16)
+
+
+def test_where_the_backend_runs_windows_the_whole_context_is_served_and_a_request_holds_the_window():
+    windowed = replace(MODEL, sliding_window=4096)
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, kv_cache_bytes=64 * 1024**3)
+    size = size_kv_cache(config, windowed, BF16, windows_run=True)
+    assert (size.max_model_len, size.sliding_window, size.limited_by_window) == (MODEL.max_position_embeddings,
+                                                                                 4096, False)
+    # No more blocks than 4 requests of the window, a step and a block each can hold.
+    assert size.num_blocks == 4 * (4096 + 512 + 16) // 16
+    # A pool of 300 blocks (4800 tokens) serves the whole context: one request holds 4624 at most.
+    size = size_kv_cache(replace(config, num_kv_blocks=300, max_model_len=8192), windowed, BF16, windows_run=True)
+    assert size.max_model_len == 8192
+    with pytest.raises(ValueError, match="does not fit"):
+        size_kv_cache(replace(config, num_kv_blocks=200, max_model_len=8192), windowed, BF16, windows_run=True)
+    # Speculation's rejected tokens keep their blocks; a draft model reads every block.
+    spec = replace(config, speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    assert size_kv_cache(spec, windowed, BF16, windows_run=True).lookback == 4
+    assert size_kv_cache(config, windowed, BF16, draft=MODEL, windows_run=True).sliding_window is None
 
 
 def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt():

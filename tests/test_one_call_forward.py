@@ -210,6 +210,53 @@ def test_each_step_equals_the_layer_by_layer_path(request, monkeypatch, architec
     assert calls == [94, *[10, 1] * 3, 40, 1, *[10, 1] * 8]  # every step in one call
 
 
+@torch.inference_mode()
+def test_steps_past_a_sliding_window_equal_the_layer_by_layer_path(tmp_path, rounded_once):
+    """A model whose every layer attends within 24 positions (Mistral's windows): prompts of 40
+    and 70 tokens prefilled in chunks beside decodes, then decodes, past the window; the blocks
+    wholly before every row's window hold NaN (given back to the pool, rewritten by anyone):
+    the one call's hidden states and KV writes those of the layer-by-layer path bit for bit,
+    the window passed to it only in steps where a row is past the window."""
+    model = tiny_model(make_tiny_model_dir(tmp_path, "mistral", sliding_window=24, **TINY_INIT), "bf16")
+    assert model.config.windowed_everywhere and model.layers[0].self_attn.window == 24
+    caches, windows = prepared_caches(model, 20, lambda args: args[24])
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (40, 70, 9)]
+    blocks = [[3, 7, 1, 12, 5, 18], [0, 9, 14, 2, 16, 6, 11], [4, 19]]
+    done, tokens = [0, 0, 0], [None, None, None]
+
+    def run(chunks):
+        requests, ids, positions = [], [], []
+        for r, n in chunks:
+            requests.append((list(range(done[r], done[r] + n)), blocks[r]))
+            ids += prompts[r][done[r]:done[r] + n] if done[r] < len(prompts[r]) else [tokens[r]]
+            positions += list(range(done[r], done[r] + n))
+        metadata = step(requests)
+        model.layers[0].self_attn.backend.prepare(metadata)
+        for (k, v), (r, n) in ((kv, chunk) for kv in caches for chunk in chunks):
+            gone = [blocks[r][b] for b in range(max(0, done[r] - 24 + 1) // BLOCK_SIZE)]
+            k[gone], v[gone] = float("nan"), float("nan")
+        ids, positions = torch.tensor(ids), torch.tensor(positions)
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        layered = model.forward(ids, positions, before, metadata)
+        one_call = model(ids, positions, caches, metadata)
+        assert not one_call.isnan().any()
+        assert torch.equal(one_call, layered), chunks
+        for (k, v), (k_ref, v_ref) in zip(caches, before):
+            assert torch.equal(k.nan_to_num(), k_ref.nan_to_num()) and torch.equal(v.nan_to_num(), v_ref.nan_to_num())
+        last = metadata.query_start_loc[1:].long() - 1
+        for (r, n), token in zip(chunks, model.compute_logits(one_call[last]).argmax(-1).tolist()):
+            done[r] += n
+            tokens[r] = token
+
+    run([(0, 16), (2, 9)])  # within the window: no window passed
+    run([(0, 24), (1, 30), (2, 1)])
+    run([(1, 40), (0, 1), (2, 1)])
+    for _ in range(20):
+        run([(0, 1), (1, 1), (2, 1)])
+    assert windows == [0, *[24] * 22]
+
+
 def head64_model(tmp_path, monkeypatch, tiles: str):
     """A tiny bfloat16 model with head_dim 64 (the attention tiles' size) attending on ``tiles``,
     its KV caches of 40 blocks, the one call prepared over them; its products in bfloat16 where
@@ -238,7 +285,7 @@ def cascade_model(tmp_path, monkeypatch, tiles: str, min_requests: int):
     model, backend, caches = head64_model(tmp_path, monkeypatch, tiles)
     calls = []
     one_call_fn = model._one_call.fn
-    model._one_call.fn = lambda *args: calls.append(args[25]) or one_call_fn(*args)  # how many groups share
+    model._one_call.fn = lambda *args: calls.append(args[26]) or one_call_fn(*args)  # how many groups share
     return model, backend, caches, calls
 
 

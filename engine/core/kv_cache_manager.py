@@ -2,6 +2,13 @@
 
 Prefix caching, copy-on-write for forked requests and swapping to a CPU swap space are
 all block-table operations, so they live here; the scheduler only asks for slots.
+
+Sliding windows: where every layer of the model attends within a window (Mistral, Phi-3,
+Mixtral served past their window), the blocks that every later query's window has passed go
+back to the pool as the request grows (they stay in the prefix cache until evicted), so a
+request holds about window / block_size blocks however long it gets. Their places in the
+block table hold OUT_OF_WINDOW; the worker keeps the old ids there, which its attention never
+reads (it starts each row at its window).
 """
 
 from __future__ import annotations
@@ -71,6 +78,10 @@ class SlotAllocation:
 # What allocate_slots returns when nothing but the token count changed (shared; not to be mutated).
 UNCHANGED = SlotAllocation()
 
+# The place of a block given back because every later query's window has passed it (never in
+# the pool; the worker is sent block 0 there and never reads it).
+OUT_OF_WINDOW = KVBlock(0)
+
 
 class KVCacheManager:
     """Owns every request's block table; allocates blocks on demand as requests grow.
@@ -84,11 +95,20 @@ class KVCacheManager:
         enable_prefix_caching: Reuse cached full blocks across requests.
         num_cpu_blocks: Blocks in the CPU swap space (0: no swapping).
         evictor: Eviction order of cached free blocks (an eviction-policy plugin's).
+        sliding_window: Every layer attends within this many positions (None: no window):
+            the blocks before every later query's window go back to the pool.
+        lookback: Positions a request's computed tokens may go back by (rejected draft
+            tokens): the blocks of that many more positions before the window are kept.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0, evictor: Evictor | None = None) -> None:
+                 num_cpu_blocks: int = 0, evictor: Evictor | None = None, sliding_window: int | None = None,
+                 lookback: int = 0) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.lookback = lookback
+        # Leading blocks of each request given back as out of every later query's window.
+        self.req_to_dropped: dict[str, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, evictor=evictor)
         self.req_retention: dict[str, int] = {}
@@ -252,6 +272,8 @@ class KVCacheManager:
                     offset == 0 or index >= len(blocks) or blocks[index].ref_cnt == 1):
                 if num_total > self.req_to_num_tokens[request_id]:
                     self.req_to_num_tokens[request_id] = num_total
+                if self.sliding_window is not None:
+                    self._drop_out_of_window(request_id, blocks, num_computed)
                 # NOTE: _cache_full_blocks's own first test, here to save a call per request
                 # per step in the steps where no block fills up.
                 if (self.enable_prefix_caching and min(num_total, len(request.all_token_ids)) // self.block_size
@@ -268,14 +290,18 @@ class KVCacheManager:
         cow_index = num_computed // self.block_size
         needs_cow = (num_computed % self.block_size != 0 and cow_index < len(blocks)
                      and blocks[cow_index].ref_cnt > 1)
-        num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        # NOTE: hits before the window are not taken from the pool (their places: OUT_OF_WINDOW).
+        num_passed = min(self._num_passed(num_computed), len(computed_blocks))
+        num_revived = sum(1 for block in computed_blocks[num_passed:] if block.ref_cnt == 0)
         if max(num_new_blocks, 0) + needs_cow > self.get_num_free_blocks() - num_revived:
             return None
 
         result = SlotAllocation()
         if computed_blocks:
-            self.block_pool.touch(computed_blocks)
-            blocks = list(computed_blocks)
+            self.block_pool.touch(computed_blocks[num_passed:])
+            blocks = [OUT_OF_WINDOW] * num_passed + list(computed_blocks[num_passed:])
+            if num_passed:
+                self.req_to_dropped[request_id] = num_passed
         self.req_to_blocks[request_id] = blocks
         self.req_retention[request_id] = request.kv_retention
         if needs_cow:
@@ -291,7 +317,31 @@ class KVCacheManager:
             result.new_block_ids = [block.block_id for block in new_blocks]
         self.req_to_num_tokens[request_id] = max(num_total, self.req_to_num_tokens.get(request_id, 0))
         self._cache_full_blocks(request, num_total)
+        if self.sliding_window is not None:
+            self._drop_out_of_window(request_id, blocks, num_computed)
         return result
+
+    def _num_passed(self, num_computed: int) -> int:
+        """Leading blocks of a request with ``num_computed`` tokens in cache that no later query
+        sees: wholly before the window of the next token (less the lookback)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.lookback - self.sliding_window + 1) // self.block_size
+
+    def _drop_out_of_window(self, request_id: str, blocks: list[KVBlock], num_computed: int) -> None:
+        """Gives back the request's blocks that every later query's window has passed."""
+        num_passed = self._num_passed(num_computed)
+        dropped = self.req_to_dropped.get(request_id, 0)
+        if num_passed <= dropped:
+            return
+        passed = blocks[dropped:num_passed]
+        blocks[dropped:num_passed] = [OUT_OF_WINDOW] * len(passed)
+        self.req_to_dropped[request_id] = num_passed
+        self.block_pool.free_blocks(reversed(passed), self.req_retention.get(request_id, 0))
+
+    def _held(self, request_id: str) -> list[KVBlock]:
+        """The blocks a request holds (its table less the places out of the window)."""
+        return self.req_to_blocks.get(request_id, [])[self.req_to_dropped.get(request_id, 0):]
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_prefix_caching:
@@ -300,7 +350,7 @@ class KVCacheManager:
         # NOTE: only blocks of known tokens: a slot may be allocated for a token that a
         # step in flight is still sampling; its block is cached by a later call.
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        start = self.req_to_num_cached.get(request_id, 0)
+        start = max(self.req_to_num_cached.get(request_id, 0), self.req_to_dropped.get(request_id, 0))
         if num_full <= start:
             return
         blocks = self.req_to_blocks[request_id]
@@ -320,8 +370,10 @@ class KVCacheManager:
             The child's block ids.
         """
         blocks = list(self.req_to_blocks[parent.request_id])
-        self.block_pool.touch(blocks)
+        self.block_pool.touch(self._held(parent.request_id))
         self.req_to_blocks[child.request_id] = blocks
+        if parent.request_id in self.req_to_dropped:
+            self.req_to_dropped[child.request_id] = self.req_to_dropped[parent.request_id]
         self.req_to_num_tokens[child.request_id] = self.req_to_num_tokens.get(parent.request_id, 0)
         self.req_to_hashes[child.request_id] = list(self.req_to_hashes.get(parent.request_id, []))
         if parent.request_id in self.req_to_digests:
@@ -332,7 +384,9 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Releases every block of a request (and its swap space), tail first."""
-        blocks = self.req_to_blocks.pop(request_id, None)
+        blocks = self._held(request_id)
+        self.req_to_blocks.pop(request_id, None)
+        self.req_to_dropped.pop(request_id, None)
         self.req_to_num_tokens.pop(request_id, None)
         self.req_to_hashes.pop(request_id, None)
         self.req_to_digests.pop(request_id, None)
@@ -348,6 +402,7 @@ class KVCacheManager:
         self.block_pool.reset()
         self.req_retention.clear()
         self.req_to_blocks.clear()
+        self.req_to_dropped.clear()
         self.req_to_num_tokens.clear()
         self.req_to_hashes.clear()
         self.req_to_digests.clear()
@@ -361,31 +416,37 @@ class KVCacheManager:
 
     def uncache(self, request_id: str) -> None:
         """Takes a request's blocks out of the prefix cache (their contents are suspect)."""
-        for block in self.req_to_blocks.get(request_id, ()):
+        for block in self._held(request_id):
             self.block_pool.uncache_block(block)
         self.req_to_num_cached.pop(request_id, None)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str, held: bool = False) -> list[int]:
+        """The request's block table (block 0 where a block was given back as out of the
+        window), or with ``held`` only the blocks it holds."""
+        blocks = self._held(request_id) if held else self.req_to_blocks.get(request_id, ())
+        return [block.block_id for block in blocks]
 
     def num_blocks_held(self, request_id: str) -> int:
-        """Blocks in the request's block table (0 when it holds none)."""
-        return len(self.req_to_blocks.get(request_id, ()))
+        """Blocks the request holds (0 when it holds none)."""
+        return len(self._held(request_id))
 
     # -- swapping ---------------------------------------------------------------------
 
     def can_swap_out(self, request_id: str) -> bool:
-        return len(self.req_to_blocks.get(request_id, ())) <= len(self.free_cpu_blocks)
+        return self.num_blocks_held(request_id) <= len(self.free_cpu_blocks)
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]]:
-        """Moves a request's blocks to the swap space and frees them.
+        """Moves a request's blocks to the swap space and frees them (the places out of the
+        window stay so: they come back as such).
 
         Returns:
             (block id, cpu block id) pairs for the worker to copy before the step.
         """
-        blocks = self.req_to_blocks.pop(request_id)
+        blocks = self._held(request_id)
+        dropped = self.req_to_dropped.pop(request_id, 0)
+        del self.req_to_blocks[request_id]
         cpu_blocks = [self.free_cpu_blocks.pop() for _ in blocks]
-        self.req_to_cpu_blocks[request_id] = cpu_blocks
+        self.req_to_cpu_blocks[request_id] = [-1] * dropped + cpu_blocks
         self.req_to_num_cached.pop(request_id, None)
         self.block_pool.free_blocks(reversed(blocks), self.req_retention.get(request_id, 0))
         return [(block.block_id, cpu) for block, cpu in zip(blocks, cpu_blocks)]
@@ -399,12 +460,13 @@ class KVCacheManager:
 
     def get_cpu_block_ids(self, request_id: str) -> list[int]:
         """The swap-space blocks holding a swapped-out request (empty when it is not swapped)."""
-        return list(self.req_to_cpu_blocks.get(request_id, ()))
+        return [cpu for cpu in self.req_to_cpu_blocks.get(request_id, ()) if cpu >= 0]
 
     def num_blocks_to_swap_in(self, request: Request, num_new_tokens: int) -> int:
         """Blocks a swapped request needs to come back and run ``num_new_tokens`` more tokens."""
-        num_swapped = len(self.req_to_cpu_blocks[request.request_id])
-        return max(num_swapped, self.num_blocks_needed(request.num_computed_tokens + num_new_tokens))
+        places = self.req_to_cpu_blocks[request.request_id]
+        num_swapped = sum(1 for cpu in places if cpu >= 0)
+        return num_swapped + max(0, self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - len(places))
 
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
         """Whether a swapped request can come back and run ``num_new_tokens`` more tokens."""
@@ -416,10 +478,14 @@ class KVCacheManager:
         Returns:
             (cpu block id, block id) pairs for the worker to copy before the step.
         """
-        cpu_blocks = self.req_to_cpu_blocks.pop(request.request_id)
+        places = self.req_to_cpu_blocks.pop(request.request_id)
+        dropped = sum(1 for cpu in places if cpu < 0)
+        cpu_blocks = places[dropped:]
         blocks = self.block_pool.get_new_blocks(len(cpu_blocks))
         assert blocks is not None, "can_swap_in was not checked"
-        self.req_to_blocks[request.request_id] = blocks
+        self.req_to_blocks[request.request_id] = [OUT_OF_WINDOW] * dropped + blocks
+        if dropped:
+            self.req_to_dropped[request.request_id] = dropped
         self.free_cpu_blocks.extend(cpu_blocks)
         self._cache_full_blocks(request, request.num_computed_tokens)
         return [(cpu, block.block_id) for cpu, block in zip(cpu_blocks, blocks)]
@@ -428,8 +494,10 @@ class KVCacheManager:
 
     def usage(self) -> KVCacheUsage:
         num_free = self.get_num_free_blocks()
-        num_tokens = sum(self.req_to_num_tokens.get(r, 0) for r in self.req_to_blocks)
-        num_slots = sum(len(blocks) for blocks in self.req_to_blocks.values()) * self.block_size
+        # NOTE: the tokens and slots of the blocks held (not of the places out of the window).
+        dropped = sum(self.req_to_dropped.values()) * self.block_size
+        num_tokens = sum(self.req_to_num_tokens.get(r, 0) for r in self.req_to_blocks) - dropped
+        num_slots = sum(len(blocks) for blocks in self.req_to_blocks.values()) * self.block_size - dropped
         return KVCacheUsage(
             num_blocks=self.num_blocks,
             num_used_blocks=self.num_blocks - num_free,
@@ -446,8 +514,11 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Asserts DESIGN.md's invariants; for tests and debugging, O(num_blocks)."""
         holders: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
-            for block in blocks:
+        for request_id, blocks in self.req_to_blocks.items():
+            dropped = self.req_to_dropped.get(request_id, 0)
+            assert all(block is OUT_OF_WINDOW for block in blocks[:dropped]), "a block out of the window is held"
+            assert OUT_OF_WINDOW not in blocks[dropped:], "a place out of the window after held blocks"
+            for block in blocks[dropped:]:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         free_ids = set(self.block_pool.free_block_ids())
         assert len(free_ids) == self.get_num_free_blocks(), "free block count is off"
@@ -462,6 +533,6 @@ class KVCacheManager:
             assert block.block_hash == block_hash and hash(block.block_key) == block_hash
         for request_id, blocks in self.req_to_blocks.items():
             assert self.num_blocks_needed(self.req_to_num_tokens.get(request_id, 0)) <= len(blocks)
-        owned_cpu = [cpu for cpu_blocks in self.req_to_cpu_blocks.values() for cpu in cpu_blocks]
+        owned_cpu = [cpu for cpu_blocks in self.req_to_cpu_blocks.values() for cpu in cpu_blocks if cpu >= 0]
         assert sorted(owned_cpu + self.free_cpu_blocks) == list(range(self.num_cpu_blocks)), "swap space leak"
         assert not set(self.req_to_blocks) & set(self.req_to_cpu_blocks), "request both swapped and resident"

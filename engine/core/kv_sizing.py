@@ -21,8 +21,12 @@ class KVCacheSize:
         block_size: Tokens per block.
         bytes_per_block: Bytes of one block on the rank that holds the most KV heads.
         max_model_len: Longest prompt plus output one request may have.
-        limited_by_window: max_model_len was cut to the model's sliding window (which
-            Pagoda does not implement; within the window attention is exact).
+        limited_by_window: max_model_len was cut to the model's sliding window (the attention
+            backend runs no windows; within the window attention is exact).
+        sliding_window: Every layer attends within this many positions and the blocks before
+            the window go back to the pool (None: a request keeps all of its blocks).
+        lookback: Positions a request may go back by (rejected draft tokens), whose blocks
+            are kept beside the window's.
     """
 
     num_blocks: int
@@ -31,6 +35,8 @@ class KVCacheSize:
     bytes_per_block: int
     max_model_len: int
     limited_by_window: bool = False
+    sliding_window: int | None = None
+    lookback: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +57,8 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype_size: int, tensor
 
 
 def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
-                  draft: ModelConfig | None = None, budget: int | None = None) -> KVCacheSize:
+                  draft: ModelConfig | None = None, budget: int | None = None,
+                  windows_run: bool = False) -> KVCacheSize:
     """Sizes the cache from ``config.kv_cache_bytes`` (or ``num_kv_blocks``, or a budget
     measured on the device) and the model.
 
@@ -65,6 +72,10 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
             block's bytes are both models'.
         budget: Bytes for the cache measured on the device (:func:`kv_cache_budget`), in
             place of ``config.kv_cache_bytes``.
+        windows_run: The attention backend runs sliding windows: a model whose every layer
+            has one serves its whole context, and its requests give back the blocks before
+            the window (without a draft model, whose layers read the same blocks); else
+            max_model_len is capped at the window.
 
     Raises:
         ValueError: max_model_len is longer than the model's context or window, or does
@@ -82,23 +93,30 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
     # NOTE: where only some layers have a window (Gemma), the others need every key.
     window = model.sliding_window if model.windowed_everywhere else None
     limited_by_window = False
-    if window is not None and wanted_len > window:
+    spec = config.speculative_config
+    lookback = spec.num_speculative_tokens if spec is not None else 0
+    bounded = window is not None and windows_run and draft is None
+    # Tokens one request holds at most: with the window bounding it, the window's, the lookback's
+    # and a step's (in blocks, with one partly before the window).
+    held = min(wanted_len, window + lookback + config.max_num_batched_tokens + config.block_size) if bounded \
+        else wanted_len
+    if window is not None and wanted_len > window and not windows_run:
         if config.max_model_len is not None:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's sliding window "
-                             f"({window}), which Pagoda does not implement yet")
+                             f"({window}), and the attention backend runs no windows (cpu_paged and naive do)")
         wanted_len, limited_by_window = window, True
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:
         cache_bytes = budget if budget is not None else config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
         num_blocks = min(cache_bytes // block_bytes,
-                         config.max_num_seqs * -(-wanted_len // config.block_size))
+                         config.max_num_seqs * -(-held // config.block_size))
     capacity = num_blocks * config.block_size
-    if config.max_model_len is not None and config.max_model_len > capacity:
+    if config.max_model_len is not None and min(config.max_model_len, held) > capacity:
         raise ValueError(f"max_model_len ({config.max_model_len}) does not fit in the KV cache "
                          f"({num_blocks} blocks of {config.block_size} tokens = {capacity} tokens); "
                          "give the cache more memory or lower max_model_len")
-    max_model_len = min(wanted_len, capacity)
+    max_model_len = wanted_len if held < wanted_len and held <= capacity else min(wanted_len, capacity)
     if max_model_len < 2:
         raise ValueError(f"the KV cache ({num_blocks} blocks) is too small to serve any request")
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
@@ -106,7 +124,8 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
                          f"({max_model_len}) when chunked prefill is disabled")
     return KVCacheSize(num_blocks=num_blocks, num_cpu_blocks=config.swap_space_bytes // block_bytes,
                        block_size=config.block_size, bytes_per_block=block_bytes, max_model_len=max_model_len,
-                       limited_by_window=limited_by_window)
+                       limited_by_window=limited_by_window, sliding_window=window if bounded else None,
+                       lookback=lookback)
 
 
 def kv_cache_budget(memory: DeviceMemory, utilization: float) -> int:

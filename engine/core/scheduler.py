@@ -148,7 +148,8 @@ class Scheduler:
         size (the engine's and the simulator's are built here alike)."""
         return cls(
             KVCacheManager(kv.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                           num_cpu_blocks=kv.num_cpu_blocks, evictor=policy.make_evictor()),
+                           num_cpu_blocks=kv.num_cpu_blocks, evictor=policy.make_evictor(),
+                           sliding_window=kv.sliding_window, lookback=kv.lookback),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=kv.max_model_len,
@@ -914,7 +915,7 @@ class Scheduler:
         self._budget += out.num_scheduled_tokens.pop(request_id)
         out.spec_token_ids.pop(request_id, None)
         out.draft_requests.pop(request_id, None)
-        blocks = set(self.kv_cache_manager.get_block_ids(request_id))
+        blocks = set(self.kv_cache_manager.get_block_ids(request_id, held=True))
         copies = [copy for copy in out.copy_blocks if copy[1] in blocks]
         for copy in copies:
             out.copy_blocks.remove(copy)

@@ -56,7 +56,7 @@ def kv_blocks(kv: KVCacheManager) -> tuple[list[int], list[int]]:
 
 def _request(request: Request, kv: KVCacheManager, queue: str) -> dict[str, Any]:
     metrics = request.metrics
-    blocks = kv.get_block_ids(request.request_id) if request.request_id in kv.req_to_blocks else []
+    blocks = kv.get_block_ids(request.request_id, held=True) if request.request_id in kv.req_to_blocks else []
     return {"id": request.request_id, "queue": queue, "status": request.status.name.lower(),
             "priority": request.priority, "client": request.client,
             "prompt_tokens": request.num_prompt_tokens, "output_tokens": request.num_output_tokens,

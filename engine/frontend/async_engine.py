@@ -99,7 +99,9 @@ class AsyncEngine:
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
         # NOTE: plans the quantization too: a clear error before the worker starts
         dtype = resolve_model_dtype(config.dtype, config.quantization, model_dir, device, config.tensor_parallel_size)
-        get_attention_backend(config.attention_backend, device, kv_dtype, attention_shape(model_config, dtype))
+        backend = get_attention_backend(config.attention_backend, device, kv_dtype, attention_shape(model_config, dtype))
+        # NOTE: the worker chooses the same backend (batch invariance's cpu_paged runs windows too)
+        windows_run = backend.supports_window_and_softcap
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         if config.enable_lora:
             self.loras = LoRARegistry(model_config, config.max_lora_rank)
@@ -119,7 +121,7 @@ class AsyncEngine:
         # the largest cache the configuration could use.
         from_memory = sizes_kv_from_memory(config, device.type)
         kv = size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config,
-                           budget=sys.maxsize if from_memory else None)
+                           budget=sys.maxsize if from_memory else None, windows_run=windows_run)
         # NOTE: num_blocks None: the worker measures first (then _use_kv_cache fills it in).
         self._worker_init = WorkerInit(config, model_dir, model_config, None if from_memory else kv.num_blocks,
                                        kv.max_model_len, kv.num_cpu_blocks, draft_model_dir=draft_dir,
@@ -133,8 +135,8 @@ class AsyncEngine:
                                                 memory[0].reserved, memory[0].non_torch, budget)),
                         config.gpu_memory_utilization)
             self.device_memory = memory
-            return self._use_kv_cache(size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config, budget),
-                                      kv_dtype)
+            return self._use_kv_cache(size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config, budget,
+                                                    windows_run), kv_dtype)
 
         self.core = EngineCore(config, None, self._make_executor, self.output_processor,
                                async_scheduling=self.uses_async_scheduling())
@@ -182,7 +184,11 @@ class AsyncEngine:
         """Takes the KV cache's size: the scheduler over its blocks, and the workers' init."""
         self.kv_cache_size = kv
         if kv.limited_by_window:
-            logger.warning("limiting max_model_len to the sliding window (%d tokens)", kv.max_model_len)
+            logger.warning("limiting max_model_len to the sliding window (%d tokens): the attention backend runs "
+                           "no windows", kv.max_model_len)
+        if kv.sliding_window is not None:
+            logger.info("sliding window of %d tokens in every layer: a request holds the window's blocks, those "
+                        "before it go back to the pool", kv.sliding_window)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s, %d bytes a token), "
                     "max_model_len %d; swap space %d blocks", kv.num_blocks, kv.block_size, kv.num_tokens,
                     kv.num_bytes / 1024**3, str(kv_dtype).removeprefix("torch."), kv.bytes_per_block // kv.block_size,

@@ -133,9 +133,11 @@ class Attention(nn.Module):
         self.q_norm = rms_norm(config, self.head_dim) if config.qk_norm else None
         self.k_norm = rms_norm(config, self.head_dim) if config.qk_norm else None
         self.backend = backend
-        # NOTE: a window where only some layers have one (Gemma); where every layer has it, no
-        # request is longer than the window (kv_sizing), and attention is plain causal.
-        self.window = config.layer_window(index) if config.sliding_layers is not None else None
+        # NOTE: where every layer has a window, only on a backend that runs windows (kv_sizing
+        # then serves past the window); on others no request is longer than the window and
+        # attention is plain causal.
+        self.window = (config.layer_window(index)
+                       if config.sliding_layers is not None or backend.supports_window_and_softcap else None)
         self.softcap = config.attn_logit_softcapping
         self.local_rope = self.window is not None and config.local_rope_theta is not None
         self.rotary_dim = config.rotary_dim

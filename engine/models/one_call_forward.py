@@ -142,6 +142,9 @@ class OneCallForward:
         # Prefill chunks and a cascade's shared part run on the backend's tiles, as the backend runs them.
         self.tiles = attention.backend.tiles
         self.tiles_kind = 0 if self.tiles is None else cpu_kernels.tiles_kind(self.tiles)  # the C call's `tiles`
+        # Every layer's window (architecture_reason leaves the one call models whose layers all
+        # have the same one, or none).
+        self.window = attention.window
         self.sizes = (config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
                       first.mlp.intermediate_size, self.block_size, model.embed_tokens.num_embeddings,
                       model.rotary.cos.shape[0])
@@ -155,6 +158,10 @@ class OneCallForward:
         """Whether no step is left to the compiled regions (see applies)."""
         return self.tiles is not None
 
+    def _window(self, metadata: AttentionMetadata) -> int:
+        """The window the step's rows attend within (0: none, or no row is past it)."""
+        return self.window if self.window is not None and metadata.max_seq_len > self.window else 0
+
     def _attention(self, metadata: AttentionMetadata) -> tuple[int, ...]:
         """The C call's attention plan, as the backend made it for the step: the cascade's
         groups (their blocks one after the other, their count, each one's (blocks, members)
@@ -162,7 +169,10 @@ class OneCallForward:
         of the others; none: zeros) and the kind of tiles (for the shared parts and the prefill
         chunks); the number of sequences; the mask of the sequences whose chunks go to the
         prefill tiles (beside a cascade of groups: and their members), those sequences and their
-        count (none: zeros). The arrays built here are held until the next step's."""
+        count (none: zeros). The arrays built here are held until the next step's. Where the
+        window applies, none of them: every row by the paged kernel."""
+        if self._window(metadata):
+            return (0, 0, 0, 0, 0, 0, self.tiles_kind, metadata.num_reqs, 0, 0, 0)
         plan = metadata.backend_data
         groups = getattr(plan, "groups", None) or []  # (cpu_paged.StepPlan's)
         cascade = (0, 0, 0, 0, 0, 0)
@@ -204,7 +214,8 @@ class OneCallForward:
                          input_ids.data_ptr(), positions.data_ptr(), metadata.slot_mapping.data_ptr(),
                          block_tables.data_ptr(), block_tables.stride(0), metadata.seq_lens_tensor.data_ptr(),
                          metadata.query_start_loc.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-                         model.norm.weight.data_ptr(), *self.sizes, *self.fixed, *self._attention(metadata),
+                         model.norm.weight.data_ptr(), *self.sizes, *self.fixed, self._window(metadata),
+                         *self._attention(metadata),
                          *lora, out.data_ptr())
         if failed == -2:
             vocab, max_positions = self.sizes[6], self.sizes[7]

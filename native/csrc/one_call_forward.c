@@ -375,14 +375,16 @@ static void *carve(char **at, size_t bytes, int index) {
  * - else (and for a cascade's other requests) the num_tile_requests tile_requests' rows
  *   (prefill chunks; skip marks them, uint8 [num_reqs]) causally on the tiles, the others by
  *   the paged kernel;
- * where the tiles cannot run (no memory), every row by the paged kernel over its whole table. */
+ * where the tiles cannot run (no memory), every row by the paged kernel over its whole table.
+ * window > 0 (a model whose every layer attends within a window, in a step where some row is
+ * past it): every row by the paged kernel within it; the plan has no cascade and no tiles then. */
 int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int64_t rows, const uint16_t *embed,
                      const int64_t *tokens, const int64_t *positions, const int64_t *slots,
                      const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                      const int32_t *query_start, const float *cos_table, const float *sin_table,
                      const uint16_t *final_norm, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t intermediate, int64_t block_size, int64_t vocab,
-                     int64_t max_positions, float eps, float scale, const int32_t *shared_blocks,
+                     int64_t max_positions, float eps, float scale, int64_t window, const int32_t *shared_blocks,
                      int64_t num_groups, const int64_t *group_sizes, const int32_t *suffix_seq_lens,
                      const int32_t *members, const uint8_t *others, int tiles, int64_t num_reqs, const uint8_t *skip,
                      const int32_t *tile_requests, int64_t num_tile_requests, const struct lora_layer *loras,
@@ -461,7 +463,7 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
         } else {
             paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,
                                  seq_lens, query_start, attn, NULL, skip_tiled, num_reqs, num_heads, num_kv_heads,
-                                 head_dim, block_size, scale, 1.0f, 0, 0.0f);
+                                 head_dim, block_size, scale, 1.0f, window, 0.0f);
             whole = skip_tiled && prefill_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables,
                                                          block_table_stride, seq_lens, query_start, tile_requests,
                                                          num_tile_requests, num_heads, num_kv_heads, head_dim,
@@ -470,7 +472,7 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
         if (whole)
             paged_attention_bf16(queries, layer->key_cache, layer->value_cache, block_tables, block_table_stride,
                                  seq_lens, query_start, attn, NULL, NULL, num_reqs, num_heads, num_kv_heads, head_dim,
-                                 block_size, scale, 1.0f, 0, 0.0f);
+                                 block_size, scale, 1.0f, window, 0.0f);
         if ((failed = product(attn, rows, q_size, &layer->o, hidden, NULL, o))) break;
         if (lora_width) lora_add(attn, q_size, &lora->o, lora_segments, num_lora_segments, hidden, o, lora_t);
         add_rms_norm(h, o, layer->post_norm, rows, hidden, eps, x);

@@ -107,7 +107,7 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
     int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start, const float *cos_table,
     const float *sin_table, const uint16_t *final_norm, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t intermediate, int64_t block_size, int64_t vocab, int64_t max_positions, float eps,
-    float scale, const int32_t *shared_blocks, int64_t num_groups, const int64_t *group_sizes,
+    float scale, int64_t window, const int32_t *shared_blocks, int64_t num_groups, const int64_t *group_sizes,
     const int32_t *suffix_seq_lens, const int32_t *members, const uint8_t *others, int tiles, int64_t num_reqs,
     const uint8_t *skip, const int32_t *tile_requests, int64_t num_tile_requests, const struct lora_layer *loras,
     const int64_t *lora_segments, int64_t num_lora_segments, uint16_t *out);

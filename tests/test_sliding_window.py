@@ -1,0 +1,82 @@
+"""Models whose every layer attends within a sliding window (Mistral v0.1, Phi-3 mini, Mixtral)
+served past the window: greedy output token for token with transformers in float32 under
+chunked prefill, a prefix hit past the window and preemption (by recompute and by swap), on
+the CPU kernel and on naive; and the paged cache bounded by the window: a request holds the
+window's blocks, those before it go back to the pool as it grows."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.engine.model_config import ModelConfig
+from helpers import hf_greedy, make_hf_model, make_tiny_model_dir
+
+WINDOW, BLOCK, CHUNK, NEW = 12, 4, 8, 24
+PREFIX = [3000 + 11 * i for i in range(20)]  # five blocks, past the window
+PROMPTS = [list(range(400, 460)), PREFIX + [5, 6], PREFIX + [7], [7 + 13 * i for i in range(35)]]
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+# Blocks a request holds at most: the window's (a block partly before it) and a chunk's.
+MOST_HELD = -(-(WINDOW + CHUNK) // BLOCK) + 1
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """A tiny Mistral whose two layers attend within 12 positions, and transformers' greedy
+    tokens for PROMPTS (a sequence ends at 84 positions, seven windows)."""
+    model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("mistral"), "mistral", seed=3, sliding_window=WINDOW,
+                                    max_position_embeddings=256)
+    config = ModelConfig.from_dir(model_dir)
+    assert config.windowed_everywhere and config.sliding_window == WINDOW
+    hf = make_hf_model(model_dir)
+    return model_dir, [hf_greedy(hf, p, NEW) for p in PROMPTS]
+
+
+def held_blocks(llm) -> list[int]:
+    """Records, after every allocation of the engine's KV cache manager, the most blocks any
+    request holds (checking the manager's invariants each time)."""
+    kv = llm.engine.scheduler.kv_cache_manager
+    most, allocate = [], kv.allocate_slots
+
+    def allocate_and_count(*args, **kwargs):
+        result = allocate(*args, **kwargs)
+        kv.check_invariants()
+        most.append(max((kv.num_blocks_held(r) for r in kv.req_to_blocks), default=0))
+        return result
+
+    kv.allocate_slots = allocate_and_count
+    return most
+
+
+@pytest.mark.parametrize("backend,preemption", [("auto", "recompute"), ("auto", "swap"), ("naive", "recompute")])
+def test_past_the_window_token_exact_with_its_blocks_bounded(mistral, backend, preemption):
+    model_dir, expected = mistral
+    # Chunks of 8 in blocks of 4, and a pool of 10 blocks: one request at a time holds its most (6)
+    # beside others, so requests are preempted; without the window's bound one request alone
+    # (84 positions, 21 blocks) would not fit.
+    with LLM(str(model_dir), dtype="float32", enforce_eager=True, block_size=BLOCK, max_num_batched_tokens=CHUNK,
+             num_kv_blocks=10, attention_backend=backend, preemption_mode=preemption,
+             swap_space_bytes=2**20 if preemption == "swap" else 0) as llm:
+        assert llm.engine.max_model_len == 256  # the model's context, not its window
+        assert llm.engine.worker.ready.attention_backend == ("cpu_paged" if backend == "auto" else backend)
+        most = held_blocks(llm)
+        first = llm.generate(PROMPTS[:1], GREEDY)
+        outputs = llm.generate(PROMPTS[1:], GREEDY)
+        stats = llm.engine.scheduler.stats
+        kv = llm.engine.scheduler.kv_cache_manager
+        assert stats.prefix_cache_hits >= len(PREFIX) // BLOCK * BLOCK
+        assert stats.num_preemptions > 0
+        assert kv.get_num_free_blocks() == kv.num_blocks
+    assert [o.outputs[0].token_ids for o in first + outputs] == expected
+    assert WINDOW // BLOCK < max(most) <= MOST_HELD
+
+
+def test_a_backend_without_windows_caps_the_context_at_the_window(mistral):
+    # torch_sdpa attends causally over every key: the context stops at the window, where
+    # causal attention is the window's.
+    model_dir, expected = mistral
+    with LLM(str(model_dir), dtype="float32", enforce_eager=True, attention_backend="torch_sdpa") as llm:
+        assert llm.engine.max_model_len == WINDOW
+        out = llm.generate([PROMPTS[0][:4]], SamplingParams(temperature=0, max_tokens=WINDOW - 4, ignore_eos=True))
+    hf = make_hf_model(model_dir)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, PROMPTS[0][:4], WINDOW - 4)
