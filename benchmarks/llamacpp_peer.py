@@ -11,6 +11,9 @@ until its output length. It prints one JSON line per run.
 Usage (normally through ``pagoda bench compare``):
 
     /path/to/llamacpp-venv/bin/python benchmarks/llamacpp_peer.py --gguf FILE --workloads FILE.json
+
+With ``--quantize TYPE OUT`` it writes the GGUF file quantized by llama.cpp's own quantizer
+instead (``pagoda bench random-model --gguf``): TYPE is one of QUANT_TYPES.
 """
 
 from __future__ import annotations
@@ -110,14 +113,39 @@ class Runner:
                     outputs[seq].append(token)
 
 
+#: The file types --quantize writes: name -> llama.cpp's llama_ftype constant.
+QUANT_TYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+               "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+               "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+
+
+def quantize(source: str, kind: str, target: str, threads: int) -> int:
+    """Writes ``source`` (a float GGUF file) quantized to ``kind`` at ``target``, by llama.cpp."""
+    import llama_cpp as ll
+
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = getattr(ll, QUANT_TYPES[kind])
+    params.nthread = threads
+    start = time.perf_counter()
+    failed = ll.llama_model_quantize(source.encode(), target.encode(), params)
+    print(json.dumps({"event": "quantized", "type": kind, "failed": failed, "seconds": time.perf_counter() - start}),
+          flush=True)
+    return 1 if failed else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", required=True, help="the GGUF file")
-    parser.add_argument("--workloads", required=True, help="JSON written by `pagoda bench compare`")
+    parser.add_argument("--workloads", help="JSON written by `pagoda bench compare`")
+    parser.add_argument("--quantize", nargs=2, metavar=("TYPE", "OUT"), help="write the file quantized instead")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--n-batch", type=int, default=2048)
     parser.add_argument("--verbose", action="store_true", help="keep llama.cpp's own log")
     args = parser.parse_args()
+    if args.quantize:
+        return quantize(args.gguf, args.quantize[0], args.quantize[1], args.threads)
+    if not args.workloads:
+        parser.error("--workloads (or --quantize) is needed")
     with open(args.workloads) as f:
         workloads = json.load(f)
     n_seq = max(len(run["prompts"]) for w in workloads for run in w["runs"])

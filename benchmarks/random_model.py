@@ -8,6 +8,16 @@ the same prompts), and saved as a Hugging Face directory that Pagoda and vLLM bo
     pagoda bench random-model llama-1b --output /tmp/llama-1b
     pagoda bench compare --model /tmp/llama-1b --peer vllm --vllm-python ... --workloads single,random
 
+With ``--gguf`` it also writes the model as GGUF files for llama.cpp (and Pagoda): a float16 file
+by the `gguf` package, with the default model's tokenizer copied from its GGUF file (the same
+token ids in both engines), and each quantized type by llama.cpp's own quantizer, run with the
+llama.cpp environment's python (``--llamacpp-python``; the quantized types are llama.cpp's, so
+the files are the ones its users make):
+
+    pagoda bench random-model llama-1b --output /tmp/llama-1b --gguf Q4_K_M,Q8_0,Q4_1 \
+        --llamacpp-python /tmp/peers/llamacpp/bin/python
+    pagoda bench compare --model /tmp/llama-1b/llama-1b.Q4_K_M.gguf --peer llamacpp ...
+
 Random weights give arbitrary tokens: the figures are for speed, not for output.
 """
 
@@ -19,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from pagoda.environment import read
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +79,58 @@ def make_random_model(shape: str, output: Path, seed: int = 0) -> Path:
     return output
 
 
+def write_gguf_files(model_dir: Path, name: str, types: list[str], llamacpp_python: str | None) -> list[Path]:
+    """The model directory as GGUF files ``<model_dir>/<name>.<type>.gguf``, one per type: "f16"
+    (and the source of every other) written here, the others quantized by llama.cpp."""
+    import subprocess
+
+    from pagoda.benchmarks.gguf_writer import tokenizer_of, write_gguf
+    from pagoda.benchmarks.llamacpp_peer import QUANT_TYPES
+    from pagoda.engine.model_loader import DEFAULT_GGUF_FILE, default_gguf_path
+
+    unknown = [kind for kind in types if kind != "f16" and kind not in QUANT_TYPES]
+    if unknown:
+        raise ValueError(f"unknown GGUF types {unknown}; known: f16, {', '.join(QUANT_TYPES)}")
+    quantized = [kind for kind in types if kind != "f16"]
+    if quantized and not llamacpp_python:
+        raise ValueError("quantized GGUF files are written by llama.cpp's quantizer: give --llamacpp-python, the "
+                         "python of a virtual environment with llama-cpp-python (docs/benchmarks.md)")
+    source = model_dir / f"{name}.f16.gguf"
+    start = time.perf_counter()
+    logger.info("writing %s (float16, the tokenizer of %s)", source, DEFAULT_GGUF_FILE)
+    write_gguf(model_dir, source, tokenizer_of(default_gguf_path()), "f16")
+    logger.info("%.1f GB in %.0f s", source.stat().st_size / 1e9, time.perf_counter() - start)
+    written = [source] if "f16" in types else []
+    for kind in quantized:
+        target = model_dir / f"{name}.{kind}.gguf"
+        logger.info("quantizing to %s with llama.cpp", kind)
+        subprocess.run([llamacpp_python, str(Path(__file__).with_name("llamacpp_peer.py")), "--gguf", str(source),
+                        "--quantize", kind, str(target)], check=True)
+        logger.info("%s: %.2f GB", target, target.stat().st_size / 1e9)
+        written.append(target)
+    if "f16" not in types:
+        source.unlink()
+    return written
+
+
 def run_random_model(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     output = Path(args.output)
+    types = [kind for kind in (args.gguf or "").split(",") if kind]
     if (output / "config.json").exists() and not args.force:
-        print(f"error: {output} already holds a model (--force replaces it)", file=sys.stderr)
-        return 2
-    make_random_model(args.shape, output, args.seed)
+        if not types:
+            print(f"error: {output} already holds a model (--force replaces it)", file=sys.stderr)
+            return 2
+        logger.info("%s already holds the model: writing its GGUF files", output)
+    else:
+        make_random_model(args.shape, output, args.seed)
     print(f"{output}: {SHAPES[args.shape][2]}")
+    try:
+        for path in write_gguf_files(output, args.shape, types, args.llamacpp_python) if types else ():
+            print(path)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -86,4 +142,10 @@ def add_random_model_parser(bench_sub) -> None:
     p.add_argument("--output", required=True, help="the directory to write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace a model already there")
+    p.add_argument("--gguf", default=None, metavar="TYPES",
+                   help="also write GGUF files of these comma-separated types (f16, and llama.cpp's Q4_K_M, Q8_0, "
+                        "Q4_1, ...: quantized by llama.cpp); a model already in --output is kept")
+    p.add_argument("--llamacpp-python", default=read("PAGODA_LLAMACPP_PYTHON"),
+                   help="python of the virtual environment holding llama-cpp-python, for the quantized GGUF files "
+                        "(default: $PAGODA_LLAMACPP_PYTHON)")
     p.set_defaults(func=run_random_model)

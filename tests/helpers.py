@@ -377,61 +377,21 @@ GGUF_TEST_VOCAB_SIZE = 261
 
 def write_gguf(model_dir: Path, path: Path) -> Path:
     """Writes a tiny model directory (make_tiny_model_dir with ``vocab_size=GGUF_TEST_VOCAB_SIZE``)
-    as a float32 GGUF file, named and laid out as llama.cpp's converter does for its family (q/k
-    rows permuted for the Llama-converted families, a layer's experts stacked in one tensor), with
-    a small byte-level tokenizer.
+    as a float32 GGUF file, named and laid out as llama.cpp's converter does for its family
+    (benchmarks/gguf_writer.py), with a small byte-level tokenizer.
 
     Returns:
         ``path``.
     """
-    import math
-    import re
+    from pagoda.benchmarks.gguf_writer import write_gguf as write
 
+    return write(model_dir, path, _add_test_tokenizer)
+
+
+def _add_test_tokenizer(writer, config: dict) -> None:
+    """write_gguf's small byte-level tokenizer (GGUF_TEST_VOCAB_SIZE tokens)."""
     import gguf
-    import numpy as np
 
-    from pagoda.engine.families import FAMILIES
-    from pagoda.engine.model_loader import _GGUF_LAYER_NAMES, _GGUF_TOP_LEVEL_NAMES
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    family = FAMILIES[config["model_type"]]
-    arch = family.gguf_architecture
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    writer.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor")
-                                                    or config.get("partial_rotary_factor") or 1.0)))
-    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
-        # As llama.cpp's Phi-3 converter: the factors as tensors, the stretch's attention factor.
-        original = config.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
-        stretch = config["max_position_embeddings"] / original
-        writer.add_rope_scaling_orig_ctx_len(original)
-        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(stretch) / math.log(original)) if stretch > 1
-                                             else 1.0)
-        for kind in ("long", "short"):
-            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if family.moe:
-        writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
-        writer.add_expert_used_count(config["num_experts_per_tok"])
-        if "moe_intermediate_size" in config:
-            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    if family.gguf_norm_offset:  # Gemma: its window, its layers' pattern and soft caps, as llama.cpp's converter
-        writer.add_sliding_window(config["sliding_window"])
-        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if config.get(key) is not None:
-                getattr(writer, f"add_{key}")(config[key])
     tokens = _gguf_test_tokens()
     if config["vocab_size"] != len(tokens):
         raise ValueError(f"write_gguf writes a tokenizer of {len(tokens)} tokens: make the model with "
@@ -444,47 +404,6 @@ def write_gguf(model_dir: Path, path: Path) -> Path:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
-
-    weights = load_file(str(Path(model_dir) / "model.safetensors"))
-    top_level = {hf: ours for ours, hf in _GGUF_TOP_LEVEL_NAMES.items()}
-    layer_names = {**_GGUF_LAYER_NAMES, **dict(family.gguf_names)}
-    patterns = [(re.compile(r"model\.layers\.(\d+)\." + re.escape(hf).replace(r"\{\}", r"(\d+)") + r"\.(\w+)$"), ours)
-                for ours, hf in layer_names.items()]
-    stacked: dict[str, dict[int, torch.Tensor]] = {}
-
-    def permuted(ours: str, tensor: torch.Tensor) -> torch.Tensor:
-        # llama.cpp's permute for its interleaved RoPE: rows (heads, 2, d/2) -> (heads, d/2, 2).
-        n = {"attn_q": heads, "attn_k": kv_heads}.get(ours)
-        if not family.gguf_permutes_qk or n is None:
-            return tensor
-        return tensor.reshape(n, 2, tensor.shape[0] // n // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
-
-    for name, tensor in sorted(weights.items()):
-        if name.endswith("norm.weight"):
-            tensor = tensor + family.gguf_norm_offset  # Gemma's norms are stored as 1 + weight
-        if name in top_level:
-            writer.add_tensor(top_level[name], tensor.float().numpy())
-            continue
-        for pattern, ours in patterns:
-            match = pattern.match(name)
-            if match is None:
-                continue
-            if "{}" in layer_names[ours]:
-                layer, expert, kind = match.groups()
-                stacked.setdefault(f"blk.{layer}.{ours}.{kind}", {})[int(expert)] = tensor
-            else:
-                layer, kind = match.groups()
-                writer.add_tensor(f"blk.{layer}.{ours}.{kind}", permuted(ours, tensor.float()).numpy())
-            break
-        else:
-            raise ValueError(f"no GGUF name for {name}")
-    for name, experts in stacked.items():
-        writer.add_tensor(name, np.stack([experts[e].float().numpy() for e in sorted(experts)]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
 
 
 # -- LoRA adapters ---------------------------------------------------------------------------

@@ -264,3 +264,45 @@ def test_speculative_bench_reports_both_engines(capsys, tmp_path, tiny_llama_dir
     for engine in ("without", "with"):
         assert result[engine]["random-greedy"]["output_tokens_per_s"] > 0
     assert result["without"]["random-greedy"]["draft_tokens"] == 0
+
+
+def test_random_model_gguf_files_say_what_they_need(capsys, tiny_llama_dir):
+    # A model already in --output is kept; quantized types are llama.cpp's, written by its quantizer.
+    args = ["bench", "random-model", "llama-1b", "--output", str(tiny_llama_dir), "--gguf"]
+    assert main([*args, "Q4_K_M", "--llamacpp-python", ""]) == 2
+    assert "llama.cpp's quantizer: give --llamacpp-python" in capsys.readouterr().err
+    assert main([*args, "Q3_XYZ"]) == 2
+    assert "unknown GGUF types ['Q3_XYZ']; known: f16, Q4_0" in capsys.readouterr().err
+    assert not list(Path(tiny_llama_dir).glob("*.gguf"))
+
+
+@pytest.mark.slow
+def test_random_model_writes_a_float16_gguf_with_the_default_models_tokenizer(tmp_path):
+    # The tiny model (the default model's vocabulary) as a float16 GGUF file: llama.cpp's names,
+    # 2-D tensors in float16, norms in float32, every tokenizer field of the default model's file;
+    # Pagoda serves it with the directory's prompt logprobs up to float16's rounding.
+    import gguf
+    import torch
+
+    from pagoda import LLM, SamplingParams
+    from pagoda.engine.model_loader import default_gguf_path
+    from helpers import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny", "llama", vocab_size=49152, hidden_size=64,
+                                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2)
+    assert main(["bench", "random-model", "llama-1b", "--output", str(model_dir), "--gguf", "f16"]) == 0
+    path = model_dir / "llama-1b.f16.gguf"
+    reader, default = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(default_gguf_path()))
+    types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == types["token_embd.weight"] == "F16"
+    assert types["blk.0.attn_norm.weight"] == types["output_norm.weight"] == "F32"
+    tokenizer = [name for name in default.fields if name.startswith("tokenizer.")]
+    assert tokenizer and all(reader.fields[name].contents() == default.fields[name].contents() for name in tokenizer)
+    prompt, params = list(range(300, 340)), SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    logprobs = []
+    for model in (model_dir, path):
+        with LLM(str(model), dtype="float32", enforce_eager=True, max_model_len=64) as llm:
+            out = llm.generate([prompt], params)[0]
+        logprobs.append(torch.tensor([entry.logprob for entry in out.prompt_logprobs[1:]]))
+    torch.testing.assert_close(logprobs[1], logprobs[0], rtol=0, atol=2e-2)

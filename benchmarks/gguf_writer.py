@@ -1,0 +1,145 @@
+"""Writes a Hugging Face model directory as a GGUF file laid out as llama.cpp's converter lays it
+out for the model's family: llama.cpp's tensor names, q/k rows permuted for the families
+llama.cpp converts as Llama, a layer's experts stacked in one tensor, Gemma's norms stored as
+1 + weight, its window and layer pattern. For the tests' GGUF files (a small tokenizer of their
+own) and for `pagoda bench random-model --gguf` (the default model's tokenizer, copied from its
+GGUF file, so llama.cpp runs the file with the same token ids).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+#: The tensor types written here (quantized types come from llama.cpp's own quantizer).
+TENSOR_TYPES = ("f32", "f16")
+
+
+def tokenizer_of(gguf_file: Path) -> Callable:
+    """A function that adds to a GGUFWriter every ``tokenizer.*`` field of ``gguf_file``."""
+    import gguf
+
+    fields = [(name, field.contents(), field.types) for name, field in gguf.GGUFReader(str(gguf_file)).fields.items()
+              if name.startswith("tokenizer.")]
+
+    def add(writer, config: dict) -> None:
+        tokens = next(len(value) for name, value, _ in fields if name == "tokenizer.ggml.tokens")
+        if config["vocab_size"] != tokens:
+            raise ValueError(f"{gguf_file} has a tokenizer of {tokens} tokens; the model's vocabulary is "
+                             f"{config['vocab_size']}")
+        for name, value, types in fields:
+            writer.add_key_value(name, value, types[0], types[-1] if len(types) > 1 else None)
+
+    return add
+
+
+def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type: str = "f32") -> Path:
+    """Writes ``model_dir`` (one ``model.safetensors``, or its shards) as a GGUF file at ``path``
+    whose tensors are float32 or float16 (``tensor_type``), its tokenizer added by
+    ``add_tokenizer(writer, config)``.
+
+    Returns:
+        ``path``.
+    """
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+    from pagoda.engine.families import FAMILIES
+    from pagoda.engine.model_loader import _GGUF_LAYER_NAMES, _GGUF_TOP_LEVEL_NAMES
+
+    numpy_type = {"f32": np.float32, "f16": np.float16}[tensor_type]
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    family = FAMILIES[config["model_type"]]
+    arch = family.gguf_architecture
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    if tensor_type == "f16":
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    writer.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor")
+                                                    or config.get("partial_rotary_factor") or 1.0)))
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
+        # As llama.cpp's Phi-3 converter: the factors as tensors, the stretch's attention factor.
+        original = config.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
+        stretch = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(stretch) / math.log(original)) if stretch > 1
+                                             else 1.0)
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if family.moe:
+        writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if family.gguf_norm_offset:  # Gemma: its window, its layers' pattern and soft caps, as llama.cpp's converter
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if config.get(key) is not None:
+                getattr(writer, f"add_{key}")(config[key])
+    add_tokenizer(writer, config)
+
+    weights = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    top_level = {hf: ours for ours, hf in _GGUF_TOP_LEVEL_NAMES.items()}
+    layer_names = {**_GGUF_LAYER_NAMES, **dict(family.gguf_names)}
+    patterns = [(re.compile(r"model\.layers\.(\d+)\." + re.escape(hf).replace(r"\{\}", r"(\d+)") + r"\.(\w+)$"), ours)
+                for ours, hf in layer_names.items()]
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+
+    def stored(tensor: torch.Tensor) -> np.ndarray:
+        # NOTE: norms and biases (1-D) stay float32, as llama.cpp's converter keeps them
+        return tensor.float().numpy().astype(numpy_type if tensor.dim() > 1 else np.float32)
+
+    def permuted(ours: str, tensor: torch.Tensor) -> torch.Tensor:
+        # llama.cpp's permute for its interleaved RoPE: rows (heads, 2, d/2) -> (heads, d/2, 2).
+        n = {"attn_q": heads, "attn_k": kv_heads}.get(ours)
+        if not family.gguf_permutes_qk or n is None:
+            return tensor
+        return tensor.reshape(n, 2, tensor.shape[0] // n // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
+
+    for name, tensor in sorted(weights.items()):
+        if name.endswith("norm.weight"):
+            tensor = tensor + family.gguf_norm_offset  # Gemma's norms are stored as 1 + weight
+        if name in top_level:
+            writer.add_tensor(top_level[name], stored(tensor))
+            continue
+        for pattern, ours in patterns:
+            match = pattern.match(name)
+            if match is None:
+                continue
+            if "{}" in layer_names[ours]:
+                layer, expert, kind = match.groups()
+                stacked.setdefault(f"blk.{layer}.{ours}.{kind}", {})[int(expert)] = tensor
+            else:
+                layer, kind = match.groups()
+                writer.add_tensor(f"blk.{layer}.{ours}.{kind}", stored(permuted(ours, tensor)))
+            break
+        else:
+            raise ValueError(f"no GGUF name for {name}")
+    for name, experts in stacked.items():
+        writer.add_tensor(name, np.stack([experts[e].float().numpy() for e in sorted(experts)]).astype(numpy_type))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
