@@ -185,7 +185,9 @@ def run_peer(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_mo
                     emit(args, record, run_line(record, args.runs, index[record["workload"]]))
                     results.append(record)
                 else:
-                    emit(args, record, f"{args.peer}: started in {record.get('seconds', 0):.1f} s")
+                    bufts = record.get("extra_bufts")
+                    emit(args, record, f"{args.peer}: started in {record.get('seconds', 0):.1f} s" + (
+                        "" if bufts is None else f" (its repacked weight buffers {'on' if bufts else 'off'})"))
     finally:
         os.unlink(path)
     if process.returncode != 0:

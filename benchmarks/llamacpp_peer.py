@@ -34,7 +34,8 @@ def _first(module, *names):
 
 
 class Runner:
-    def __init__(self, gguf: str, n_ctx: int, n_seq: int, n_batch: int, threads: int, verbose: bool = False) -> None:
+    def __init__(self, gguf: str, n_ctx: int, n_seq: int, n_batch: int, threads: int, verbose: bool = False,
+                 extra_bufts: bool = True) -> None:
         import llama_cpp as ll
         import numpy as np
 
@@ -46,9 +47,7 @@ class Runner:
         ll.llama_backend_init()
         model_params = ll.llama_model_default_params()
         if hasattr(model_params, "use_extra_bufts"):
-            # NOTE: llama.cpp's AMX repack died with SIGILL on an AMX machine of this project
-            # (../shared/PEERS.md); plain CPU buffers run everywhere.
-            model_params.use_extra_bufts = False
+            model_params.use_extra_bufts = extra_bufts
         self.model = _first(ll, "llama_model_load_from_file", "llama_load_model_from_file")(gguf.encode(),
                                                                                           model_params)
         if not self.model:
@@ -113,6 +112,15 @@ class Runner:
                     outputs[seq].append(token)
 
 
+def cpu_lists_amx() -> bool:
+    """Whether /proc/cpuinfo lists AMX tiles."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_tile" in f.read()
+    except OSError:
+        return False
+
+
 #: The file types --quantize writes: name -> llama.cpp's llama_ftype constant.
 QUANT_TYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
                "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
@@ -139,6 +147,10 @@ def main() -> int:
     parser.add_argument("--workloads", help="JSON written by `pagoda bench compare`")
     parser.add_argument("--quantize", nargs=2, metavar=("TYPE", "OUT"), help="write the file quantized instead")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--extra-bufts", choices=["auto", "on", "off"], default="auto",
+                        help="llama.cpp's repacked weight buffers (its default, on): auto is off where the CPU "
+                             "lists AMX, whose repack died with SIGILL on a machine of this project (PEERS.md), "
+                             "on elsewhere")
     parser.add_argument("--n-batch", type=int, default=2048)
     parser.add_argument("--verbose", action="store_true", help="keep llama.cpp's own log")
     args = parser.parse_args()
@@ -151,8 +163,11 @@ def main() -> int:
     n_seq = max(len(run["prompts"]) for w in workloads for run in w["runs"])
     longest = max(len(p) + n for w in workloads for run in w["runs"] for p, n in zip(run["prompts"], run["output_lens"]))
     start = time.perf_counter()
-    runner = Runner(args.gguf, n_seq * (-(-longest // 256) * 256), n_seq, args.n_batch, args.threads, args.verbose)
-    print(json.dumps({"event": "started", "seconds": time.perf_counter() - start}), flush=True)
+    extra_bufts = args.extra_bufts == "on" or (args.extra_bufts == "auto" and not cpu_lists_amx())
+    runner = Runner(args.gguf, n_seq * (-(-longest // 256) * 256), n_seq, args.n_batch, args.threads, args.verbose,
+                    extra_bufts)
+    print(json.dumps({"event": "started", "seconds": time.perf_counter() - start, "extra_bufts": extra_bufts}),
+          flush=True)
     for workload in workloads:
         for run in workload["runs"]:
             start = time.perf_counter()

@@ -252,13 +252,11 @@ def _positive_int(config: EngineConfig, name: str) -> None:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
-def compiles_model(config: EngineConfig, device_type: str, world_size: int,
-                   batch_invariant: bool | None = None) -> bool:
+def compiles_model(config: EngineConfig, device_type: str, world_size: int, batch_invariant: bool) -> bool:
     """Whether the worker compiles the model (torch.compile of its regions): on the CPU or a
-    GPU, one rank, unless enforce_eager or batch invariance (``batch_invariant`` as the
-    worker resolved it; None: config.batch_invariant, where None means it may compile)."""
-    invariant = config.batch_invariant if batch_invariant is None else batch_invariant
-    return device_type in ("cpu", "cuda") and world_size == 1 and not (config.enforce_eager or invariant)
+    GPU, one rank, unless enforce_eager or batch invariance (``batch_invariant`` as the start
+    plan resolved it)."""
+    return device_type in ("cpu", "cuda") and world_size == 1 and not (config.enforce_eager or batch_invariant)
 
 
 # NOTE: for tests: a device of this many bytes simulated on the CPU, so that the start that sizes

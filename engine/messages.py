@@ -19,6 +19,30 @@ if TYPE_CHECKING:
     from pagoda.engine.model_config import ModelConfig
 
 
+@dataclass(frozen=True, slots=True)
+class StartPlan:
+    """What the engine decided once, before any worker starts (engine/frontend/start_plan.py),
+    and every worker (and every restart of one) takes as it is.
+
+    Attributes:
+        dtype: The model's dtype ("bfloat16", "float32", ...): EngineConfig.dtype resolved for
+            the device and for whether the weights run through the quantized kernel.
+        quantization: How the model's linear weights are quantized (model_loader's
+            plan_quantization: "gguf", "compressed-tensors", "int8", or None).
+        draft_quantization: The same for speculative decoding's draft model.
+        attention_backend: The backend by name ("auto" resolved; cpu_paged for batch
+            invariance).
+        batch_invariant: Whether outputs are batch-invariant (EngineConfig.batch_invariant
+            resolved: None is on only where it costs little).
+    """
+
+    dtype: str
+    quantization: str | None
+    draft_quantization: str | None
+    attention_backend: str
+    batch_invariant: bool
+
+
 @dataclass(slots=True)
 class WorkerInit:
     """The first message to a worker: what to load and how much KV cache to allocate.
@@ -27,6 +51,7 @@ class WorkerInit:
         config: The engine configuration.
         model_dir: Hugging Face-style model directory.
         model_config: Its parsed configuration.
+        plan: What the engine decided at start (dtype, attention backend, batch invariance).
         num_blocks: KV blocks to allocate; None: the worker measures its device's memory
             first, sends a WorkerMemory and allocates what the KVCacheAllocation it gets back
             says.
@@ -45,6 +70,7 @@ class WorkerInit:
     config: EngineConfig
     model_dir: Path
     model_config: ModelConfig
+    plan: StartPlan
     num_blocks: int | None
     max_model_len: int
     num_cpu_blocks: int = 0
@@ -278,7 +304,7 @@ class WorkerReady:
     compiled: str = ""  # the compiled regions loaded from disk and compiled, for the start-up line
     weights: str = ""  # their format and resident size, for the start-up line
     one_call_forward: bool = False  # decode steps run in one call (engine/models/one_call_forward.py)
-    batch_invariant: bool = False  # as the worker resolved EngineConfig.batch_invariant
+    batch_invariant: bool = False  # as the start plan resolved EngineConfig.batch_invariant
     weight_bytes_per_token: int = 0  # the weights one decoded token reads (DecoderForCausalLM)
     cuda_graphs: str = ""  # on a GPU: which decode steps replay CUDA graphs, or why none do
     threads: str = ""  # "2 threads on CPUs 0-1": the worker's torch threads and where they may run

@@ -116,7 +116,7 @@ def test_invariance_is_the_default_where_it_costs_little(tiny_llama_dir, monkeyp
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.model_config import ModelConfig
     from pagoda.engine.models.linear import choose_packing
-    from pagoda.engine.worker.model_runner import resolve_batch_invariant
+    from pagoda.engine.frontend.start_plan import resolve_batch_invariant
 
     cpu, llama = torch.device("cpu"), ModelConfig.from_dir(tiny_llama_dir)
 

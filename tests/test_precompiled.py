@@ -118,7 +118,7 @@ def test_a_second_start_loads_every_region_and_generates_the_same_tokens(tiny_ll
 def test_the_model_is_compiled_on_one_rank_of_a_cpu_or_a_gpu_unless_told_not_to():
     from pagoda.engine.config import EngineConfig, compiles_model
 
-    assert compiles_model(EngineConfig(), "cpu", 1) and compiles_model(EngineConfig(), "cuda", 1)
-    assert not compiles_model(EngineConfig(), "cuda", 2)  # the all-reduces sit inside the regions
-    assert not compiles_model(EngineConfig(enforce_eager=True), "cuda", 1)
-    assert not compiles_model(EngineConfig(batch_invariant=True), "cpu", 1)
+    assert compiles_model(EngineConfig(), "cpu", 1, False) and compiles_model(EngineConfig(), "cuda", 1, False)
+    assert not compiles_model(EngineConfig(), "cuda", 2, False)  # the all-reduces sit inside the regions
+    assert not compiles_model(EngineConfig(enforce_eager=True), "cuda", 1, False)
+    assert not compiles_model(EngineConfig(), "cpu", 1, True)  # batch invariance, as the start plan resolved it

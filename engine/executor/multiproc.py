@@ -131,7 +131,7 @@ class WorkerProcess:
             env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor))
         except OSError:
             pass
-        compiles = compiles_model(init.config, device_type, init.world_size)
+        compiles = compiles_model(init.config, device_type, init.world_size, init.plan.batch_invariant)
         ours, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pluggy
 
-from pagoda.attention_backends import get_attention_backend
+from pagoda.attention_backends import SUPPORTED_ATTENTION_BACKENDS, get_attention_backend
 from pagoda.engine.config import EngineConfig, sizes_kv_from_memory
 from pagoda.engine.core.engine_core import EngineCore, StepStats
 from pagoda.engine.core.grammar import BitmaskFiller, GrammarCompiler
@@ -35,12 +35,13 @@ from pagoda.engine.core.scheduler import Scheduler
 from pagoda.engine.exceptions import EngineDeadError, EngineSleepingError
 from pagoda.engine.executor.base import Executor, create_executor
 from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
+from pagoda.engine.frontend.start_plan import plan_start
 from pagoda.engine.kv_events import KVEventLog, make_publisher
 from pagoda.engine.kv_offload import KVOffloadTarget, default_offload_bytes
 from pagoda.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, parse_lora_modules, prefix_salt
 from pagoda.engine.messages import DeviceMemory, KVCacheAllocation, WorkerInit, WorkerReady
 from pagoda.engine.model_config import ModelConfig
-from pagoda.engine.model_loader import load_tokenizer, resolve_model, resolve_model_dtype
+from pagoda.engine.model_loader import load_tokenizer, resolve_model
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.platform import attention_shape, resolve_device, resolve_kv_cache_dtype
 from pagoda.engine.reasoning import REASONING_PARSERS, ReasoningParser
@@ -97,11 +98,6 @@ class AsyncEngine:
         model_dir = await asyncio.to_thread(resolve_model, config.model)
         logger.info("model: %s", model_dir)
         self.model_config = model_config = ModelConfig.from_dir(model_dir)
-        # NOTE: plans the quantization too: a clear error before the worker starts
-        dtype = resolve_model_dtype(config.dtype, config.quantization, model_dir, device, config.tensor_parallel_size)
-        backend = get_attention_backend(config.attention_backend, device, kv_dtype, attention_shape(model_config, dtype))
-        # NOTE: the worker chooses the same backend (batch invariance's cpu_paged runs windows too)
-        windows_run = backend.supports_window_and_softcap
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         if config.enable_lora:
             self.loras = LoRARegistry(model_config, config.max_lora_rank)
@@ -115,7 +111,12 @@ class AsyncEngine:
             self._reasoning = (parser, self.tokenizer.encode(parser.start, add_special_tokens=False),
                                tuple(self.tokenizer.encode(parser.end, add_special_tokens=False)))
         draft_dir, draft_config = await asyncio.to_thread(self._draft_model, model_config)
-        kv_dtype = kv_dtype or dtype
+        # NOTE: a clear error before the worker starts where the dtype, quantization or backend cannot run
+        plan = await asyncio.to_thread(plan_start, config, model_dir, model_config, device, draft_dir)
+        windows_run = SUPPORTED_ATTENTION_BACKENDS[plan.attention_backend]().supports_window_and_softcap
+        import torch
+
+        kv_dtype = kv_dtype or getattr(torch, plan.dtype)
         # NOTE: sized here, or (from the device's memory) once the worker has loaded the model
         # and measured; either way the sizing's own errors come before the model loads, from
         # the largest cache the configuration could use.
@@ -123,7 +124,7 @@ class AsyncEngine:
         kv = size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config,
                            budget=sys.maxsize if from_memory else None, windows_run=windows_run)
         # NOTE: num_blocks None: the worker measures first (then _use_kv_cache fills it in).
-        self._worker_init = WorkerInit(config, model_dir, model_config, None if from_memory else kv.num_blocks,
+        self._worker_init = WorkerInit(config, model_dir, model_config, plan, None if from_memory else kv.num_blocks,
                                        kv.max_model_len, kv.num_cpu_blocks, draft_model_dir=draft_dir,
                                        draft_model_config=draft_config)
 

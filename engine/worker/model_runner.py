@@ -29,11 +29,9 @@ from pagoda.engine.kv_offload import KVOffloadTarget, model_fingerprint, namespa
 from pagoda.engine.messages import (DeviceMemory, KVCacheAllocation, RunnerOutput, SchedulerOutput, TokenLogprobs,
                                     WorkerInit)
 from pagoda.engine.config import SIMULATED_DEVICE_MEMORY_ENV, compiles_model
-from pagoda.engine.model_loader import (compressed_tensors_config, default_cache_dir, load_weights, plan_quantization,
-                                        resolve_model_dtype)
+from pagoda.engine.model_loader import compressed_tensors_config, default_cache_dir, load_weights
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
-from pagoda.engine.models.one_call_forward import architecture_reason
 from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
 from pagoda.engine.models.lora import LoRAManager
 from pagoda.engine.models.decoder import DecoderForCausalLM, RotaryEmbedding
@@ -44,23 +42,6 @@ from pagoda.engine.worker.prompt_scoring import score_prompts
 from pagoda.engine.worker.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_batch_invariant(config, device: torch.device, dtype: torch.dtype, fp8_cache: torch.dtype | None,
-                            model_config, backend_name: str, world_size: int) -> bool:
-    """EngineConfig.batch_invariant as this worker runs it: as asked, or (None) on where it
-    costs little, which is where the default path already sums every row alike: bfloat16
-    products on Pagoda's AVX512-BF16 kernel without AMX tiles (the "blocked" packing, the
-    same whatever the rows), cpu_paged attention over a bfloat16 cache, every step in one C
-    call (a family that runs layer by layer would lose its compiled regions), one rank, no
-    LoRA. Measured on AMD Zen 4: at most 6% on any `pagoda bench compare` row, with GGUF
-    and dense weights (docs/engine.md#batch-invariance); on AMX tiles it costs up to 2.7x,
-    so it stays off there unless asked."""
-    if config.batch_invariant is not None:
-        return config.batch_invariant
-    return (device.type == "cpu" and choose_packing(device, dtype) == "blocked" and backend_name == "cpu_paged"
-            and fp8_cache is None and world_size == 1 and not config.enable_lora
-            and architecture_reason(model_config) is None)
 
 
 class ModelRunner:
@@ -80,25 +61,17 @@ class ModelRunner:
         self.device = resolve_device(config.device, offset)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_model_dtype(config.dtype, config.quantization, init.model_dir, self.device,
-                                         init.world_size)
+        plan = init.plan  # NOTE: decided in the engine (engine/frontend/start_plan.py), taken as it is
+        self.dtype = getattr(torch, plan.dtype)
         fp8_cache = resolve_kv_cache_dtype(config.kv_cache_dtype)
         self.kv_cache_dtype = fp8_cache or self.dtype
         self.block_size = config.block_size
         self.model_config = model_config
         self.tp = tp = init_tensor_parallel(init.rank, init.world_size, init.dist_init_method, self.device)
-        attention_backend = config.attention_backend
-        if config.batch_invariant:
-            # NOTE: cpu_paged computes each query row alone, in fixed partitions of keys
-            # (engine/compatibility.py refuses any other backend named with it).
-            attention_backend = "cpu_paged"
-        backend_cls = get_attention_backend(attention_backend, self.device, fp8_cache,
+        # NOTE: by name: checked to run on this worker's device, not chosen again
+        backend_cls = get_attention_backend(plan.attention_backend, self.device, fp8_cache,
                                             attention_shape(model_config, self.dtype))
-        self.batch_invariant = resolve_batch_invariant(config, self.device, self.dtype, fp8_cache, model_config,
-                                                       backend_cls.name, init.world_size)
-        if self.batch_invariant and config.batch_invariant is None:
-            progress("outputs batch-invariant (the default on this CPU: AVX512-BF16 without AMX tiles, "
-                     "where it costs little; --no-batch-invariant turns it off)")
+        self.batch_invariant = plan.batch_invariant
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._free_at_start = torch.cuda.mem_get_info(self.device)[0]
@@ -284,7 +257,7 @@ class ModelRunner:
         start = time.perf_counter()
         progress(f"loading weights from {model_dir} ({self.device}, {str(self.dtype).removeprefix('torch.')})")
         weights = load_weights(model_dir)
-        mode = plan_quantization(config.quantization, model_dir, self.device, self.tp.world_size)
+        mode = init.plan.draft_quantization if draft else init.plan.quantization
         compressed = compressed_tensors_config(model_dir)
         if compressed is not None:  # int8 weights, dequantized for the float model (and kept if used)
             compressed = CompressedTensorsCheckpoint(compressed, keep=mode == "compressed-tensors")

@@ -36,9 +36,9 @@ void paged_write_kv_u8(const uint8_t *key, const uint8_t *value, const int64_t *
                        uint8_t *key_cache, uint8_t *value_cache, int64_t num_tokens, int64_t num_kv_heads,
                        int64_t head_dim, int64_t block_size, int64_t key_stride, int64_t value_stride);
 
-/* -- paged attention over the block tables (paged_attention.c); window: a row at position p sees
- * keys p - window + 1 .. p (0: every earlier key); softcap: scores become softcap * tanh(score /
- * softcap) (0: none) -- */
+/* -- paged attention over the block tables (paged_attention.c). window: a row at position p sees
+ * keys p - window + 1 .. p, or every earlier key at 0. softcap: scores become softcap * tanh(score
+ * / softcap), or stay at 0 -- */
 void paged_attention_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache, const int32_t *block_tables,
     int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start, uint16_t *out, float *lse,
     const uint8_t *skip, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
