@@ -324,14 +324,17 @@ class CpuPagedAttentionBackend(TorchSdpaAttentionBackend):
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
         key_cache, value_cache = kv_cache
+        if window is not None and metadata.max_seq_len <= window:
+            window = None  # NOTE: no row is past it: the step's plan (tiles, cascade) holds
         if not cpu_kernels.supports_cache(query.dtype, key_cache.dtype):
+            if window is not None or softcap is not None:  # NOTE: shape_problem refuses such models at start
+                raise NotImplementedError(f"cpu_paged runs windows and soft caps in bfloat16 and float32, "
+                                          f"not {query.dtype}")
             if not isinstance(metadata.backend_data, SdpaStepData):
                 super().prepare(metadata)
             return super().forward(query, key, value, kv_cache, metadata)
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         query = query.contiguous()
-        if window is not None and metadata.max_seq_len <= window:
-            window = None  # NOTE: no row is past it: the step's plan (tiles, cascade) holds
         if window is not None or softcap is not None:
             return cpu_kernels.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                                metadata.seq_lens_tensor, metadata.query_start_loc, self.scale,

@@ -80,3 +80,18 @@ def test_a_backend_without_windows_caps_the_context_at_the_window(mistral):
         out = llm.generate([PROMPTS[0][:4]], SamplingParams(temperature=0, max_tokens=WINDOW - 4, ignore_eos=True))
     hf = make_hf_model(model_dir)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, PROMPTS[0][:4], WINDOW - 4)
+
+
+def test_windows_run_where_the_planned_backend_runs_them_in_the_planned_dtype(mistral):
+    from pagoda.engine.frontend.start_plan import runs_windows
+    from pagoda.engine.messages import StartPlan
+
+    config = ModelConfig.from_dir(mistral[0])
+
+    def plan(backend: str, dtype: str) -> StartPlan:
+        return StartPlan(dtype=dtype, quantization=None, draft_quantization=None, attention_backend=backend,
+                         batch_invariant=False)
+
+    assert runs_windows(plan("cpu_paged", "bfloat16"), config) and runs_windows(plan("naive", "float16"), config)
+    assert not runs_windows(plan("cpu_paged", "float16"), config)  # torch's code there, without windows
+    assert not runs_windows(plan("torch_sdpa", "float32"), config)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pluggy
 
-from pagoda.attention_backends import SUPPORTED_ATTENTION_BACKENDS, get_attention_backend
+from pagoda.attention_backends import get_attention_backend
 from pagoda.engine.config import EngineConfig, sizes_kv_from_memory
 from pagoda.engine.core.engine_core import EngineCore, StepStats
 from pagoda.engine.core.grammar import BitmaskFiller, GrammarCompiler
@@ -35,7 +35,7 @@ from pagoda.engine.core.scheduler import Scheduler
 from pagoda.engine.exceptions import EngineDeadError, EngineSleepingError
 from pagoda.engine.executor.base import Executor, create_executor
 from pagoda.engine.frontend.output_processor import OutputKind, OutputProcessor, RequestStream
-from pagoda.engine.frontend.start_plan import plan_start
+from pagoda.engine.frontend.start_plan import plan_start, runs_windows
 from pagoda.engine.kv_events import KVEventLog, make_publisher
 from pagoda.engine.kv_offload import KVOffloadTarget, default_offload_bytes
 from pagoda.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, parse_lora_modules, prefix_salt
@@ -113,7 +113,7 @@ class AsyncEngine:
         draft_dir, draft_config = await asyncio.to_thread(self._draft_model, model_config)
         # NOTE: a clear error before the worker starts where the dtype, quantization or backend cannot run
         plan = await asyncio.to_thread(plan_start, config, model_dir, model_config, device, draft_dir)
-        windows_run = SUPPORTED_ATTENTION_BACKENDS[plan.attention_backend]().supports_window_and_softcap
+        windows_run = runs_windows(plan, model_config)
         import torch
 
         kv_dtype = kv_dtype or getattr(torch, plan.dtype)

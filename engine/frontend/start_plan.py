@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pagoda.attention_backends import get_attention_backend
+from pagoda.attention_backends import SUPPORTED_ATTENTION_BACKENDS, get_attention_backend
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.messages import StartPlan
 from pagoda.engine.model_config import ModelConfig
@@ -69,3 +69,12 @@ def plan_start(config: EngineConfig, model_dir: Path, model_config: ModelConfig,
                     "costs little; --no-batch-invariant turns it off)")
     return StartPlan(dtype=str(dtype).removeprefix("torch."), quantization=quantization,
                      draft_quantization=draft_quantization, attention_backend=backend.name, batch_invariant=invariant)
+
+
+def runs_windows(plan: StartPlan, model_config: ModelConfig) -> bool:
+    """Whether the planned attention backend runs sliding windows in the planned dtype (then a
+    model whose every layer has one is served past it, engine/core/kv_sizing.py; else within)."""
+    backend = SUPPORTED_ATTENTION_BACKENDS[plan.attention_backend]()
+    return backend.supports_window_and_softcap and backend.shape_problem(
+        getattr(torch, plan.dtype), model_config.head_dim, model_config.num_attention_heads,
+        model_config.num_key_value_heads, window_or_softcap=True) is None
