@@ -268,3 +268,28 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class WindowedKVCacheMachine(KVCacheMachine):
+    """The same under a sliding window of 5 positions: the blocks before a request's next
+    token's window go back to the pool as it grows (prefix hits past the window, forks and
+    swaps included); the blocks it holds keep its tokens."""
+
+    WINDOW = 5
+
+    def __init__(self):
+        super().__init__()
+        self.manager = KVCacheManager(num_blocks=12, block_size=BLOCK, num_cpu_blocks=6, sliding_window=self.WINDOW)
+
+    @invariant()
+    def every_block_holds_its_requests_tokens(self):
+        for request in self.requests.values():
+            table = self.manager.get_block_ids(request.request_id)
+            computed = request.num_computed_tokens
+            first = max(0, computed - self.WINDOW + 1) // BLOCK * BLOCK  # the next token's window, whole blocks
+            held = [self.content[table[p // BLOCK]][p % BLOCK] for p in range(first, computed)]
+            assert held == request.all_token_ids[first:computed]
+
+
+TestWindowedKVCacheMachine = WindowedKVCacheMachine.TestCase
+TestWindowedKVCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -394,7 +394,7 @@ class KVCacheManager:
         retention = self.req_retention.pop(request_id, 0)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks), retention)
-        self.free_cpu_blocks.extend(self.req_to_cpu_blocks.pop(request_id, ()))
+        self.free_cpu_blocks.extend(cpu for cpu in self.req_to_cpu_blocks.pop(request_id, ()) if cpu >= 0)
 
     def reset(self) -> None:
         """Forgets every block table, cached block and swapped request (the KV tensors
