@@ -409,9 +409,10 @@ def test_paged_kernel_windows_and_soft_caps(dtype, block_size, group, head_dim):
     every row's window hold NaN, as a block given back to the pool and written by another
     request holds anything: the kernel never reads them."""
     from pagoda.attention_backends import cpu_kernels
+    from pagoda.native import library as kernel_library
 
-    if not cpu_kernels.supports(dtype):
-        pytest.skip("the CPU kernels cannot be built here")
+    if not kernel_library.available():
+        pytest.skip("the CPU kernels cannot be built here (no C compiler)")
     gen = torch.Generator().manual_seed(5)
     kv_heads = 2
     heads = kv_heads * group
