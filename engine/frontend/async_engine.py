@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pluggy
+import torch
 
 from pagoda.attention_backends import get_attention_backend
 from pagoda.engine.config import EngineConfig, sizes_kv_from_memory
@@ -114,8 +115,6 @@ class AsyncEngine:
         # NOTE: a clear error before the worker starts where the dtype, quantization or backend cannot run
         plan = await asyncio.to_thread(plan_start, config, model_dir, model_config, device, draft_dir)
         windows_run = runs_windows(plan, model_config)
-        import torch
-
         kv_dtype = kv_dtype or getattr(torch, plan.dtype)
         # NOTE: sized here, or (from the device's memory) once the worker has loaded the model
         # and measured; either way the sizing's own errors come before the model loads, from
@@ -261,8 +260,6 @@ class AsyncEngine:
             return config.async_scheduling
         if resolve_device(config.device).type == "cuda":
             return True
-        import torch
-
         # NOTE: torch uses every core by default; only explicitly fewer leaves one spare.
         threads = config.num_threads or torch.get_num_threads()
         return (os.cpu_count() or 1) > threads * config.tensor_parallel_size

@@ -1,6 +1,7 @@
 """The start plan: the model's dtype, how its weights are quantized (and the draft model's), the
-attention backend and batch invariance, decided once in the engine process before any worker starts, and sent to every worker in its WorkerInit (a
-worker, and a restarted one, takes them as they are; it decides none of them again).
+attention backend and batch invariance, decided once in the engine process before any worker
+starts, and sent to every worker in its WorkerInit (a worker, and a restarted one, takes them as
+they are; it decides none of them again).
 
 The engine needs them itself: the backend says whether a model whose every layer has a sliding
 window is served past it (engine/core/kv_sizing.py), and batch invariance whether a standby
