@@ -349,3 +349,43 @@ def test_a_rank_that_fails_to_start_stops_the_others_instead_of_waiting_for_them
 
     asyncio.run(main())
     assert stopped == [1.0]
+
+
+def _child_pids() -> set[int]:
+    """The pids of this process's living children (from /proc)."""
+    me, children = os.getpid(), set()
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[1]) == me:
+            children.add(int(entry.name))
+    return children
+
+
+def test_a_start_cancelled_while_the_worker_loads_leaves_no_worker(tiny_llama_dir):
+    """Ctrl-C during start-up: the engine core does not exist yet, and still the worker stops."""
+    import asyncio
+
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.frontend.async_engine import AsyncEngine
+
+    before = _child_pids()
+
+    async def cancel_while_loading() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32",
+                                          max_model_len=64, num_kv_blocks=32))
+        start = asyncio.ensure_future(engine.start())
+        for _ in range(600):
+            if _child_pids() - before:
+                break
+            await asyncio.sleep(0.01)
+        assert _child_pids() - before, "no worker process appeared"
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert engine.core is None
+
+    asyncio.run(cancel_while_loading())
+    assert not _child_pids() - before

@@ -89,26 +89,31 @@ class StepStats:
 class EngineCore:
     """The scheduler and the executor, and the loop that runs steps between them.
 
+    Built by :meth:`launch`, once the first worker is ready and the KV cache is sized.
+
     Args:
         config: The engine configuration (restart budget).
         scheduler: The scheduler (with its KV cache manager and policy).
+        worker: The started executor.
+        wakeup: The event the loop waits on, which ``worker`` sets when it dies.
         make_executor: Builds a fresh executor (also after a worker death); it is given
             the callback to run when the worker is found dead.
         sink: Receives the requests' tokens, finishes and failures.
         async_scheduling: Schedule step N+1 while the worker runs step N.
+        kv_events: The block pool's event log and its publisher, or None.
     """
 
-    def __init__(self, config: EngineConfig, scheduler: Scheduler,
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, worker: Executor, wakeup: asyncio.Event,
                  make_executor: Callable[[Callable[[], None]], Executor], sink: OutputSink,
-                 async_scheduling: bool) -> None:
+                 async_scheduling: bool, kv_events: tuple[KVEventLog, object] | None = None) -> None:
         self.config = config
         self.scheduler = scheduler
         self.sink = sink
         self.async_scheduling = async_scheduling
         self._make_executor = make_executor
-        self.worker: Executor | None = None
+        self.worker = worker
         self._pending_aborts: set[str] = set()
-        self._wakeup = asyncio.Event()
+        self._wakeup = wakeup
         self._loop_task: asyncio.Task | None = None
         self.dead: BaseException | None = None
         self._restart_times: list[float] = []
@@ -121,27 +126,43 @@ class EngineCore:
         #: Told of every step sent and answered, when set.
         self.step_observer: StepObserver | None = None
         # KV events (engine/kv_events.py): the block pool's log and the publisher, or None.
-        self.kv_events: tuple[KVEventLog, object] | None = None
+        self.kv_events = kv_events
         # The sleep level (1 or 2) while asleep (sleep()), else 0.
         self.sleeping = 0
 
     # -- lifecycle --------------------------------------------------------------------
 
-    async def start(self, size_kv: SizeKVCache | None = None) -> WorkerReady:
-        """Starts the worker, then the loop; returns what the worker reported.
+    @classmethod
+    async def launch(cls, config: EngineConfig, make_executor: Callable[[Callable[[], None]], Executor],
+                     make_scheduler: Callable[[], tuple[Scheduler, tuple[KVEventLog, object] | None]],
+                     sink: OutputSink, async_scheduling: bool,
+                     size_kv: SizeKVCache | None = None) -> tuple[EngineCore, WorkerReady]:
+        """Starts the first worker, then builds the core and starts its loop; returns the
+        core and what the worker reported.
 
         Args:
+            make_scheduler: The scheduler over the sized KV cache, with the KV events' log
+                and publisher (or None); called once the worker is ready, when the cache
+                is sized.
             size_kv: Where the worker sizes the KV cache from its device's memory: decides
-                it (and must set the scheduler, which the loop then uses).
+                it from what the worker measured.
+            Others: as the constructor's.
 
         Raises:
-            WorkerDiedError: The worker failed to start.
+            WorkerDiedError: The worker failed to start (it is stopped).
         """
-        self.worker = self._make_executor(self._wakeup.set)
-        ready = await self.worker.start(size_kv)
-        self._spawn_standby()
-        self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="pagoda-engine-loop")
-        return ready
+        wakeup = asyncio.Event()
+        worker = make_executor(wakeup.set)
+        try:
+            ready = await worker.start(size_kv)
+            scheduler, kv_events = make_scheduler()
+        except BaseException:  # NOTE: also cancelled: no worker outlives a start that failed
+            await worker.shutdown()
+            raise
+        core = cls(config, scheduler, worker, wakeup, make_executor, sink, async_scheduling, kv_events)
+        core._spawn_standby()
+        core._loop_task = asyncio.get_running_loop().create_task(core._run_loop(), name="pagoda-engine-loop")
+        return core, ready
 
     async def shutdown(self) -> None:
         """Stops the loop, fails whatever is still running, and stops the worker."""
@@ -152,8 +173,7 @@ class EngineCore:
             self._loop_task = None
         self._fail_all(EngineDeadError("the engine was shut down"))
         await self._stop_standby()
-        if self.worker is not None:
-            await self.worker.shutdown()
+        await self.worker.shutdown()
         if self.kv_events is not None:
             self.kv_events[1].shutdown()
             self.kv_events = None

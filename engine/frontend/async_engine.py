@@ -138,12 +138,12 @@ class AsyncEngine:
             return self._use_kv_cache(size_kv_cache(config, model_config, kv_dtype.itemsize, draft_config, budget,
                                                     windows_run), kv_dtype)
 
-        self.core = EngineCore(config, None, self._make_executor, self.output_processor,
-                               async_scheduling=self.uses_async_scheduling())
         if not from_memory:
             self._use_kv_cache(kv, kv_dtype)
         logger.info("starting the worker process")
-        ready = await self.core.start(size_kv if from_memory else None)
+        self.core, ready = await EngineCore.launch(config, self._make_executor, self._make_scheduler,
+                                                   self.output_processor, self.uses_async_scheduling(),
+                                                   size_kv if from_memory else None)
         if config.offloads_kv:
             await self._open_offload(ready)
         threads = f" ({ready.threads})" if ready.threads and ready.device == "cpu" else ""
@@ -181,7 +181,7 @@ class AsyncEngine:
         return create_executor(self._worker_init, self.config, on_death)
 
     def _use_kv_cache(self, kv: KVCacheSize, kv_dtype) -> KVCacheAllocation:
-        """Takes the KV cache's size: the scheduler over its blocks, and the workers' init."""
+        """Takes the KV cache's size (for the scheduler and the workers' init)."""
         self.kv_cache_size = kv
         if kv.limited_by_window:
             logger.warning("limiting max_model_len to the sliding window (%d tokens): the attention backend runs "
@@ -193,19 +193,23 @@ class AsyncEngine:
                     "max_model_len %d; swap space %d blocks", kv.num_blocks, kv.block_size, kv.num_tokens,
                     kv.num_bytes / 1024**3, str(kv_dtype).removeprefix("torch."), kv.bytes_per_block // kv.block_size,
                     kv.max_model_len, kv.num_cpu_blocks)
-        self.core.scheduler = Scheduler.from_config(self.config, kv, self.policy,
-                                                    BitmaskFiller(self.model_config.vocab_size))
-        events = self.config.kv_events_config
-        if events is not None and events.enable_kv_cache_events:
-            log = KVEventLog(self.config.block_size)
-            self.core.scheduler.kv_cache_manager.block_pool.events = log
-            self.core.kv_events = (log, make_publisher(events))
-            logger.info("KV events: %s on %s%s", events.publisher, events.endpoint,
-                        f", replay on {events.replay_endpoint}" if events.replay_endpoint else "")
-        allocation = KVCacheAllocation(kv.num_blocks, kv.num_cpu_blocks, kv.max_model_len)
         self._worker_init = replace(self._worker_init, num_blocks=kv.num_blocks, num_cpu_blocks=kv.num_cpu_blocks,
                                     max_model_len=kv.max_model_len)
-        return allocation
+        return KVCacheAllocation(kv.num_blocks, kv.num_cpu_blocks, kv.max_model_len)
+
+    def _make_scheduler(self) -> tuple[Scheduler, tuple[KVEventLog, object] | None]:
+        """The scheduler over the sized KV cache's blocks, with the KV events' log and
+        publisher where the config asks for them."""
+        scheduler = Scheduler.from_config(self.config, self.kv_cache_size, self.policy,
+                                          BitmaskFiller(self.model_config.vocab_size))
+        events = self.config.kv_events_config
+        if events is None or not events.enable_kv_cache_events:
+            return scheduler, None
+        log = KVEventLog(self.config.block_size)
+        scheduler.kv_cache_manager.block_pool.events = log
+        logger.info("KV events: %s on %s%s", events.publisher, events.endpoint,
+                    f", replay on {events.replay_endpoint}" if events.replay_endpoint else "")
+        return scheduler, (log, make_publisher(events))
 
     def _draft_model(self, model_config: ModelConfig) -> tuple[Path | None, ModelConfig | None]:
         """Speculative decoding's draft model (method draft_model): its directory and
