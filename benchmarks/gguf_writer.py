@@ -16,8 +16,9 @@ from typing import Callable
 
 import numpy as np
 
-#: The tensor types written here (quantized types come from llama.cpp's own quantizer).
-TENSOR_TYPES = ("f32", "f16")
+#: The tensor types written here: floats, and the quantized types the ``gguf`` package's own
+#: quantizer makes (the tests' files; the benchmarks' K-quant files come from llama.cpp's quantizer).
+TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 
 
 def tokenizer_of(gguf_file: Path) -> Callable:
@@ -40,7 +41,8 @@ def tokenizer_of(gguf_file: Path) -> Callable:
 
 def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type: str = "f32") -> Path:
     """Writes ``model_dir`` (one ``model.safetensors``, or its shards) as a GGUF file at ``path``
-    whose tensors are float32 or float16 (``tensor_type``), its tokenizer added by
+    whose matrices are of ``tensor_type`` (one of TENSOR_TYPES; a quantized type for those whose
+    rows are a multiple of 32 long, float32 for the rest), its tokenizer added by
     ``add_tokenizer(writer, config)``.
 
     Returns:
@@ -53,15 +55,18 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
     from pagoda.engine.families import FAMILIES
     from pagoda.engine.model_loader import _GGUF_LAYER_NAMES, _GGUF_TOP_LEVEL_NAMES
 
-    numpy_type = {"f32": np.float32, "f16": np.float16}[tensor_type]
+    if tensor_type not in TENSOR_TYPES:
+        raise ValueError(f"tensor type {tensor_type!r}: expected one of {', '.join(TENSOR_TYPES)}")
+    numpy_type = np.float16 if tensor_type == "f16" else np.float32
+    quantized = gguf.GGMLQuantizationType[tensor_type.upper()] if tensor_type.startswith("q") else None
     config = json.loads((Path(model_dir) / "config.json").read_text())
     family = FAMILIES[config["model_type"]]
     arch = family.gguf_architecture
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(path), arch)
-    if tensor_type == "f16":
-        writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if tensor_type != "f32":
+        writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{tensor_type.upper()}"])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -106,9 +111,14 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
                 for ours, hf in layer_names.items()]
     stacked: dict[str, dict[int, torch.Tensor]] = {}
 
-    def stored(tensor: torch.Tensor) -> np.ndarray:
+    def add(name: str, tensor: np.ndarray) -> None:
         # NOTE: norms and biases (1-D) stay float32, as llama.cpp's converter keeps them
-        return tensor.float().numpy().astype(numpy_type if tensor.dim() > 1 else np.float32)
+        if tensor.ndim == 1:
+            writer.add_tensor(name, tensor.astype(np.float32))
+        elif quantized is not None and tensor.shape[-1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(tensor.astype(np.float32), quantized), raw_dtype=quantized)
+        else:
+            writer.add_tensor(name, tensor.astype(numpy_type))
 
     def permuted(ours: str, tensor: torch.Tensor) -> torch.Tensor:
         # llama.cpp's permute for its interleaved RoPE: rows (heads, 2, d/2) -> (heads, d/2, 2).
@@ -121,7 +131,7 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
         if name.endswith("norm.weight"):
             tensor = tensor + family.gguf_norm_offset  # Gemma's norms are stored as 1 + weight
         if name in top_level:
-            writer.add_tensor(top_level[name], stored(tensor))
+            add(top_level[name], tensor.float().numpy())
             continue
         for pattern, ours in patterns:
             match = pattern.match(name)
@@ -132,12 +142,12 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
                 stacked.setdefault(f"blk.{layer}.{ours}.{kind}", {})[int(expert)] = tensor
             else:
                 layer, kind = match.groups()
-                writer.add_tensor(f"blk.{layer}.{ours}.{kind}", stored(permuted(ours, tensor)))
+                add(f"blk.{layer}.{ours}.{kind}", permuted(ours, tensor).float().numpy())
             break
         else:
             raise ValueError(f"no GGUF name for {name}")
     for name, experts in stacked.items():
-        writer.add_tensor(name, np.stack([experts[e].float().numpy() for e in sorted(experts)]).astype(numpy_type))
+        add(name, np.stack([experts[e].float().numpy() for e in sorted(experts)]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -50,7 +50,7 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUANTIZED_FILE = "gguf/blocks.safetensors"
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 # Bump when the converted layout changes so stale cache entries are ignored.
-_CONVERTER_VERSION = 4  # 2: the quantized blocks; 3: in gguf/; 4: the families' names
+_CONVERTER_VERSION = 5  # 2: the quantized blocks; 3: in gguf/; 4: the families' names; 5: the experts' blocks
 
 #: LongRoPE's per-frequency factors, which llama.cpp's Phi-3 converter writes as tensors.
 _GGUF_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -233,11 +233,19 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
                                          dtype=np.float32).reshape(shape))
         if family.gguf_norm_offset and name.endswith("norm.weight"):
             data = data - family.gguf_norm_offset
+        quantized = tensor.tensor_type.name not in FLOAT_GGUF_TYPES
         if "{}" in name:  # a layer's experts stacked in one tensor: one tensor an expert
             tensors.update((name.format(expert), part.contiguous()) for expert, part in enumerate(data.unbind(0)))
+            if quantized:
+                rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(shape[0], shape[1], -1))
+                for expert, part in enumerate(rows.unbind(0)):
+                    # NOTE: by the decoder's name, which quantize_weights asks for
+                    ours = "model." + family.checkpoint_name(name.format(expert).removeprefix("model."))
+                    blocks[ours] = part.contiguous()
+                    types[ours] = [tensor.tensor_type.name, *shape[1:]]
             continue
         tensors[name] = unpermute(name, data)
-        if tensor.tensor_type.name not in FLOAT_GGUF_TYPES and len(shape) == 2:
+        if quantized and len(shape) == 2:
             # NOTE: a quantized row's blocks cover its inputs only, so rows permute as the floats do.
             rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1))
             blocks[name] = unpermute(name, rows)

@@ -375,17 +375,18 @@ def _gguf_test_tokens() -> list[str]:
 GGUF_TEST_VOCAB_SIZE = 261
 
 
-def write_gguf(model_dir: Path, path: Path) -> Path:
+def write_gguf(model_dir: Path, path: Path, tensor_type: str = "f32") -> Path:
     """Writes a tiny model directory (make_tiny_model_dir with ``vocab_size=GGUF_TEST_VOCAB_SIZE``)
-    as a float32 GGUF file, named and laid out as llama.cpp's converter does for its family
-    (benchmarks/gguf_writer.py), with a small byte-level tokenizer.
+    as a GGUF file of ``tensor_type`` (float32, or a type the ``gguf`` package quantizes to),
+    named and laid out as llama.cpp's converter does for its family (benchmarks/gguf_writer.py),
+    with a small byte-level tokenizer.
 
     Returns:
         ``path``.
     """
     from pagoda.benchmarks.gguf_writer import write_gguf as write
 
-    return write(model_dir, path, _add_test_tokenizer)
+    return write(model_dir, path, _add_test_tokenizer, tensor_type)
 
 
 def _add_test_tokenizer(writer, config: dict) -> None:

@@ -191,6 +191,85 @@ def test_packed_experts_match_the_experts_as_loaded(packing):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+def test_quantized_experts_match_the_experts_dequantized():
+    # Every expert's gate/up and down in 8 and 4 bits (with minimums), on the quantized kernel,
+    # against torch's products on the weights they stand for: 1 row (decode, most experts get
+    # no token) and 40 rows (every expert several), in bfloat16.
+    from pagoda.native import linear as linear_kernels
+    from pagoda.engine.models import quantized as Q
+    from pagoda.engine.models.moe import SparseMoE
+
+    if not linear_kernels.quant_linear_vector():
+        pytest.skip("no vector quantized kernel on this CPU")
+    torch.manual_seed(2)
+    moe = SparseMoE(hidden_size=64, num_experts=6, top_k=2, intermediate_size=96, norm_topk_prob=True)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.3)
+        moe.gate_up.normal_(0, 64**-0.5)
+        moe.down.normal_(0, 96**-0.5)
+
+    def q4m(weight: torch.Tensor) -> Q.GroupQuantized:  # 4 bits a weight, a scale and minimum per 32
+        n, k = weight.shape
+        groups = weight.reshape(n, k // 32, 32)
+        low, high = groups.amin(dim=2), groups.amax(dim=2)
+        scales = ((high - low) / 15).half().float()
+        values = torch.round((groups - low.unsqueeze(2)) / scales.unsqueeze(2)).clamp(0, 15).to(torch.int8)
+        return Q.GroupQuantized(values.reshape(n, k), scales, low.half().float(), 4)
+
+    gate_up = [q4m(w) for w in moe.gate_up]
+    down = [Q.quantize_int8(w) for w in moe.down]
+    reference = SparseMoE(64, 6, 2, 96, True)
+    reference.load_state_dict(moe.state_dict())
+    with torch.no_grad():
+        reference.gate_up.copy_(torch.stack([w.dequantize() for w in gate_up]))
+        reference.down.copy_(torch.stack([w.dequantize() for w in down]))
+    moe, reference = moe.to(torch.bfloat16), reference.to(torch.bfloat16)
+    moe.quantize(gate_up, down)
+    assert moe.packing == "q4m+q8" and moe.gate_up.dtype == torch.uint8
+    moe.pack("blocked")  # NOTE: packing the model's other layers leaves quantized experts alone
+    assert moe.packing == "q4m+q8"
+    for rows in (1, 40):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        experts, weights = moe.route(x)
+        assert torch.equal(experts, reference.route(x)[0])
+        want = torch.ops.pagoda.moe_experts(x, experts, weights, reference.gate_up, reference.down)
+        # NOTE: the kernel quantizes each row's activations to 8 bits (test_quantized.py)
+        error = (moe(x).float() - want.float()).abs().max()
+        assert error <= 0.03 * want.float().abs().max(), (rows, error)
+    with pytest.raises(ValueError, match="different packings"):
+        SparseMoE(64, 6, 2, 96, True).quantize(gate_up[:5] + [Q.quantize_int8(moe.gate_up.new_ones(192, 64).float())],
+                                              down)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_a_quantized_gguf_files_experts_run_quantized(name, tmp_path):
+    # A Q8_0 file (written by the gguf package's quantizer): the experts are read as their own
+    # blocks and multiplied by the quantized kernel, as every other matrix of the file; the
+    # prompt's logprobs stay within Q8_0's error of the same file dequantized to floats.
+    from pagoda.native import linear as linear_kernels
+    from helpers import GGUF_TEST_VOCAB_SIZE, write_gguf
+
+    if not linear_kernels.quant_linear_vector():
+        pytest.skip("no vector quantized kernel on this CPU")
+    model_dir = make_tiny_model_dir(tmp_path / "hf", name, seed=4, vocab_size=GGUF_TEST_VOCAB_SIZE,
+                                    **({"moe_intermediate_size": 64} if name == "qwen3_moe" else {}))
+    path = write_gguf(model_dir, tmp_path / f"{name}.Q8_0.gguf", "q8_0")
+    prompt = [3 + (7 * j) % 250 for j in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, ignore_eos=True)
+    runs = {}
+    for quantization in ("auto", "none"):
+        with LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=64, quantization=quantization) as llm:
+            runs[quantization] = (llm.engine.describe(), llm.generate([prompt], params)[0])
+    described, quantized = runs["auto"]
+    assert "GGUF types" in described and "2 layers q8+q8 experts" in described, described
+    assert "experts" not in runs["none"][0]
+    floats = runs["none"][1]
+    assert quantized.outputs[0].token_ids[0] == floats.outputs[0].token_ids[0]
+    for got, want, token in zip(quantized.prompt_logprobs[1:], floats.prompt_logprobs[1:], prompt[1:]):
+        assert abs(got[token].logprob - want[token].logprob) < 0.05
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"], indirect=True)
 def test_gemma_layers_keep_their_windows_past_the_window(family):
     # The first layer attends within 8 tokens, the second globally: prompts of 22-30 tokens are

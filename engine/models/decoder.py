@@ -373,8 +373,10 @@ class DecoderForCausalLM(nn.Module):
         ``pick(names, weight)`` gets the checkpoint names a layer's weight was loaded from
         ("layers.0.self_attn.q_proj.weight", ... for the fused q/k/v; "embed_tokens.weight"
         for a tied LM head) and the float weight as loaded, and returns the quantized
-        weight, or None to keep the layer in floats. Returns the packings used, one per
-        quantized layer.
+        weight, or None to keep the layer in floats; a mixture-of-experts layer's experts, each
+        expert's "layers.N.mlp.experts.E.gate_proj.weight" and the others, are quantized where
+        it gives them all (_quantize_experts). Returns the packings used, one per quantized layer
+        ("q4m+q8 experts" for a layer's experts).
 
         Raises:
             ValueError: Under tensor parallelism (not supported with quantized weights).
@@ -385,6 +387,8 @@ class DecoderForCausalLM(nn.Module):
         fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
         packings = []
         for name, module in self.named_modules():
+            if isinstance(module, SparseMoE):
+                packings.extend(self._quantize_experts(name, module, pick))
             if not isinstance(module, Linear) or isinstance(module, RouterLinear):
                 continue
             prefix, _, last = name.rpartition(".")
@@ -400,6 +404,22 @@ class DecoderForCausalLM(nn.Module):
                 self._packed_lm_head = (pack_quantized(weight), weight.packing, 0)
                 packings.append(weight.packing)
         return packings
+
+    @staticmethod
+    def _quantize_experts(name: str, moe: SparseMoE, pick) -> list[str]:
+        """Quantizes a mixture-of-experts layer's experts where ``pick`` gives a weight for every
+        expert's gate/up and down, in one packing each (see quantize_weights); returns
+        ["<gate/up's packing>+<down's> experts"], or [] where they stay in floats."""
+        gate_up, down = [], []
+        for e in range(moe.num_experts):
+            prefix = f"{name}.experts.{e}"
+            gate_up.append(pick((f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"), moe.gate_up[e]))
+            down.append(pick((f"{prefix}.down_proj.weight",), moe.down[e]))
+        if (any(w is None for w in gate_up + down) or len({w.packing for w in gate_up}) > 1
+                or len({w.packing for w in down}) > 1):
+            return []  # NOTE: kept in floats: the experts are stacked in one tensor, of one packing
+        moe.quantize(gate_up, down)
+        return [f"{moe.packing} experts"]
 
     def pack_weights(self, packing: str, batch_invariant: bool = False) -> None:
         """Repacks every linear weight (and a tied LM head) for ``packing``, but those

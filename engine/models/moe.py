@@ -14,7 +14,8 @@ which would break the compiled region's graph): ``pagoda::moe_experts`` with the
 loaded (torch's products), ``pagoda::moe_experts_blocked`` with each expert packed for Pagoda's
 bfloat16 kernel (csrc/packed_linear.c: gate and up in one product with SiLU(gate) * up in its
 epilogue, on AMX tiles from the measured row count), as every other linear layer of the model is
-on a CPU with AVX512-BF16.
+on a CPU with AVX512-BF16; ``pagoda::moe_experts_quantized`` with each expert's weights quantized
+(a GGUF file's own blocks, or ``--quantization int8``) for csrc/quant_linear.c.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ from torch import nn
 
 from pagoda.native import linear as linear_kernels
 from pagoda.engine.models.linear import BLOCKED_LAYOUT, Linear, amx_min_rows
+from pagoda.engine.models.quantized import QUANT_PACKINGS, GroupQuantized
+from pagoda.engine.models.quantized import pack as pack_quantized
 
 _library = torch.library.Library("pagoda", "FRAGMENT")
 _library.define("moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down) -> Tensor")
 _library.define("moe_experts_blocked(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down, "
                 "int intermediate, int gate_up_tile_rows, int down_tile_rows) -> Tensor")
+_library.define("moe_experts_quantized(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down, "
+                "int intermediate, int gate_up_bits, bool gate_up_has_min, int down_bits, bool down_has_min) -> Tensor")
 
 
 def _grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_experts: int, expert) -> torch.Tensor:
@@ -87,8 +92,25 @@ def moe_experts_blocked(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
     return _grouped(x, experts, weights, gate_up.shape[0], expert)
 
 
+def moe_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                          down: torch.Tensor, intermediate: int, gate_up_bits: int, gate_up_has_min: bool,
+                          down_bits: int, down_has_min: bool) -> torch.Tensor:
+    """moe_experts with quantized experts (SparseMoE.quantize): ``gate_up`` and ``down``
+    [experts, bytes] each expert's weight packed by engine/models/quantized.py, multiplied by
+    csrc/quant_linear.c's vectors (its tiles are not used for experts yet)."""
+    hidden = x.shape[1]
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = linear_kernels.quant_linear(rows, gate_up[e], None, 2 * intermediate, gate_up_bits,
+                                               gate_up_has_min).split(intermediate, dim=-1)
+        return linear_kernels.quant_linear(F.silu(gate) * up, down[e], None, hidden, down_bits, down_has_min)
+
+    return _grouped(x, experts, weights, gate_up.shape[0], expert)
+
+
 _library.impl("moe_experts", moe_experts, "CompositeExplicitAutograd")
 _library.impl("moe_experts_blocked", moe_experts_blocked, "CompositeExplicitAutograd")
+_library.impl("moe_experts_quantized", moe_experts_quantized, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pagoda::moe_experts")
@@ -98,6 +120,11 @@ def _(x, experts, weights, gate_up, down):
 
 @torch.library.register_fake("pagoda::moe_experts_blocked")
 def _(x, experts, weights, gate_up, down, intermediate, gate_up_tile_rows, down_tile_rows):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("pagoda::moe_experts_quantized")
+def _(x, experts, weights, gate_up, down, intermediate, gate_up_bits, gate_up_has_min, down_bits, down_has_min):
     return torch.empty_like(x)
 
 
@@ -126,8 +153,32 @@ class SparseMoE(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.intermediate_size = intermediate_size
-        self.packing: str | None = None  # "amx"/"blocked" once pack() ran: the packed experts
+        # "amx"/"blocked" once pack() ran: the packed experts; "q4m+q8" (gate/up's, down's)
+        # once quantize() ran.
+        self.packing: str | None = None
         self.tile_rows = (0, 0)  # gate/up's and down's rows from which the tiles run
+        # With quantized experts: (bits, has_min) of gate/up's, then down's.
+        self.quantized: tuple[tuple[int, bool], tuple[int, bool]] | None = None
+
+    def quantize(self, gate_up: list[GroupQuantized], down: list[GroupQuantized]) -> None:
+        """Replaces the float experts by quantized ones, one weight an expert for each product
+        (gate/up's rows fused as gate then up), multiplied by the quantized kernel from now on.
+
+        Raises:
+            ValueError: Not one weight per expert, a weight of another shape, or experts
+                quantized in different packings (they are stacked in one tensor).
+        """
+        for name, weights, stacked in (("gate/up", gate_up, self.gate_up), ("down", down, self.down)):
+            if len(weights) != self.num_experts:
+                raise ValueError(f"{len(weights)} quantized {name} weights for {self.num_experts} experts")
+            if any(w.shape != tuple(stacked.shape[1:]) for w in weights):
+                raise ValueError(f"a quantized {name} weight's shape differs from {tuple(stacked.shape[1:])}")
+            if len({w.packing for w in weights}) != 1:
+                raise ValueError(f"the experts' {name} weights are quantized in different packings")
+        self.gate_up = nn.Parameter(torch.stack([pack_quantized(w) for w in gate_up]), requires_grad=False)
+        self.down = nn.Parameter(torch.stack([pack_quantized(w) for w in down]), requires_grad=False)
+        self.quantized = (QUANT_PACKINGS[gate_up[0].packing], QUANT_PACKINGS[down[0].packing])
+        self.packing = f"{gate_up[0].packing}+{down[0].packing}"
 
     def pack(self, packing: str, batch_invariant: bool = False) -> None:
         """Packs every expert for Pagoda's bfloat16 kernel where ``packing`` is one of its layouts
@@ -158,6 +209,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
+        if self.quantized is not None:
+            (gate_up_bits, gate_up_min), (down_bits, down_min) = self.quantized
+            return torch.ops.pagoda.moe_experts_quantized(x, experts, weights, self.gate_up, self.down,
+                                                          self.intermediate_size, gate_up_bits, gate_up_min,
+                                                          down_bits, down_min)
         if self.packing is not None:
             return torch.ops.pagoda.moe_experts_blocked(x, experts, weights, self.gate_up, self.down,
                                                         self.intermediate_size, *self.tile_rows)
