@@ -27,7 +27,6 @@ import functools
 import time
 
 import torch
-import torch.nn.functional as F
 
 from pagoda.benchmarks.progress import emit, table
 from pagoda.native import library as kernel_library
@@ -48,20 +47,16 @@ def _variants(args: argparse.Namespace, weights: dict[str, torch.Tensor]) -> dic
     out_features = {"qkv": qkv, "o": hidden, "gate_up": 2 * inter, "down": hidden}
 
     def layer_of(packing: str, rows: dict[str, int]):
+        # NOTE: each product by the method the model's layer would have (engine/models/linear.py)
+        methods = {name: linear.method_for(packing, rows[name],
+                                           fused_silu_mul=name == "gate_up" and packing in linear.BLOCKED_LAYOUT)
+                   for name in out_features}
+
         def layer(x, attn, w_qkv, w_o, w_gate_up, w_down):
-            if packing in linear.BLOCKED_LAYOUT:
-                act = torch.ops.pagoda.blocked_silu_mul_linear(x, w_gate_up, inter, rows["gate_up"])
-            elif rows["gate_up"]:  # quantized, on the tiles from there (as GateUpLinear runs it)
-                act = torch.ops.pagoda.quant_silu_mul_linear(x, w_gate_up, inter, *quantized.QUANT_PACKINGS[packing],
-                                                             rows["gate_up"])
-            else:
-                gate, up = linear.packed_linear(x, w_gate_up, None, packing, 2 * inter, rows["gate_up"]).split(
-                    inter, dim=-1)
-                act = F.silu(gate) * up
+            act = methods["gate_up"].silu_mul(x, w_gate_up, inter)
             # NOTE: every result is returned, or the compiler drops the products it does not need.
-            return (linear.packed_linear(x, w_qkv, None, packing, qkv, rows["qkv"]),
-                    linear.packed_linear(attn, w_o, None, packing, hidden, rows["o"]),
-                    linear.packed_linear(act, w_down, None, packing, hidden, rows["down"]))
+            return (methods["qkv"].apply(x, w_qkv, None, qkv), methods["o"].apply(attn, w_o, None, hidden),
+                    methods["down"].apply(act, w_down, None, hidden))
         return torch.compile(layer, dynamic=True)
 
     variants = {}

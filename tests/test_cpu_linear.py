@@ -278,7 +278,7 @@ def test_modules_packed_for_amx_match_the_unpacked_ones():
 @pytest.mark.parametrize("rows", [1, 7, 40, 130])
 @pytest.mark.parametrize("tiles", [False, True])
 def test_float32_output_is_the_sums_before_rounding(rows, tiles):
-    # The LM head's logits (engine/models/linear.py: logits_linear): the very sums that the
+    # The LM head's logits (engine/models/linear.py: BlockedMethod.logits): the very sums that the
     # bfloat16 output rounds, so two candidates a bfloat16 step apart no longer tie.
     if tiles and not linear_kernels.packed_linear_amx_available():
         pytest.skip("needs a CPU whose AMX tiles run")
@@ -294,3 +294,34 @@ def test_float32_output_is_the_sums_before_rounding(rows, tiles):
     expected, _ = reference(x, weight, bias)
     torch.testing.assert_close(sums, expected, rtol=1e-5, atol=1e-4)
     assert (sums != sums.to(torch.bfloat16).float()).any()  # not rounded
+
+
+def test_a_layer_hands_its_products_to_the_method_its_packing_chose():
+    # Linear keeps the weight; the method, chosen once by pack() or quantize(), multiplies it: each
+    # packing this CPU has, and int8, against torch's product of the weight as loaded.
+    from pagoda.engine.models import quantized as Q
+
+    torch.manual_seed(0)
+    source = Linear(64, 40, bias=True).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    want, bound = reference(x, source.weight, source.bias)
+    assert source.method is linear.AS_LOADED and source.greedy_tokens(x) is None
+    kinds = {"amx": linear.BlockedMethod, "blocked": linear.BlockedMethod, "onednn": linear.OneDNNMethod}
+    for packing in filter(linear.packing_available, linear.PACKINGS):
+        layer = Linear(64, 40, bias=True).to(torch.bfloat16)
+        layer.load_state_dict(source.state_dict())
+        layer.pack(packing)
+        assert type(layer.method) is kinds[packing] and layer.packing == packing
+        assert ((layer(x).float() - want).abs() <= 2 * bound + 1e-2).all(), packing
+        logits = layer.logits(x)
+        assert logits.dtype == (torch.float32 if packing in linear.BLOCKED_LAYOUT else torch.bfloat16)
+    if linear_kernels.quant_linear_vector():
+        layer = Linear(64, 40, bias=False).to(torch.bfloat16)
+        weight = Q.quantize_int8(source.weight.float())
+        layer.quantize(weight)
+        assert isinstance(layer.method, linear.QuantizedMethod) and layer.packing == "q8"
+        exact = x.float() @ weight.dequantize().T
+        assert (layer.logits(x) - exact).abs().max() <= 0.03 * exact.abs().max()
+        assert torch.equal(layer.greedy_tokens(x), layer.logits(x).argmax(dim=-1))
+    with pytest.raises(ValueError, match="unknown packing 'fp4'"):
+        linear.method_for("fp4")

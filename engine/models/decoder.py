@@ -44,8 +44,8 @@ from pagoda.engine.tensor_parallel import even_split, head_share
 from pagoda.engine.worker.distributed import TensorParallelGroup
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.models import one_call_forward
-from pagoda.engine.models.linear import (BLOCKED_LAYOUT, QUANT_PACKINGS, GateUpLinear, Linear, amx_min_rows,
-                                          greedy_linear, logits_linear, pack_weight, quant_tile_rows)
+from pagoda.engine.models.linear import (BLOCKED_LAYOUT, QUANT_PACKINGS, GateUpLinear, Linear, LinearMethod,
+                                          amx_min_rows, method_for, pack_weight, quant_tile_rows)
 from pagoda.engine.models.moe import RouterLinear, SparseMoE
 from pagoda.engine.models.precompiled import PrecompiledRegion
 from pagoda.engine.models.quantized import GroupQuantized
@@ -332,7 +332,8 @@ class DecoderForCausalLM(nn.Module):
         self._vocab_shares = [b - a for a, b in (even_split(config.vocab_size, r, tp.world_size)
                                                  for r in range(tp.world_size))]
         self.use_eager_regions()
-        self._packed_lm_head: tuple[torch.Tensor, str, int] | None = None
+        # A tied LM head's packed or quantized copy of the embedding table, and its method.
+        self._packed_lm_head: tuple[torch.Tensor, LinearMethod] | None = None
         # An untied LM head's weight as loaded, once the head is packed (break_bfloat16_ties).
         self._unpacked_lm_head: torch.Tensor | None = None
         # The one-call path of whole steps over the KV caches it was built for
@@ -401,7 +402,7 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head is None:
             weight = pick(("embed_tokens.weight",), self.embed_tokens.weight)
             if weight is not None:
-                self._packed_lm_head = (pack_quantized(weight), weight.packing, 0)
+                self._packed_lm_head = (pack_quantized(weight), method_for(weight.packing))
                 packings.append(weight.packing)
         return packings
 
@@ -436,17 +437,17 @@ class DecoderForCausalLM(nn.Module):
                 module.pack(packing, batch_invariant)
             elif isinstance(module, Linear) and packing == "amx" and not batch_invariant:
                 module.tile_quantized()
-        if (self._packed_lm_head is not None and self._packed_lm_head[1] in QUANT_PACKINGS and packing == "amx"
-                and not batch_invariant):
-            weight, quantized, _ = self._packed_lm_head  # a tied head quantize_weights packed
-            self._packed_lm_head = (weight, quantized, quant_tile_rows(
-                weight, quantized, self.embed_tokens.num_embeddings, self.embed_tokens.embedding_dim))
+        if (self._packed_lm_head is not None and self._packed_lm_head[1].packing in QUANT_PACKINGS
+                and packing == "amx" and not batch_invariant):
+            weight, quantized = self._packed_lm_head  # a tied head quantize_weights packed
+            self._packed_lm_head = (weight, method_for(quantized.packing, quant_tile_rows(
+                weight, quantized.packing, self.embed_tokens.num_embeddings, self.embed_tokens.embedding_dim)))
         if self.lm_head is None and self._packed_lm_head is None:
             weight = pack_weight(self.embed_tokens.weight, packing)
             rows = 0
             if packing == "amx":
                 rows = 1 if batch_invariant else amx_min_rows(weight, self.embed_tokens.num_embeddings)
-            self._packed_lm_head = (weight, packing, rows)
+            self._packed_lm_head = (weight, method_for(packing, rows))
 
     def forward(
         self,
@@ -523,8 +524,8 @@ class DecoderForCausalLM(nn.Module):
                 in float32 (see break_bfloat16_ties).
         """
         if self._packed_lm_head is not None:
-            weight, packing, rows = self._packed_lm_head
-            logits = logits_linear(hidden, weight, None, packing, self.embed_tokens.num_embeddings, rows)
+            weight, method = self._packed_lm_head
+            logits = method.logits(hidden, weight, None, self.embed_tokens.num_embeddings)
         elif self.lm_head is not None:
             logits = self.lm_head.logits(hidden)
         else:
@@ -546,8 +547,8 @@ class DecoderForCausalLM(nn.Module):
         if self.tp.is_parallel:
             return None
         if self._packed_lm_head is not None:
-            weight, packing, rows = self._packed_lm_head
-            return greedy_linear(hidden, weight, None, packing, self.embed_tokens.num_embeddings, rows)
+            weight, method = self._packed_lm_head
+            return method.greedy_tokens(hidden, weight, None, self.embed_tokens.num_embeddings)
         return None if self.lm_head is None else self.lm_head.greedy_tokens(hidden)
 
     def _unpacked_lm_head_weight(self) -> torch.Tensor:

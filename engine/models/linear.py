@@ -23,6 +23,10 @@ Quantized weights (engine/models/quantized.py: GGUF files' own types, ``--quanti
 have their own packings, ``"q8"``, ``"q8m"``, ``"q4"`` and ``"q4m"`` (bits, "m": with
 minimums), multiplied by csrc/quant_linear.c (``pagoda::quant_linear``), whatever the dtype.
 
+Each :class:`Linear` hands its products to a :class:`LinearMethod` chosen once, when its weight
+is packed or quantized (``method_for``): the weight as loaded, :class:`BlockedMethod`,
+:class:`OneDNNMethod` or :class:`QuantizedMethod`; the tied LM head's packed copy has one too.
+
 Each packing is an opaque op (``pagoda::blocked_linear``, ``pagoda::onednn_linear``, and
 ``pagoda::blocked_silu_mul_linear`` for :class:`GateUpLinear`; "amx" runs the blocked ops
 with a row count from which they use the tiles) to torch.compile. NOTE:
@@ -33,6 +37,7 @@ stream's forward 18.0-18.7 -> 17.5-18.4 ms).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -170,45 +175,123 @@ def pack_weight(weight: torch.Tensor, packing: str) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packing: str,
-                  out_features: int, amx_min_rows: int = 0) -> torch.Tensor:
-    """x @ W.T + bias for a weight from pack_weight(W, packing) or a quantized one;
-    ``amx_min_rows`` (from :func:`amx_min_rows` or :func:`quant_amx_min_rows`) is where the
-    tiles take over."""
-    if packing in BLOCKED_LAYOUT:
-        return torch.ops.pagoda.blocked_linear(x, weight, bias, out_features, amx_min_rows)
-    if packing in QUANT_PACKINGS:
-        return torch.ops.pagoda.quant_linear(x, weight, bias, out_features, *QUANT_PACKINGS[packing], False,
-                                             amx_min_rows)
-    return torch.ops.pagoda.onednn_linear(x, weight, bias)
+# -- how a layer's weight is multiplied -------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class LinearMethod:
+    """How one linear layer's weight is held and multiplied, chosen once at load (the pattern of
+    vLLM's ``quant_method``): the layer keeps its weight and bias and hands every product to its
+    method, so that a family's file says nothing of storage. This base is the weight as loaded
+    (torch's product); the subclasses are the packings of :func:`choose_packing` and the
+    quantized ones.
 
-def logits_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packing: str,
-                  out_features: int, amx_min_rows: int = 0) -> torch.Tensor:
-    """An LM head's product: with Pagoda's kernels ("amx", "blocked", quantized), the float32 sums as they
-    are, never rounded to bfloat16 (at bfloat16's resolution near candidates tie: the default
-    model's answer to "What is the capital of France?" went astray on such a tie); with
-    oneDNN, in x's dtype (the caller then breaks bfloat16 ties, llama.break_bfloat16_ties).
+    Attributes:
+        packing: The packing's name (None: as loaded), which the compiled regions' cache key
+            and the one-call forward read.
+        amx_min_rows: The rows from which the product runs on AMX tiles (0: never).
     """
-    if packing in BLOCKED_LAYOUT:
+
+    packing: str | None = None
+    amx_min_rows: int = 0
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              out_features: int) -> torch.Tensor:
+        """x @ W.T + bias, in x's dtype."""
+        return F.linear(x, weight, bias)
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int) -> torch.Tensor:
+        """The product as an LM head's: float32 sums where Pagoda's kernels run them, never
+        rounded to bfloat16 (at bfloat16's resolution near candidates tie: the default model's
+        answer to "What is the capital of France?" went astray on such a tie); else in x's dtype
+        (the caller then breaks bfloat16 ties, decoder.break_bfloat16_ties)."""
+        return self.apply(x, weight, bias, out_features)
+
+    def greedy_tokens(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor | None:
+        """Each row's greedy token from an LM head's product without writing its logits (the first
+        of the largest of :meth:`logits`), where a kernel does that; else None (the caller takes
+        the logits)."""
+        return None
+
+    def silu_mul(self, x: torch.Tensor, weight: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+        """SiLU(gate) * up of a gate/up product (gate's features, then up's)."""
+        gate, up = self.apply(x, weight, None, 2 * intermediate_size).split(intermediate_size, dim=-1)
+        return F.silu(gate) * up
+
+
+AS_LOADED = LinearMethod()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockedMethod(LinearMethod):
+    """Pagoda's bfloat16 kernel (csrc/packed_linear.c) over a weight from pack_weight ("amx",
+    "blocked"); with ``fused_silu_mul``, a gate/up weight from pack_silu_mul_weight, whose
+    activation runs in the kernel's epilogue (:meth:`silu_mul` only)."""
+
+    fused_silu_mul: bool = False
+
+    def apply(self, x, weight, bias, out_features):
+        assert not self.fused_silu_mul, "a fused gate/up weight has only silu_mul"
+        return torch.ops.pagoda.blocked_linear(x, weight, bias, out_features, self.amx_min_rows)
+
+    def logits(self, x, weight, bias, out_features):
         return linear_kernels.packed_linear(x if x.is_contiguous() else x.contiguous(), weight, bias, out_features,
-                                         amx_min_rows, out_dtype=torch.float32)
-    if packing in QUANT_PACKINGS:
-        return linear_kernels.quant_linear(x, weight, bias, out_features, *QUANT_PACKINGS[packing], out_f32=True,
-                                        amx_min_rows=amx_min_rows)
-    return packed_linear(x, weight, bias, packing, out_features, amx_min_rows)
+                                            self.amx_min_rows, out_dtype=torch.float32)
+
+    def silu_mul(self, x, weight, intermediate_size):
+        if not self.fused_silu_mul:
+            return super().silu_mul(x, weight, intermediate_size)
+        return torch.ops.pagoda.blocked_silu_mul_linear(x, weight, intermediate_size, self.amx_min_rows)
 
 
-def greedy_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packing: str,
-                  out_features: int, amx_min_rows: int = 0) -> torch.Tensor | None:
-    """Each row's greedy token from an LM head's product without writing its logits: the index
-    of the largest of logits_linear's float32 sums with the same ``amx_min_rows`` (the first on
-    ties), where the quantized kernel runs the head; None for other packings (the caller takes
-    the logits then)."""
+@dataclasses.dataclass(frozen=True)
+class OneDNNMethod(LinearMethod):
+    """oneDNN's blocked layout and products (a weight from pack_weight(W, "onednn"))."""
+
+    def apply(self, x, weight, bias, out_features):
+        return torch.ops.pagoda.onednn_linear(x, weight, bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedMethod(LinearMethod):
+    """A quantized weight (engine/models/quantized.py's pack) on csrc/quant_linear.c: its
+    integer vectors, and on AMX tiles from ``amx_min_rows`` (Linear.tile_quantized)."""
+
+    @property
+    def bits_and_min(self) -> tuple[int, bool]:
+        return QUANT_PACKINGS[self.packing]
+
+    def apply(self, x, weight, bias, out_features):
+        return torch.ops.pagoda.quant_linear(x, weight, bias, out_features, *self.bits_and_min, False,
+                                             self.amx_min_rows)
+
+    def logits(self, x, weight, bias, out_features):
+        return linear_kernels.quant_linear(x, weight, bias, out_features, *self.bits_and_min, out_f32=True,
+                                           amx_min_rows=self.amx_min_rows)
+
+    def greedy_tokens(self, x, weight, bias, out_features):
+        return linear_kernels.quant_linear_argmax(x, weight, bias, out_features, *self.bits_and_min,
+                                                  amx_min_rows=self.amx_min_rows)
+
+    def silu_mul(self, x, weight, intermediate_size):
+        if not self.amx_min_rows:  # NOTE: the fused activation is the tile path's
+            return super().silu_mul(x, weight, intermediate_size)
+        return torch.ops.pagoda.quant_silu_mul_linear(x, weight, intermediate_size, *self.bits_and_min,
+                                                      self.amx_min_rows)
+
+
+def method_for(packing: str | None, amx_min_rows: int = 0, fused_silu_mul: bool = False) -> LinearMethod:
+    """The method that multiplies a weight packed for ``packing`` (None: as loaded)."""
+    if packing is None:
+        return AS_LOADED
+    if packing in BLOCKED_LAYOUT:
+        return BlockedMethod(packing, amx_min_rows, fused_silu_mul)
     if packing in QUANT_PACKINGS:
-        return linear_kernels.quant_linear_argmax(x, weight, bias, out_features, *QUANT_PACKINGS[packing],
-                                               amx_min_rows=amx_min_rows)
-    return None
+        return QuantizedMethod(packing, amx_min_rows)
+    if packing == "onednn":
+        return OneDNNMethod(packing)
+    raise ValueError(f"unknown packing {packing!r}")
 
 
 # -- where the tiles take over ---------------------------------------------------------------
@@ -322,21 +405,30 @@ def describe_amx_rows(model: nn.Module) -> str:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be repacked (see choose_packing) after loading."""
+    """nn.Linear whose weight can be repacked (see choose_packing) or quantized after loading;
+    its :class:`LinearMethod` multiplies it."""
 
-    packing: str | None = None
-    amx_min_rows: int = 0
+    method: LinearMethod = AS_LOADED
     # The layer's LoRA slots (engine/models/lora.py) with --enable-lora; None: not adapted.
     lora = None
+
+    @property
+    def packing(self) -> str | None:
+        return self.method.packing
+
+    @property
+    def amx_min_rows(self) -> int:
+        return self.method.amx_min_rows
 
     def pack(self, packing: str, batch_invariant: bool = False) -> None:
         """Repacks the weight for ``packing``; "amx" measures where the tiles take over, or
         with ``batch_invariant`` takes them for every row (each row's sums then run in one
         order whatever the batch)."""
         self.weight = nn.Parameter(pack_weight(self.weight, packing), requires_grad=False)
-        self.packing = packing
+        rows = 0
         if packing == "amx":
-            self.amx_min_rows = 1 if batch_invariant else amx_min_rows(self.weight, self.out_features)
+            rows = 1 if batch_invariant else amx_min_rows(self.weight, self.out_features)
+        self.method = method_for(packing, rows)
 
     def quantize(self, weight: GroupQuantized) -> None:
         """Replaces the float weight by ``weight`` (for this layer's [out, in] shape),
@@ -345,35 +437,30 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(pack_quantized(weight), requires_grad=False)
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
-        self.packing = weight.packing
+        self.method = method_for(weight.packing)
 
     def tile_quantized(self) -> None:
         """On a CPU whose AMX tiles run, a quantized weight's products of many rows on them
         (from the measured quant_amx_min_rows; not with a bias, which that path lacks)."""
         if self.packing not in QUANT_PACKINGS or self.bias is not None:
             return
-        self.amx_min_rows = quant_tile_rows(self.weight, self.packing, self.out_features, self.in_features,
-                                            fused_silu_mul=isinstance(self, GateUpLinear))
+        self.method = method_for(self.packing, quant_tile_rows(self.weight, self.packing, self.out_features,
+                                                               self.in_features,
+                                                               fused_silu_mul=isinstance(self, GateUpLinear)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packing is not None:
-            out = packed_linear(x, self.weight, self.bias, self.packing, self.out_features, self.amx_min_rows)
-        else:
-            out = F.linear(x, self.weight, self.bias)
+        out = self.method.apply(x, self.weight, self.bias, self.out_features)
         if self.lora is not None and self.lora.context.groups:
             return self.lora.add_delta(x, out)
         return out
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The product as an LM head's (see logits_linear): float32 where the kernel runs."""
-        if self.packing is not None:
-            return logits_linear(x, self.weight, self.bias, self.packing, self.out_features, self.amx_min_rows)
-        return F.linear(x, self.weight, self.bias)
+        """The product as an LM head's (LinearMethod.logits): float32 where the kernel runs."""
+        return self.method.logits(x, self.weight, self.bias, self.out_features)
 
     def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The LM head's greedy token per row without its logits (see greedy_linear), or None."""
-        return None if self.packing is None else greedy_linear(x, self.weight, self.bias, self.packing,
-                                                               self.out_features, self.amx_min_rows)
+        """The LM head's greedy token per row without its logits (LinearMethod.greedy_tokens), or None."""
+        return self.method.greedy_tokens(x, self.weight, self.bias, self.out_features)
 
 
 class GateUpLinear(Linear):
@@ -392,20 +479,14 @@ class GateUpLinear(Linear):
         assert self.bias is None, "the fused kernel has no bias"
         with torch.no_grad():
             self.weight = nn.Parameter(linear_kernels.pack_silu_mul_weight(self.weight.detach()), requires_grad=False)
-        self.packing = packing
+        rows = 0
         if packing == "amx":
-            self.amx_min_rows = 1 if batch_invariant else amx_min_rows(self.weight, self.out_features,
-                                                                       fused_silu_mul=True)
+            rows = 1 if batch_invariant else amx_min_rows(self.weight, self.out_features, fused_silu_mul=True)
+        self.method = method_for(packing, rows, fused_silu_mul=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         intermediate_size = self.out_features // 2
         if self.lora is not None:  # NOTE: rounded once, as the compiled regions and the one-call forward round it
             gate, up = super().forward(x).float().split(intermediate_size, dim=-1)
             return (F.silu(gate) * up).to(x.dtype)
-        if self.packing in BLOCKED_LAYOUT:
-            return torch.ops.pagoda.blocked_silu_mul_linear(x, self.weight, intermediate_size, self.amx_min_rows)
-        if self.packing in QUANT_PACKINGS and self.amx_min_rows:  # on AMX tiles from there (tile_quantized)
-            return torch.ops.pagoda.quant_silu_mul_linear(x, self.weight, intermediate_size,
-                                                          *QUANT_PACKINGS[self.packing], self.amx_min_rows)
-        gate, up = super().forward(x).split(intermediate_size, dim=-1)
-        return F.silu(gate) * up
+        return self.method.silu_mul(x, self.weight, intermediate_size)
