@@ -221,3 +221,37 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _kernel("silu_mul_bf16")(gate_up.data_ptr(), rows, intermediate, out.data_ptr())
     return out
 
+
+
+#: csrc/one_call_forward.c's struct layer_product kinds.
+QUANTIZED_PRODUCT, BLOCKED_PRODUCT = 0, 1
+
+
+def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                gate_up_product: tuple[int, int, int], down: torch.Tensor, down_product: tuple[int, int, int],
+                intermediate: int) -> torch.Tensor:
+    """A mixture-of-experts layer's experts in one call (csrc/one_call_forward.c's
+    moe_experts_forward): bfloat16 x [tokens, hidden], experts [tokens, k] int64, their routing
+    weights [tokens, k] (float32); ``gate_up`` and ``down`` [experts, ...] each expert's packed
+    weight, and ``*_product`` the kernel's (kind, a, b) for them (struct layer_product).
+
+    Raises:
+        MemoryError: Out of memory.
+        ValueError: An expert id out of range.
+    """
+    assert x.dtype == torch.bfloat16 and x.dim() == 2 and gate_up.is_contiguous() and down.is_contiguous()
+    x = x.contiguous()
+    experts = experts.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    m, hidden = x.shape
+    num_experts = gate_up.shape[0]
+    out = torch.empty_like(x)
+    failed = m and _kernel("moe_experts_forward")(
+        x.data_ptr(), m, hidden, experts.data_ptr(), weights.data_ptr(), experts.shape[1], num_experts,
+        gate_up.data_ptr(), gate_up[0].nbytes, *gate_up_product, down.data_ptr(), down[0].nbytes, *down_product,
+        intermediate, out.data_ptr())
+    if failed == -2:
+        raise ValueError(f"expert ids must be in [0, {num_experts})")
+    if failed:
+        raise MemoryError("moe_experts_forward: out of memory")
+    return out

@@ -192,9 +192,9 @@ def test_packed_experts_match_the_experts_as_loaded(packing):
 
 
 def test_quantized_experts_match_the_experts_dequantized():
-    # Every expert's gate/up and down in 8 and 4 bits (with minimums), on the quantized kernel,
-    # against torch's products on the weights they stand for: 1 row (decode, most experts get
-    # no token) and 40 rows (every expert several), in bfloat16.
+    # Every expert's gate/up and down in 8 and 4 bits (with minimums), on the quantized kernel
+    # (the layer in one C call), against torch's products on the weights they stand for: 1 row
+    # (decode, most experts get no token) and 40 rows (every expert several), in bfloat16.
     from pagoda.native import linear as linear_kernels
     from pagoda.engine.models import quantized as Q
     from pagoda.engine.models.moe import SparseMoE
@@ -234,8 +234,16 @@ def test_quantized_experts_match_the_experts_dequantized():
         assert torch.equal(experts, reference.route(x)[0])
         want = torch.ops.pagoda.moe_experts(x, experts, weights, reference.gate_up, reference.down)
         # NOTE: the kernel quantizes each row's activations to 8 bits (test_quantized.py)
-        error = (moe(x).float() - want.float()).abs().max()
+        got = moe(x)
+        error = (got.float() - want.float()).abs().max()
         assert error <= 0.03 * want.float().abs().max(), (rows, error)
+        # one C call for the layer, whose tokens do not change each other's sums
+        alone = linear_kernels.moe_experts(x[-1:], experts[-1:], weights[-1:], moe.gate_up, moe.products[:3],
+                                           moe.down, moe.products[3:], 96)
+        assert torch.equal(alone, got[-1:])
+    with pytest.raises(ValueError, match=r"expert ids must be in \[0, 6\)"):
+        linear_kernels.moe_experts(x[:1], torch.tensor([[0, 6]]), torch.ones(1, 2), moe.gate_up, moe.products[:3],
+                                   moe.down, moe.products[3:], 96)
     with pytest.raises(ValueError, match="different packings"):
         SparseMoE(64, 6, 2, 96, True).quantize(gate_up[:5] + [Q.quantize_int8(moe.gate_up.new_ones(192, 64).float())],
                                               down)

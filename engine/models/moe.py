@@ -11,11 +11,13 @@ dense MLP's.
 
 The grouped product is one opaque op to torch.compile (its loop depends on the routing, data,
 which would break the compiled region's graph): ``pagoda::moe_experts`` with the experts as
-loaded (torch's products), ``pagoda::moe_experts_blocked`` with each expert packed for Pagoda's
-bfloat16 kernel (csrc/packed_linear.c: gate and up in one product with SiLU(gate) * up in its
-epilogue, on AMX tiles from the measured row count), as every other linear layer of the model is
-on a CPU with AVX512-BF16; ``pagoda::moe_experts_quantized`` with each expert's weights quantized
-(a GGUF file's own blocks, or ``--quantization int8``) for csrc/quant_linear.c.
+loaded (torch's products); ``pagoda::moe_experts_native``, one C call for the whole layer
+(csrc/one_call_forward.c: the grouping, each expert's products, the weighted sum), with each
+expert packed for Pagoda's bfloat16 kernel (csrc/packed_linear.c: gate and up in one product with
+SiLU(gate) * up in its epilogue, on AMX tiles from the measured row count), as every other
+linear layer of the model is on a CPU with AVX512-BF16, or quantized (a GGUF file's own blocks,
+or ``--quantization int8``) for csrc/quant_linear.c; ``pagoda::moe_experts_quantized``, the
+quantized experts with float32 activations, which the C call does not take.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from pagoda.engine.models.quantized import pack as pack_quantized
 
 _library = torch.library.Library("pagoda", "FRAGMENT")
 _library.define("moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down) -> Tensor")
-_library.define("moe_experts_blocked(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down, "
-                "int intermediate, int gate_up_tile_rows, int down_tile_rows) -> Tensor")
+_library.define("moe_experts_native(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down, "
+                "int intermediate, int gate_up_kind, int gate_up_a, int gate_up_b, int down_kind, int down_a, "
+                "int down_b) -> Tensor")
 _library.define("moe_experts_quantized(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down, "
                 "int intermediate, int gate_up_bits, bool gate_up_has_min, int down_bits, bool down_has_min) -> Tensor")
 
@@ -77,19 +80,15 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
     return _grouped(x, experts, weights, gate_up.shape[0], expert)
 
 
-def moe_experts_blocked(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                        down: torch.Tensor, intermediate: int, gate_up_tile_rows: int,
-                        down_tile_rows: int) -> torch.Tensor:
-    """moe_experts with bfloat16 experts packed for csrc/packed_linear.c (SparseMoE.pack): ``gate_up``
-    [experts, ...] each from pack_silu_mul_weight, ``down`` [experts, ...] each from
-    pack_linear_weight; an expert's rows go on AMX tiles from ``*_tile_rows`` (0: never)."""
-    hidden = x.shape[1]
-
-    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        act = linear_kernels.packed_silu_mul_linear(rows, gate_up[e], intermediate, gate_up_tile_rows)
-        return linear_kernels.packed_linear(act, down[e], None, hidden, down_tile_rows)
-
-    return _grouped(x, experts, weights, gate_up.shape[0], expert)
+def moe_experts_native(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                       down: torch.Tensor, intermediate: int, gate_up_kind: int, gate_up_a: int, gate_up_b: int,
+                       down_kind: int, down_a: int, down_b: int) -> torch.Tensor:
+    """moe_experts in one C call (csrc/one_call_forward.c's moe_experts_forward) over experts
+    packed for Pagoda's kernels (SparseMoE.pack's bfloat16 ones, SparseMoE.quantize's), bfloat16
+    ``x``; ``*_kind``, ``*_a``, ``*_b``: the kernel's description of each expert's product
+    (SparseMoE.products). Each token's experts are summed in float32 and rounded once."""
+    return linear_kernels.moe_experts(x, experts, weights, gate_up, (gate_up_kind, gate_up_a, gate_up_b), down,
+                                      (down_kind, down_a, down_b), intermediate)
 
 
 def moe_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -109,7 +108,7 @@ def moe_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: torch
 
 
 _library.impl("moe_experts", moe_experts, "CompositeExplicitAutograd")
-_library.impl("moe_experts_blocked", moe_experts_blocked, "CompositeExplicitAutograd")
+_library.impl("moe_experts_native", moe_experts_native, "CompositeExplicitAutograd")
 _library.impl("moe_experts_quantized", moe_experts_quantized, "CompositeExplicitAutograd")
 
 
@@ -118,8 +117,9 @@ def _(x, experts, weights, gate_up, down):
     return torch.empty_like(x)
 
 
-@torch.library.register_fake("pagoda::moe_experts_blocked")
-def _(x, experts, weights, gate_up, down, intermediate, gate_up_tile_rows, down_tile_rows):
+@torch.library.register_fake("pagoda::moe_experts_native")
+def _(x, experts, weights, gate_up, down, intermediate, gate_up_kind, gate_up_a, gate_up_b, down_kind, down_a,
+      down_b):
     return torch.empty_like(x)
 
 
@@ -159,6 +159,9 @@ class SparseMoE(nn.Module):
         self.tile_rows = (0, 0)  # gate/up's and down's rows from which the tiles run
         # With quantized experts: (bits, has_min) of gate/up's, then down's.
         self.quantized: tuple[tuple[int, bool], tuple[int, bool]] | None = None
+        # Once packed or quantized: the C kernel's (kind, a, b) of every expert's gate/up product,
+        # then of its down product (csrc/one_call_forward.c's struct layer_product).
+        self.products: tuple[int, ...] | None = None
 
     def quantize(self, gate_up: list[GroupQuantized], down: list[GroupQuantized]) -> None:
         """Replaces the float experts by quantized ones, one weight an expert for each product
@@ -179,6 +182,9 @@ class SparseMoE(nn.Module):
         self.down = nn.Parameter(torch.stack([pack_quantized(w) for w in down]), requires_grad=False)
         self.quantized = (QUANT_PACKINGS[gate_up[0].packing], QUANT_PACKINGS[down[0].packing])
         self.packing = f"{gate_up[0].packing}+{down[0].packing}"
+        # NOTE: a: bits, b: with minimums (+ 2 x the rows from which AMX tiles run: never, yet)
+        self.products = tuple(value for bits, has_min in self.quantized
+                              for value in (linear_kernels.QUANTIZED_PRODUCT, bits, int(has_min)))
 
     def pack(self, packing: str, batch_invariant: bool = False) -> None:
         """Packs every expert for Pagoda's bfloat16 kernel where ``packing`` is one of its layouts
@@ -197,6 +203,8 @@ class SparseMoE(nn.Module):
             self.tile_rows = (1, 1) if batch_invariant else (
                 amx_min_rows(gate_up[0], 2 * self.intermediate_size, fused_silu_mul=True),
                 amx_min_rows(down[0], hidden))
+        self.products = (linear_kernels.BLOCKED_PRODUCT, self.tile_rows[0], 0,
+                         linear_kernels.BLOCKED_PRODUCT, self.tile_rows[1], 0)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and routing weights ([tokens, k] each): a softmax over the router's
@@ -209,14 +217,14 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        if self.quantized is not None:
+        if self.products is not None and x.dtype == torch.bfloat16:
+            return torch.ops.pagoda.moe_experts_native(x, experts, weights, self.gate_up, self.down,
+                                                       self.intermediate_size, *self.products)
+        if self.quantized is not None:  # float32 activations
             (gate_up_bits, gate_up_min), (down_bits, down_min) = self.quantized
             return torch.ops.pagoda.moe_experts_quantized(x, experts, weights, self.gate_up, self.down,
                                                           self.intermediate_size, gate_up_bits, gate_up_min,
                                                           down_bits, down_min)
-        if self.packing is not None:
-            return torch.ops.pagoda.moe_experts_blocked(x, experts, weights, self.gate_up, self.down,
-                                                        self.intermediate_size, *self.tile_rows)
         return torch.ops.pagoda.moe_experts(x, experts, weights, self.gate_up, self.down)
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:

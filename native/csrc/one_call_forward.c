@@ -490,3 +490,101 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
     if (!failed) add_rms_norm(h, num_layers ? d : NULL, final_norm, rows, hidden, eps, out);
     return failed ? -1 : 0;
 }
+
+/* -- a mixture-of-experts layer's experts (engine/models/moe.py) -- */
+
+static void *moe_scratch;
+static size_t moe_scratch_bytes;
+
+/* out [M, hidden] (bfloat16) = for each token t, the sum over its k experts e = experts[t, j] of
+ * weights[t, j] * down_e(SiLU(gate_e x_t) * up_e x_t). The token-expert pairs are grouped by
+ * expert (stable, so an expert's rows keep the tokens' order); each expert that got rows gathers
+ * them and runs its two products once (silu_mul and product above); an expert with no row costs
+ * nothing. Expert e's gate/up weight is at gate_up + e x gate_up_stride bytes, a struct
+ * layer_product with gate_up_kind, _a and _b (the same for every expert), its down weight
+ * likewise. The down products
+ * come out in float32 and each token's k terms are summed in float32 in the order of its
+ * experts, then rounded once: a token's output does not depend on the other tokens of the step.
+ * Returns 0, -1 if memory ran out, or -2 if an expert id is out of range. */
+int moe_experts_forward(const uint16_t *x, int64_t M, int64_t hidden, const int64_t *experts, const float *weights,
+                        int64_t k, int64_t num_experts, const void *gate_up, int64_t gate_up_stride,
+                        int64_t gate_up_kind, int64_t gate_up_a, int64_t gate_up_b, const void *down,
+                        int64_t down_stride, int64_t down_kind, int64_t down_a, int64_t down_b, int64_t intermediate,
+                        uint16_t *out) {
+    const int64_t pairs = M * k;
+    int64_t *start = calloc((size_t)(num_experts + 1), sizeof(int64_t));
+    int64_t *slot = malloc((size_t)(pairs ? pairs : 1) * sizeof(int64_t)); /* pair -> its row in the groups */
+    int64_t *token = malloc((size_t)(pairs ? pairs : 1) * sizeof(int64_t)); /* a group row's token */
+    if (!start || !slot || !token) {
+        free(start), free(slot), free(token);
+        return -1;
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        if (experts[p] < 0 || experts[p] >= num_experts) {
+            free(start), free(slot), free(token);
+            return -2;
+        }
+        start[experts[p] + 1]++;
+    }
+    for (int64_t e = 0; e < num_experts; e++) start[e + 1] += start[e];
+    {
+        int64_t *next = malloc((size_t)num_experts * sizeof(int64_t));
+        if (!next) {
+            free(start), free(slot), free(token);
+            return -1;
+        }
+        memcpy(next, start, (size_t)num_experts * sizeof(int64_t));
+        for (int64_t p = 0; p < pairs; p++) {
+            slot[p] = next[experts[p]]++;
+            token[slot[p]] = p / k;
+        }
+        free(next);
+    }
+    /* the groups' rows, their gate/up scratch (quantized), activations and float32 outputs */
+    const size_t rows_bytes = (size_t)(pairs * hidden) * 2, gate_up_bytes = (size_t)(pairs * 2 * intermediate) * 2;
+    const size_t act_bytes = (size_t)(pairs * intermediate) * 2, y_bytes = (size_t)(pairs * hidden) * 4;
+    const size_t bytes = rows_bytes + gate_up_bytes + act_bytes + y_bytes + 12 * LINE; /* carve's offsets */
+    if (bytes > moe_scratch_bytes) {
+        free(moe_scratch);
+        if (posix_memalign(&moe_scratch, LINE, bytes)) moe_scratch = NULL;
+        moe_scratch_bytes = moe_scratch ? bytes : 0;
+    }
+    if (!moe_scratch) {
+        free(start), free(slot), free(token);
+        return -1;
+    }
+    char *at = moe_scratch;
+    uint16_t *rows = carve(&at, rows_bytes, 0), *gu = carve(&at, gate_up_bytes, 1), *act = carve(&at, act_bytes, 2);
+    float *y = carve(&at, y_bytes, 3);
+#pragma omp parallel for schedule(static) if (pairs >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < pairs; r++) memcpy(rows + r * hidden, x + token[r] * hidden, (size_t)hidden * 2);
+    int failed = 0;
+    for (int64_t e = 0; e < num_experts && !failed; e++) {
+        const int64_t first = start[e], count = start[e + 1] - first;
+        if (!count) continue;
+        const struct layer_product up = {(const char *)gate_up + e * gate_up_stride, gate_up_kind, gate_up_a,
+                                         gate_up_b};
+        const struct layer_product d = {(const char *)down + e * down_stride, down_kind, down_a, down_b};
+        failed = silu_mul(rows + first * hidden, count, hidden, &up, intermediate, gu + first * 2 * intermediate,
+                          act + first * intermediate);
+        if (failed) break;
+        if (d.kind == BLOCKED)
+            packed_linear_bf16(act + first * intermediate, count, intermediate, d.weight, hidden, intermediate, NULL,
+                               (uint16_t *)(y + first * hidden), hidden, d.a, 1);
+        else
+            failed = quant_linear(act + first * intermediate, count, intermediate, 0, intermediate, d.weight,
+                                  (int)d.a, (int)(d.b & 1), hidden, NULL, y + first * hidden, hidden, 1, d.b >> 1);
+    }
+    if (!failed) {
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
+        for (int64_t t = 0; t < M; t++) {
+            for (int64_t i = 0; i < hidden; i++) {
+                float sum = 0.0f;
+                for (int64_t j = 0; j < k; j++) sum += weights[t * k + j] * y[slot[t * k + j] * hidden + i];
+                out[t * hidden + i] = to_bf(sum);
+            }
+        }
+    }
+    free(start), free(slot), free(token);
+    return failed ? -1 : 0;
+}

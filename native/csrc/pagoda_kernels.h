@@ -102,6 +102,10 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t intermediate, 
 int quant_silu_mul_linear(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
     int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows, uint16_t *gate_up);
 int one_call_forward_set_exp16(void *fn);
+int moe_experts_forward(const uint16_t *x, int64_t M, int64_t hidden, const int64_t *experts, const float *weights,
+    int64_t k, int64_t num_experts, const void *gate_up, int64_t gate_up_stride, int64_t gate_up_kind,
+    int64_t gate_up_a, int64_t gate_up_b, const void *down, int64_t down_stride, int64_t down_kind, int64_t down_a,
+    int64_t down_b, int64_t intermediate, uint16_t *out);
 int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int64_t rows, const uint16_t *embed,
     const int64_t *tokens, const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
     int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start, const float *cos_table,
