@@ -150,9 +150,15 @@ def test_silu_mul_gives_torchs_result(silu_exp):
     torch.testing.assert_close(act.float(), expected.float(), rtol=2**-7, atol=1e-38, equal_nan=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", seed=2, **TINY_INIT)
+
+
 @pytest.mark.parametrize("weights, silu_exp", [("int8", "torch's"), ("int8", "expf"), ("bf16", None)],
                          indirect=["silu_exp"])
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: q/k/v with a bias
+# qwen2: q/k/v with a bias; qwen3: an RMS norm per query and key head
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
 def test_each_step_equals_the_layer_by_layer_path(request, monkeypatch, architecture, weights, rounded_once,
                                                   silu_exp):
@@ -167,6 +173,7 @@ def test_each_step_equals_the_layer_by_layer_path(request, monkeypatch, architec
     monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", 8)
     model = tiny_model(request.getfixturevalue(f"tiny_{architecture}_dir"), weights)
     assert (model.layers[0].self_attn.qkv_proj.bias is not None) == (architecture == "qwen2")
+    assert (model.layers[0].self_attn.q_norm is not None) == (architecture == "qwen3")
     backend = model.layers[0].self_attn.backend
     caches, calls = prepared_caches(model, 40, lambda args: args[2])  # rows
     generator = torch.Generator().manual_seed(0)

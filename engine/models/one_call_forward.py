@@ -42,8 +42,6 @@ ENV = "PAGODA_ONE_CALL_FORWARD"
 def architecture_reason(config) -> str | None:
     """The part of a family's layers (ModelConfig) that the one call does not have, or None: such
     a model runs its steps layer by layer, on the same matrix and attention kernels."""
-    if config.qk_norm:
-        return "per-head q/k norms"
     if config.is_moe:
         return "a mixture of experts"
     if config.norm_unit_offset or config.sandwich_norms or config.hidden_act != "silu":
@@ -91,7 +89,10 @@ def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
         if qkv.bias is not None and (qkv.bias.dtype != (torch.float32 if qkv.packing in QUANT_PACKINGS
                                                          else torch.bfloat16) or not qkv.bias.is_contiguous()):
             return "q/k/v's bias is not in the kernel's dtype"
-        if any(n.weight.dtype != torch.bfloat16 for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if attention.q_norm is not None:
+            norms += (attention.q_norm, attention.k_norm)
+        if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
             return "a norm's weight is not bfloat16"
     if any(k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or not (k.is_contiguous() and v.is_contiguous())
            for k, v in kv_caches):
@@ -113,10 +114,12 @@ class OneCallForward:
         for layer, (key_cache, value_cache) in zip(model.layers, kv_caches, strict=True):
             attention, mlp = layer.self_attn, layer.mlp
             bias = attention.qkv_proj.bias
+            qk_norms = [0, 0] if attention.q_norm is None else [attention.q_norm.weight.data_ptr(),
+                                                                 attention.k_norm.weight.data_ptr()]
             rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                          *product(attention.qkv_proj), *product(attention.o_proj), *product(mlp.gate_up_proj),
                          *product(mlp.down_proj), 0 if bias is None else bias.data_ptr(), key_cache.data_ptr(),
-                         value_cache.data_ptr()])
+                         value_cache.data_ptr(), *qk_norms])
         # NOTE: the C side's struct forward_layer, one int64 per field.
         self.layers = torch.tensor(rows, dtype=torch.int64)
         # With LoRA slots (engine/models/lora.py), the C side's struct lora_layer likewise.

@@ -45,6 +45,7 @@ struct forward_layer {
     struct layer_product qkv, o, gate_up, down;
     const void *qkv_bias; /* [q + 2 kv] or NULL: float32 for a quantized product, else bfloat16 */
     uint16_t *key_cache, *value_cache;
+    const uint16_t *q_norm, *k_norm; /* bfloat16 [head_dim]: an RMS norm per query and key head, or NULL */
 };
 
 /* LoRA slots of one projection (engine/models/lora.py): slot s's A at a + s * a_stride (packed
@@ -423,14 +424,27 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
         const struct lora_layer *lora = loras ? loras + l : NULL;
         if ((failed = product(x, rows, hidden, &layer->qkv, qkv_size, layer->qkv_bias, qkv))) break;
         if (lora_width) lora_add(x, hidden, &lora->qkv, lora_segments, num_lora_segments, qkv_size, qkv, lora_t);
-        /* RoPE: the queries apart ([rows, heads, head_dim]), the keys in place; keys and values
-         * are written to the cache from the qkv rows */
-#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
-        for (int64_t r = 0; r < rows; r++) {
-            uint16_t *row = qkv + r * qkv_size;
-            const float *cos = cos_table + positions[r] * head_dim, *sin = sin_table + positions[r] * head_dim;
-            rope(row, num_heads, head_dim, cos, sin, queries + r * q_size);
-            rope(row + q_size, num_kv_heads, head_dim, cos, sin, row + q_size);
+        /* Qwen3's RMS norm of each query and key head, in place (as add_rms_norm's rows: rounded to
+         * bfloat16, then times the weight, rounded again); then RoPE: the queries apart ([rows,
+         * heads, head_dim]), the keys in place; keys and values are written to the cache from the
+         * qkv rows */
+#pragma omp parallel if (rows >= PARALLEL_ROWS)
+        {
+            float head[(head_dim + 15) / 16 * 16] __attribute__((aligned(LINE)));
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                uint16_t *row = qkv + r * qkv_size;
+                const float *cos = cos_table + positions[r] * head_dim, *sin = sin_table + positions[r] * head_dim;
+                if (layer->q_norm) {
+                    for (int64_t i = 0; i < num_heads; i++)
+                        norm_row(row + i * head_dim, NULL, layer->q_norm, head_dim, eps, row + i * head_dim, head);
+                    for (int64_t i = 0; i < num_kv_heads; i++)
+                        norm_row(row + q_size + i * head_dim, NULL, layer->k_norm, head_dim, eps,
+                                 row + q_size + i * head_dim, head);
+                }
+                rope(row, num_heads, head_dim, cos, sin, queries + r * q_size);
+                rope(row + q_size, num_kv_heads, head_dim, cos, sin, row + q_size);
+            }
         }
         paged_write_kv_bf16(qkv + q_size, qkv + q_size + kv_size, slots, layer->key_cache, layer->value_cache, rows,
                             num_kv_heads, head_dim, block_size, qkv_size, qkv_size);
