@@ -43,6 +43,11 @@ SHAPES: dict[str, tuple[str, dict[str, Any], str]] = {
         num_key_value_heads=8, head_dim=64, rope_theta=500000.0, tie_word_embeddings=True,
         max_position_embeddings=8192, rms_norm_eps=1e-5),
         "Llama-3.2-1B's shape (16 layers, 2048 wide, GQA 32/8), 1.07B parameters"),
+    "qwen3-1.7b": ("Qwen3Config", dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=8192,
+        rms_norm_eps=1e-6, rope_theta=1000000.0),
+        "Qwen3-1.7B's shape (28 layers, 2048 wide, GQA 16/8, q/k norms), 1.5B parameters"),
     "qwen3-moe": ("Qwen3MoeConfig", dict(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=8,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
