@@ -51,6 +51,9 @@ QUANTIZED_FILE = "gguf/blocks.safetensors"
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 # Bump when the converted layout changes so stale cache entries are ignored.
 _CONVERTER_VERSION = 5  # 2: the quantized blocks; 3: in gguf/; 4: the families' names; 5: the experts' blocks
+#: The float32 weights of a converted GGUF file are written in shards of about this many bytes,
+#: so that converting holds one shard in memory, not the whole model in float32.
+SHARD_BYTES = 2 << 30
 
 #: LongRoPE's per-frequency factors, which llama.cpp's Phi-3 converter writes as tensors.
 _GGUF_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -147,8 +150,9 @@ def convert_gguf(gguf_path: Path, *, cache_dir: Path | None = None) -> Path:
     """Converts a GGUF file to a cached Hugging Face style directory.
 
     The result holds ``config.json``, ``generation_config.json``,
-    ``model.safetensors`` (float32, dequantized) and the tokenizer with its chat
-    template. It is built in a temporary directory beside the final one and
+    ``model.safetensors`` (float32, dequantized; in shards of about SHARD_BYTES with an
+    index where larger, so that converting never holds the whole model in float32) and
+    the tokenizer with its chat template. It is built in a temporary directory beside the final one and
     renamed into place, so concurrent processes never see a partial result; if
     another process finishes first, its copy is used. A cache hit costs a
     ``stat`` and no conversion.
@@ -212,7 +216,8 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     config = _hf_config(fields, shapes, gguf_path, family, rope_factors)
 
     permute = family.gguf_permutes_qk
-    tensors: dict[str, torch.Tensor] = {}
+    shards = _ShardWriter(out)
+    tensors = shards.tensors
     blocks: dict[str, torch.Tensor] = {}
     types: dict[str, list] = {}
 
@@ -234,6 +239,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         if family.gguf_norm_offset and name.endswith("norm.weight"):
             data = data - family.gguf_norm_offset
         quantized = tensor.tensor_type.name not in FLOAT_GGUF_TYPES
+        shards.flush_if_full()
         if "{}" in name:  # a layer's experts stacked in one tensor: one tensor an expert
             tensors.update((name.format(expert), part.contiguous()) for expert, part in enumerate(data.unbind(0)))
             if quantized:
@@ -250,7 +256,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
             rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1))
             blocks[name] = unpermute(name, rows)
             types[name] = [tensor.tensor_type.name, *shape]
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shards.close()
     del tensors
     if blocks:
         (out / QUANTIZED_FILE).parent.mkdir()
@@ -266,6 +272,47 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.model_max_length = config["max_position_embeddings"]
     tokenizer.save_pretrained(str(out))
+
+
+class _ShardWriter:
+    """The converter's float weights, written a shard at a time: ``model.safetensors`` where
+    they fit in one shard (SHARD_BYTES), else ``model-0000i-of-0000n.safetensors`` with
+    ``model.safetensors.index.json``, as Hugging Face checkpoints are sharded."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.tensors: dict[str, torch.Tensor] = {}  # the shard being filled (the caller adds to it)
+        self._written: list[tuple[Path, list[str]]] = []  # each shard's file and its tensors' names
+        self._bytes = 0
+
+    def flush_if_full(self) -> None:
+        """Writes the shard being filled if it holds SHARD_BYTES or more."""
+        if sum(t.nbytes for t in self.tensors.values()) >= SHARD_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.out / f".shard-{len(self._written)}.safetensors"
+        save_file(self.tensors, str(path), metadata={"format": "pt"})
+        self._written.append((path, list(self.tensors)))
+        self._bytes += sum(t.nbytes for t in self.tensors.values())
+        self.tensors.clear()
+
+    def close(self) -> None:
+        """Writes the last shard, names the shards and writes the index where there are several."""
+        if self.tensors or not self._written:
+            self._flush()
+        if len(self._written) == 1:
+            self._written[0][0].rename(self.out / "model.safetensors")
+            return
+        count, weight_map = len(self._written), {}
+        for i, (path, names) in enumerate(self._written, start=1):
+            final = f"model-{i:05d}-of-{count:05d}.safetensors"
+            path.rename(self.out / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self._bytes}, "weight_map": weight_map}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

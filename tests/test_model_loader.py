@@ -363,3 +363,26 @@ def test_second_resolve_is_a_cache_hit(
     monkeypatch.setenv("PAGODA_CACHE_DIR", str(cache_dir))
     assert resolve_model(None) == default_dir
     assert weights.stat().st_mtime_ns == mtime
+
+
+def test_a_large_gguf_file_converts_into_shards_one_at_a_time(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    # Shards of 8 KB (SHARD_BYTES made small): several files and an index, the same tensors as
+    # one file holds, and the model loads from them as from one.
+    from helpers import GGUF_TEST_VOCAB_SIZE, make_tiny_model_dir, write_gguf
+
+    model_dir = make_tiny_model_dir(tmp_path / "hf", "llama", seed=1, vocab_size=GGUF_TEST_VOCAB_SIZE)
+    gguf_file = write_gguf(model_dir, tmp_path / "tiny.gguf", "q8_0")
+    whole = convert_gguf(gguf_file, cache_dir=tmp_path / "whole")
+    assert (whole / "model.safetensors").is_file() and not (whole / "model.safetensors.index.json").exists()
+    monkeypatch.setattr(model_loader, "SHARD_BYTES", 8 << 10)
+    sharded = convert_gguf(gguf_file, cache_dir=tmp_path / "sharded")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sorted(p.name for p in sharded.glob("*.safetensors")) == files  # no leftovers
+    one = dict(model_loader.load_weights(whole))
+    many = dict(model_loader.load_weights(sharded))
+    assert one.keys() == many.keys() and all(torch.equal(one[name], many[name]) for name in one)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in one.values())
+    assert (sharded / model_loader.QUANTIZED_FILE).is_file()
