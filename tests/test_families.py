@@ -163,6 +163,19 @@ def test_gguf_file_of_the_family_loads_and_matches(name, tmp_path):
         assert token_ids(llm.generate(prompts, GREEDY)) == expected
 
 
+def random_moe(seed: int):
+    """A float32 mixture-of-experts layer of 6 experts (2 a token), hidden 64, intermediate 96."""
+    from pagoda.engine.models.moe import SparseMoE
+
+    torch.manual_seed(seed)
+    moe = SparseMoE(hidden_size=64, num_experts=6, top_k=2, intermediate_size=96, norm_topk_prob=True)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.3)
+        moe.gate_up.normal_(0, 64**-0.5)
+        moe.down.normal_(0, 96**-0.5)
+    return moe
+
+
 @pytest.mark.parametrize("packing", ["amx", "blocked"])
 def test_packed_experts_match_the_experts_as_loaded(packing):
     # bfloat16 experts on Pagoda's packed kernel (as a CPU with AVX512-BF16 runs them) against
@@ -172,13 +185,7 @@ def test_packed_experts_match_the_experts_as_loaded(packing):
 
     if not packing_available(packing):
         pytest.skip(f"this CPU has no {packing} kernel")
-    torch.manual_seed(1)
-    moe = SparseMoE(hidden_size=64, num_experts=6, top_k=2, intermediate_size=96, norm_topk_prob=True)
-    with torch.no_grad():
-        moe.gate.weight.normal_(0, 0.3)
-        moe.gate_up.normal_(0, 64**-0.5)
-        moe.down.normal_(0, 96**-0.5)
-    moe = moe.to(torch.bfloat16)
+    moe = random_moe(seed=1).to(torch.bfloat16)
     for rows in (1, 40):
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         experts, weights = moe.route(x)
@@ -201,12 +208,7 @@ def test_quantized_experts_match_the_experts_dequantized():
 
     if not linear_kernels.quant_linear_vector():
         pytest.skip("no vector quantized kernel on this CPU")
-    torch.manual_seed(2)
-    moe = SparseMoE(hidden_size=64, num_experts=6, top_k=2, intermediate_size=96, norm_topk_prob=True)
-    with torch.no_grad():
-        moe.gate.weight.normal_(0, 0.3)
-        moe.gate_up.normal_(0, 64**-0.5)
-        moe.down.normal_(0, 96**-0.5)
+    moe = random_moe(seed=2)
 
     def q4m(weight: torch.Tensor) -> Q.GroupQuantized:  # 4 bits a weight, a scale and minimum per 32
         n, k = weight.shape
