@@ -45,7 +45,7 @@ from pagoda.engine.worker.distributed import TensorParallelGroup
 from pagoda.engine.model_config import ModelConfig
 from pagoda.engine.models import one_call_forward
 from pagoda.engine.models.linear import (BLOCKED_LAYOUT, QUANT_PACKINGS, GateUpLinear, Linear, LinearMethod,
-                                          amx_min_rows, method_for, pack_weight, quant_tile_rows)
+                                          method_for, pack_weight, quant_tile_rows, tile_rows)
 from pagoda.engine.models.moe import RouterLinear, SparseMoE
 from pagoda.engine.models.precompiled import PrecompiledRegion
 from pagoda.engine.models.quantized import GroupQuantized
@@ -444,9 +444,7 @@ class DecoderForCausalLM(nn.Module):
                 weight, quantized.packing, self.embed_tokens.num_embeddings, self.embed_tokens.embedding_dim)))
         if self.lm_head is None and self._packed_lm_head is None:
             weight = pack_weight(self.embed_tokens.weight, packing)
-            rows = 0
-            if packing == "amx":
-                rows = 1 if batch_invariant else amx_min_rows(weight, self.embed_tokens.num_embeddings)
+            rows = tile_rows(weight, self.embed_tokens.num_embeddings, packing, batch_invariant)
             self._packed_lm_head = (weight, method_for(packing, rows))
 
     def forward(

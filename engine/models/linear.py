@@ -332,6 +332,16 @@ def amx_min_rows(weight: torch.Tensor, out_features: int, fused_silu_mul: bool =
                        lambda x, rows: op(x, weight, *args, rows))
 
 
+def tile_rows(weight: torch.Tensor, out_features: int, packing: str, batch_invariant: bool,
+              fused_silu_mul: bool = False) -> int:
+    """Where a weight packed for ``packing`` goes on AMX tiles: never (0) but with "amx"; there
+    from the first row with ``batch_invariant`` (each row's sums then run in one order whatever
+    the batch), else from :func:`amx_min_rows`' measurement."""
+    if packing != "amx":
+        return 0
+    return 1 if batch_invariant else amx_min_rows(weight, out_features, fused_silu_mul)
+
+
 def quant_amx_min_rows(weight: torch.Tensor, packing: str, out_features: int, in_features: int,
                        fused_silu_mul: bool = False) -> int:
     """As :func:`amx_min_rows` for a quantized weight (``packing`` one of QUANT_PACKINGS): the
@@ -425,10 +435,7 @@ class Linear(nn.Linear):
         with ``batch_invariant`` takes them for every row (each row's sums then run in one
         order whatever the batch)."""
         self.weight = nn.Parameter(pack_weight(self.weight, packing), requires_grad=False)
-        rows = 0
-        if packing == "amx":
-            rows = 1 if batch_invariant else amx_min_rows(self.weight, self.out_features)
-        self.method = method_for(packing, rows)
+        self.method = method_for(packing, tile_rows(self.weight, self.out_features, packing, batch_invariant))
 
     def quantize(self, weight: GroupQuantized) -> None:
         """Replaces the float weight by ``weight`` (for this layer's [out, in] shape),
@@ -479,9 +486,7 @@ class GateUpLinear(Linear):
         assert self.bias is None, "the fused kernel has no bias"
         with torch.no_grad():
             self.weight = nn.Parameter(linear_kernels.pack_silu_mul_weight(self.weight.detach()), requires_grad=False)
-        rows = 0
-        if packing == "amx":
-            rows = 1 if batch_invariant else amx_min_rows(self.weight, self.out_features, fused_silu_mul=True)
+        rows = tile_rows(self.weight, self.out_features, packing, batch_invariant, fused_silu_mul=True)
         self.method = method_for(packing, rows, fused_silu_mul=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

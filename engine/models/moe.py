@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.native import linear as linear_kernels
-from pagoda.engine.models.linear import BLOCKED_LAYOUT, Linear, amx_min_rows
+from pagoda.engine.models.linear import BLOCKED_LAYOUT, Linear, tile_rows
 from pagoda.engine.models.quantized import QUANT_PACKINGS, GroupQuantized
 from pagoda.engine.models.quantized import pack as pack_quantized
 
@@ -198,11 +198,9 @@ class SparseMoE(nn.Module):
         self.gate_up = nn.Parameter(gate_up, requires_grad=False)
         self.down = nn.Parameter(down, requires_grad=False)
         self.packing = packing
-        if packing == "amx":
-            hidden = self.gate.in_features
-            self.tile_rows = (1, 1) if batch_invariant else (
-                amx_min_rows(gate_up[0], 2 * self.intermediate_size, fused_silu_mul=True),
-                amx_min_rows(down[0], hidden))
+        self.tile_rows = (tile_rows(gate_up[0], 2 * self.intermediate_size, packing, batch_invariant,
+                                    fused_silu_mul=True),
+                          tile_rows(down[0], self.gate.in_features, packing, batch_invariant))
         self.products = (linear_kernels.BLOCKED_PRODUCT, self.tile_rows[0], 0,
                          linear_kernels.BLOCKED_PRODUCT, self.tile_rows[1], 0)
 
