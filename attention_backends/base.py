@@ -63,6 +63,8 @@ class AttentionMetadata:
             them: a backend that plans on the CPU reads them instead of copying
             ``block_tables`` back from a GPU (a sync).
         backend_data: Whatever the backend's prepare() derived from the above.
+        sliding: The same step over the sliding layers' own block tables and slots, where
+            only some layers slide and theirs have a pool of their own (None otherwise).
     """
 
     num_tokens: int
@@ -77,6 +79,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_tables_host: np.ndarray | None = None
     backend_data: Any = None
+    sliding: AttentionMetadata | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -58,6 +58,8 @@ class WorkerInit:
         max_model_len: Longest sequence (sizes the RoPE tables; with num_blocks None, an
             upper bound: the allocation's may be shorter).
         num_cpu_blocks: Blocks of the CPU swap space.
+        num_sliding_blocks: Blocks of the sliding layers' own pool, where only some layers
+            slide (engine/core/hybrid_kv_cache_manager.py); 0: every layer has num_blocks.
         rank: Tensor-parallel rank of this worker.
         world_size: Tensor-parallel ranks in all.
         dist_init_method: torch.distributed rendezvous (``tcp://host:port``) when
@@ -74,6 +76,7 @@ class WorkerInit:
     num_blocks: int | None
     max_model_len: int
     num_cpu_blocks: int = 0
+    num_sliding_blocks: int = 0
     rank: int = 0
     world_size: int = 1
     dist_init_method: str | None = None
@@ -92,6 +95,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_id: int = 0  # the LoRA adapter it runs with (engine/lora.py's LoRAAdapter.id); 0: none
+    # The sliding layers' own table, where only some layers slide (engine/core/hybrid_kv_cache_manager.py).
+    sliding_block_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -126,6 +131,9 @@ class SchedulerOutput:
         kv_delete: Digests whose files to delete (after the stores queued before).
         kv_load: Per request, the (block, digest) run of blocks to read from disk into its
             blocks (it runs no tokens in this step).
+        new_sliding_block_ids, sliding_block_tables: new_block_ids and block_tables of the
+            sliding layers' own tables, where only some layers slide (their copies in
+            copy_blocks are numbered after the global pool's blocks).
 
     The worker applies them in this order: snapshot kv_store, drop finished, swap out,
     swap in, copy, load, then runs the step.
@@ -149,6 +157,8 @@ class SchedulerOutput:
     kv_store: list[tuple[int, bytes]] = field(default_factory=list)
     kv_delete: list[bytes] = field(default_factory=list)
     kv_load: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
+    new_sliding_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    sliding_block_tables: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -351,6 +361,8 @@ class KVCacheAllocation:
     num_blocks: int
     num_cpu_blocks: int
     max_model_len: int
+    # The sliding layers' own pool, where only some layers slide (0: every layer has num_blocks).
+    num_sliding_blocks: int = 0
 
 
 @dataclass(slots=True)

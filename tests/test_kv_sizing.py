@@ -77,6 +77,28 @@ def test_where_the_backend_runs_windows_the_whole_context_is_served_and_a_reques
     assert size_kv_cache(config, windowed, BF16, draft=MODEL, windows_run=True).sliding_window is None
 
 
+def test_where_only_some_layers_slide_they_get_a_pool_of_the_windows():
+    # Gemma 3's pattern on the 30 layers: every 6th global (5 global, 25 sliding), a 1024 window.
+    gemma = replace(MODEL, sliding_window=1024, sliding_layers=tuple(i for i in range(30) if (i + 1) % 6))
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, kv_cache_bytes=2 * 1024**3,
+                          swap_space_bytes=1024**3)
+    size = size_kv_cache(config, gemma, BF16, windows_run=True)
+    full_bytes, sliding_bytes = BLOCK_BYTES // 6, BLOCK_BYTES * 5 // 6
+    assert (size.bytes_per_block, size.sliding_bytes_per_block) == (full_bytes, sliding_bytes)
+    # Four requests' windows (a block partly before it, one being filled) and a step's tokens...
+    assert size.num_sliding_blocks == 4 * (1024 // 16 + 2) + 512 // 16
+    # ...and the rest of the bytes for the global layers, capped at four whole contexts.
+    assert size.num_blocks == min((2 * 1024**3 - size.num_sliding_blocks * sliding_bytes) // full_bytes, 4 * 512)
+    assert size.num_bytes <= 2 * 1024**3 and size.sliding_window == 1024 and size.max_model_len == 8192
+    assert size.num_cpu_blocks == 0  # preemption recomputes
+    # num_kv_blocks sets the global pool; the sliding one never has more.
+    size = size_kv_cache(replace(config, num_kv_blocks=100), gemma, BF16, windows_run=True)
+    assert (size.num_blocks, size.num_sliding_blocks) == (100, 100)
+    # One pool for every layer where the backend runs no windows or a draft model reads the blocks.
+    for size in (size_kv_cache(config, gemma, BF16), size_kv_cache(config, gemma, BF16, draft=MODEL, windows_run=True)):
+        assert size.num_sliding_blocks == 0 and size.sliding_window is None
+
+
 def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt():
     config = EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=1024, max_model_len=2048)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):

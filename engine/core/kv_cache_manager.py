@@ -40,6 +40,9 @@ class KVCacheUsage:
         num_cpu_blocks: Blocks of the CPU swap space.
         num_free_cpu_blocks: Free blocks of the swap space.
         num_swapped_requests: Requests whose KV is in the swap space.
+        num_sliding_blocks: Of num_blocks, those of the sliding layers' own pool (a model
+            whose layers only partly slide; 0 otherwise).
+        num_used_sliding_blocks: Of num_used_blocks, those of that pool.
     """
 
     num_blocks: int
@@ -52,6 +55,8 @@ class KVCacheUsage:
     num_cpu_blocks: int
     num_free_cpu_blocks: int
     num_swapped_requests: int
+    num_sliding_blocks: int = 0
+    num_used_sliding_blocks: int = 0
 
     @property
     def usage(self) -> float:
@@ -67,12 +72,15 @@ class SlotAllocation:
         copies: (source, destination) block copies to run before the step: the
             copy-on-write of a shared partial block that the step writes into.
         table_changed: A block other than the appended ones was replaced, so the
-            worker needs the whole table.
+            worker needs the whole table (both, with the sliding layers' own).
+        new_sliding_block_ids: Blocks appended to the sliding layers' own table (a model
+            whose layers only partly slide: engine/core/hybrid_kv_cache_manager.py).
     """
 
     new_block_ids: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     table_changed: bool = False
+    new_sliding_block_ids: list[int] = field(default_factory=list)
 
 
 # What allocate_slots returns when nothing but the token count changed (shared; not to be mutated).
@@ -284,16 +292,9 @@ class KVCacheManager:
         blocks = blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
-        num_new_blocks = self.num_blocks_needed(num_total) - len(blocks) - len(computed_blocks)
-        # The first new token lands in a partial block shared with another request:
-        # that block is copied before the step writes into it.
-        cow_index = num_computed // self.block_size
-        needs_cow = (num_computed % self.block_size != 0 and cow_index < len(blocks)
-                     and blocks[cow_index].ref_cnt > 1)
-        # NOTE: hits before the window are not taken from the pool (their places: OUT_OF_WINDOW).
-        num_passed = min(self._num_passed(num_computed), len(computed_blocks))
-        num_revived = sum(1 for block in computed_blocks[num_passed:] if block.ref_cnt == 0)
-        if max(num_new_blocks, 0) + needs_cow > self.get_num_free_blocks() - num_revived:
+        num_new_blocks, needs_cow, cow_index, num_passed, short = self._needs(blocks, computed_blocks, num_computed,
+                                                                             num_total)
+        if short:
             return None
 
         result = SlotAllocation()
@@ -320,6 +321,31 @@ class KVCacheManager:
         if self.sliding_window is not None:
             self._drop_out_of_window(request_id, blocks, num_computed)
         return result
+
+    def _needs(self, blocks: list[KVBlock], computed_blocks: list[KVBlock], num_computed: int,
+               num_total: int) -> tuple[int, bool, int, int, bool]:
+        """What growing a table of ``blocks`` (plus prefix hits) to ``num_total`` tokens takes:
+        new blocks, whether (and where) a shared partial block is copied first, the hits before
+        the window, and whether the pool is short of free blocks for it."""
+        num_new_blocks = self.num_blocks_needed(num_total) - len(blocks) - len(computed_blocks)
+        # The first new token lands in a partial block shared with another request:
+        # that block is copied before the step writes into it.
+        cow_index = num_computed // self.block_size
+        needs_cow = (num_computed % self.block_size != 0 and cow_index < len(blocks)
+                     and blocks[cow_index].ref_cnt > 1)
+        # NOTE: hits before the window are not taken from the pool (their places: OUT_OF_WINDOW).
+        num_passed = min(self._num_passed(num_computed), len(computed_blocks))
+        num_revived = sum(1 for block in computed_blocks[num_passed:] if block.ref_cnt == 0)
+        short = max(num_new_blocks, 0) + needs_cow > self.get_num_free_blocks() - num_revived
+        return num_new_blocks, needs_cow, cow_index, num_passed, short
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Whether allocate_slots would find the blocks it needs (it changes nothing)."""
+        blocks = self.req_to_blocks.get(request.request_id) or []
+        computed_blocks = computed_blocks or []
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        return not self._needs(blocks, computed_blocks, num_computed, num_computed + num_new_tokens)[-1]
 
     def _num_passed(self, num_computed: int) -> int:
         """Leading blocks of a request with ``num_computed`` tokens in cache that no later query
@@ -425,6 +451,11 @@ class KVCacheManager:
         window), or with ``held`` only the blocks it holds."""
         blocks = self._held(request_id) if held else self.req_to_blocks.get(request_id, ())
         return [block.block_id for block in blocks]
+
+    def get_sliding_block_ids(self, request_id: str) -> list[int] | None:
+        """The sliding layers' own table where they have one (never here: every layer reads
+        get_block_ids's)."""
+        return None
 
     def num_blocks_held(self, request_id: str) -> int:
         """Blocks the request holds (0 when it holds none)."""

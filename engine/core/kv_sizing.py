@@ -23,10 +23,15 @@ class KVCacheSize:
         max_model_len: Longest prompt plus output one request may have.
         limited_by_window: max_model_len was cut to the model's sliding window (the attention
             backend runs no windows; within the window attention is exact).
-        sliding_window: Every layer attends within this many positions and the blocks before
-            the window go back to the pool (None: a request keeps all of its blocks).
+        sliding_window: Every layer attends within this many positions, or with
+            num_sliding_blocks the sliding layers do; the blocks before the window go back to
+            the pool (None: a request keeps all of its blocks).
         lookback: Positions a request may go back by (rejected draft tokens), whose blocks
             are kept beside the window's.
+        num_sliding_blocks: Where only some layers slide (Gemma): blocks of the sliding
+            layers' own pool (engine/core/hybrid_kv_cache_manager.py); num_blocks and
+            bytes_per_block are then the global layers'. 0: one pool for every layer.
+        sliding_bytes_per_block: Bytes of one block of the sliding layers' pool.
     """
 
     num_blocks: int
@@ -37,23 +42,55 @@ class KVCacheSize:
     limited_by_window: bool = False
     sliding_window: int | None = None
     lookback: int = 0
+    num_sliding_blocks: int = 0
+    sliding_bytes_per_block: int = 0
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the cache holds."""
+        """Tokens the cache holds (in the global layers, where only some slide)."""
         return self.num_blocks * self.block_size
 
     @property
     def num_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+        return self.num_blocks * self.bytes_per_block + self.num_sliding_blocks * self.sliding_bytes_per_block
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype_size: int, tensor_parallel_size: int = 1) -> int:
-    """Bytes of one block (K and V of every layer) on the rank that holds the most KV heads
-    (all of them without tensor parallelism): kv_cache_bytes is what each rank may use."""
+def bytes_per_block(model: ModelConfig, block_size: int, dtype_size: int, tensor_parallel_size: int = 1,
+                    num_layers: int | None = None) -> int:
+    """Bytes of one block (K and V of every layer, or of ``num_layers``) on the rank that holds
+    the most KV heads (all of them without tensor parallelism): kv_cache_bytes is what each rank
+    may use."""
     kv_heads = max(head_share(model.num_attention_heads, model.num_key_value_heads, rank,
                               tensor_parallel_size).num_kv_heads for rank in range(tensor_parallel_size))
-    return 2 * model.num_hidden_layers * block_size * kv_heads * model.head_dim * dtype_size
+    layers = model.num_hidden_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * kv_heads * model.head_dim * dtype_size
+
+
+def splits_sliding_layers(config: EngineConfig, model: ModelConfig, windows_run: bool, has_draft: bool) -> bool:
+    """Whether the sliding layers of a model whose layers only partly slide get a pool of their
+    own: where the backend runs windows, with no draft model (whose layers read the global
+    table) and no disk tier (which stores one pool's blocks)."""
+    return (model.sliding_window is not None and model.sliding_layers is not None and windows_run
+            and not has_draft and not config.offloads_kv)
+
+
+def _split_pools(config: EngineConfig, model: ModelConfig, dtype_size: int, num_blocks: int | None,
+                 cache_bytes: int, wanted_len: int, lookback: int) -> tuple[int, int, int, int]:
+    """(global blocks, sliding blocks, their bytes each) of a model whose sliding layers have
+    a pool of their own: the sliding pool holds the window of every request that may run
+    (and a step's new tokens), never more blocks than the global pool; the rest is global."""
+    size = config.block_size
+    num_sliding_layers = len(model.sliding_layers)
+    full_bytes = bytes_per_block(model, size, dtype_size, config.tensor_parallel_size,
+                                 model.num_hidden_layers - num_sliding_layers)
+    sliding_bytes = bytes_per_block(model, size, dtype_size, config.tensor_parallel_size, num_sliding_layers)
+    windows = config.max_num_seqs * (-(-(model.sliding_window + lookback) // size) + 2) + \
+        -(-config.max_num_batched_tokens // size)
+    if num_blocks is None:
+        num_sliding = min(windows, cache_bytes // (full_bytes + sliding_bytes))
+        num_blocks = min((cache_bytes - num_sliding * sliding_bytes) // full_bytes,
+                         config.max_num_seqs * -(-wanted_len // size))
+    return num_blocks, min(windows, num_blocks), full_bytes, sliding_bytes
 
 
 def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
@@ -105,10 +142,15 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's sliding window "
                              f"({window}), and the attention backend runs no windows (cpu_paged and naive do)")
         wanted_len, limited_by_window = window, True
-    if config.num_kv_blocks is not None:
+    cache_bytes = budget if budget is not None else config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    num_sliding = sliding_bytes = 0
+    if splits_sliding_layers(config, model, windows_run, draft is not None):
+        num_blocks, num_sliding, block_bytes, sliding_bytes = _split_pools(
+            config, model, dtype_size, config.num_kv_blocks, cache_bytes, wanted_len, lookback)
+        window = model.sliding_window
+    elif config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:
-        cache_bytes = budget if budget is not None else config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
         num_blocks = min(cache_bytes // block_bytes,
                          config.max_num_seqs * -(-held // config.block_size))
     capacity = num_blocks * config.block_size
@@ -122,10 +164,12 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
         raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
                          f"({max_model_len}) when chunked prefill is disabled")
-    return KVCacheSize(num_blocks=num_blocks, num_cpu_blocks=config.swap_space_bytes // block_bytes,
+    # NOTE: requests of two pools are not swapped (preemption recomputes them).
+    return KVCacheSize(num_blocks=num_blocks, num_cpu_blocks=0 if num_sliding else config.swap_space_bytes // block_bytes,
                        block_size=config.block_size, bytes_per_block=block_bytes, max_model_len=max_model_len,
-                       limited_by_window=limited_by_window, sliding_window=window if bounded else None,
-                       lookback=lookback)
+                       limited_by_window=limited_by_window,
+                       sliding_window=window if bounded or num_sliding else None, lookback=lookback,
+                       num_sliding_blocks=num_sliding, sliding_bytes_per_block=sliding_bytes)
 
 
 def kv_cache_budget(memory: DeviceMemory, utilization: float) -> int:

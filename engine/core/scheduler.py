@@ -8,6 +8,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagoda.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagoda.engine.core.kv_cache_manager import UNCHANGED, KVCacheManager, SlotAllocation
 from pagoda.engine.core.policy import Policy
 from pagoda.engine.core.request_queue import WaitingQueue
@@ -146,10 +147,18 @@ class Scheduler:
                     bitmasks: BitmaskFiller | None = None) -> Scheduler:
         """The scheduler an engine of this configuration runs, over a cache of ``kv``'s
         size (the engine's and the simulator's are built here alike)."""
+        if kv.num_sliding_blocks:
+            kv_cache_manager = HybridKVCacheManager(
+                kv.num_blocks, kv.num_sliding_blocks, config.block_size, kv.sliding_window,
+                enable_prefix_caching=config.enable_prefix_caching,
+                evictors=(policy.make_evictor(), policy.make_evictor()), lookback=kv.lookback)
+        else:
+            kv_cache_manager = KVCacheManager(
+                kv.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                num_cpu_blocks=kv.num_cpu_blocks, evictor=policy.make_evictor(), sliding_window=kv.sliding_window,
+                lookback=kv.lookback)
         return cls(
-            KVCacheManager(kv.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                           num_cpu_blocks=kv.num_cpu_blocks, evictor=policy.make_evictor(),
-                           sliding_window=kv.sliding_window, lookback=kv.lookback),
+            kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=kv.max_model_len,
@@ -480,8 +489,14 @@ class Scheduler:
             self._send_new(request)  # a sample that just forked
         elif allocation.table_changed:
             out.block_tables[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
-        elif allocation.new_block_ids:
-            out.new_block_ids[request.request_id] = allocation.new_block_ids
+            sliding = self.kv_cache_manager.get_sliding_block_ids(request.request_id)
+            if sliding is not None:
+                out.sliding_block_tables[request.request_id] = sliding
+        else:
+            if allocation.new_block_ids:
+                out.new_block_ids[request.request_id] = allocation.new_block_ids
+            if allocation.new_sliding_block_ids:
+                out.new_sliding_block_ids[request.request_id] = allocation.new_sliding_block_ids
         out.num_scheduled_tokens[request.request_id] = num_new
 
     def _send_new(self, request: Request) -> None:
@@ -496,6 +511,7 @@ class Scheduler:
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                sliding_block_ids=self.kv_cache_manager.get_sliding_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 lora_id=0 if lora is None else lora.id,
             )
@@ -921,6 +937,8 @@ class Scheduler:
             out.copy_blocks.remove(copy)
         out.new_block_ids.pop(request_id, None)
         out.block_tables.pop(request_id, None)
+        out.new_sliding_block_ids.pop(request_id, None)
+        out.sliding_block_tables.pop(request_id, None)
         sent_now = [data for data in out.new_requests if data.request_id == request_id]
         if sent_now:
             # The worker has never seen it: forget it here instead of dropping it there.

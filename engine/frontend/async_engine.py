@@ -186,7 +186,13 @@ class AsyncEngine:
         if kv.limited_by_window:
             logger.warning("limiting max_model_len to the sliding window (%d tokens): the attention backend runs "
                            "no windows", kv.max_model_len)
-        if kv.sliding_window is not None:
+        if kv.num_sliding_blocks:
+            logger.info("sliding window of %d tokens in %d of %d layers: their KV has a pool of its own, %d blocks "
+                        "(%d bytes a token); a request holds the window's blocks there, those before it go back "
+                        "to the pool (preemption recomputes: no swap space)", kv.sliding_window,
+                        len(self.model_config.sliding_layers), self.model_config.num_hidden_layers,
+                        kv.num_sliding_blocks, kv.sliding_bytes_per_block // kv.block_size)
+        elif kv.sliding_window is not None:
             logger.info("sliding window of %d tokens in every layer: a request holds the window's blocks, those "
                         "before it go back to the pool", kv.sliding_window)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s, %d bytes a token), "
@@ -194,8 +200,8 @@ class AsyncEngine:
                     kv.num_bytes / 1024**3, str(kv_dtype).removeprefix("torch."), kv.bytes_per_block // kv.block_size,
                     kv.max_model_len, kv.num_cpu_blocks)
         self._worker_init = replace(self._worker_init, num_blocks=kv.num_blocks, num_cpu_blocks=kv.num_cpu_blocks,
-                                    max_model_len=kv.max_model_len)
-        return KVCacheAllocation(kv.num_blocks, kv.num_cpu_blocks, kv.max_model_len)
+                                    max_model_len=kv.max_model_len, num_sliding_blocks=kv.num_sliding_blocks)
+        return KVCacheAllocation(kv.num_blocks, kv.num_cpu_blocks, kv.max_model_len, kv.num_sliding_blocks)
 
     def _make_scheduler(self) -> tuple[Scheduler, tuple[KVEventLog, object] | None]:
         """The scheduler over the sized KV cache's blocks, with the KV events' log and

@@ -146,6 +146,8 @@ class Attention(nn.Module):
         """The backend's attention, within this layer's window and soft cap where it has them."""
         if self.window is None and self.softcap is None:
             return self.backend.forward(q, k, v, kv_cache, metadata)
+        if self.window is not None and metadata.sliding is not None:
+            metadata = metadata.sliding  # the sliding layers' own blocks
         return self.backend.forward(q, k, v, kv_cache, metadata, window=self.window, softcap=self.softcap)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

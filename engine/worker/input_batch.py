@@ -31,10 +31,12 @@ class InputBatch:
         vocab_size: Width of the logits.
         eos_token_ids: The model's EOS ids (suppressed under min_tokens).
         device: Where sampling tensors go.
+        sliding_tables: Each row also has the sliding layers' own block table (a model whose
+            layers only partly slide: engine/core/hybrid_kv_cache_manager.py).
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
-                 eos_token_ids: list[int], device: torch.device) -> None:
+                 eos_token_ids: list[int], device: torch.device, sliding_tables: bool = False) -> None:
         self.max_num_reqs = max_num_reqs
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -50,6 +52,8 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        self.sliding_block_table = np.zeros_like(self.block_table) if sliding_tables else None
+        self.num_sliding_blocks = np.zeros_like(self.num_blocks) if sliding_tables else None
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.temperature = np.ones(max_num_reqs, dtype=np.float32)
         self.greedy = np.ones(max_num_reqs, dtype=bool)
@@ -100,6 +104,8 @@ class InputBatch:
         self.num_computed_tokens[row] = data.num_computed_tokens
         self.num_blocks[row] = 0
         self.set_block_ids(row, data.block_ids)
+        if data.sliding_block_ids is not None:
+            self.set_block_ids(row, data.sliding_block_ids, sliding=True)
         p = data.sampling_params
         self.params[row] = p
         self.lora_id[row] = data.lora_id
@@ -144,15 +150,19 @@ class InputBatch:
             self.pooled_sums.pop(row, None)
         self._free_rows.append(row)
 
-    def set_block_ids(self, row: int, block_ids: list[int]) -> None:
-        """Replaces a row's whole block table."""
-        self.block_table[row, : len(block_ids)] = block_ids
-        self.num_blocks[row] = len(block_ids)
+    def set_block_ids(self, row: int, block_ids: list[int], sliding: bool = False) -> None:
+        """Replaces a row's whole block table (or its sliding layers' own)."""
+        table, counts = (self.sliding_block_table, self.num_sliding_blocks) if sliding else \
+            (self.block_table, self.num_blocks)
+        table[row, : len(block_ids)] = block_ids
+        counts[row] = len(block_ids)
 
-    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
-        start = self.num_blocks[row]
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+    def append_block_ids(self, row: int, block_ids: list[int], sliding: bool = False) -> None:
+        table, counts = (self.sliding_block_table, self.num_sliding_blocks) if sliding else \
+            (self.block_table, self.num_blocks)
+        start = counts[row]
+        table[row, start : start + len(block_ids)] = block_ids
+        counts[row] = start + len(block_ids)
 
     def _init_penalty_state(self, row: int, prompt: list[int], output: list[int]) -> None:
         if self.output_counts is None:

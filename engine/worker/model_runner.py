@@ -87,10 +87,12 @@ class ModelRunner:
                                                               backend_cls, init, progress, draft=True)
         self._init, self._progress = init, progress
         self.kv_caches = None
+        self.batch: InputBatch | None = None  # with the cache (allocate)
         self.offload: KVOffloadIO | None = None  # the disk tier's reads and writes, with kv_offload_dir
         self._last_step_failed = False
         if init.num_blocks is not None:
-            self.allocate(KVCacheAllocation(init.num_blocks, init.num_cpu_blocks, init.max_model_len))
+            self.allocate(KVCacheAllocation(init.num_blocks, init.num_cpu_blocks, init.max_model_len,
+                                            init.num_sliding_blocks))
 
     def allocate(self, allocation: KVCacheAllocation) -> None:
         """Allocates the KV cache (and the draft's, and the swap space), the persistent batch
@@ -117,7 +119,9 @@ class ModelRunner:
         # NOTE: the engine's seed drives unseeded sampling, so a run is reproducible as a whole.
         self.sampler = Sampler(config.seed)
         self.batch = InputBatch(config.max_num_seqs, allocation.max_model_len, self.block_size,
-                                model_config.vocab_size, list(model_config.eos_token_ids), self.device)
+                                model_config.vocab_size, list(model_config.eos_token_ids), self.device,
+                                sliding_tables=bool(allocation.num_sliding_blocks))
+        self.num_global_blocks = allocation.num_blocks
         self._failed: set[str] = set()
         self.compile_seconds = 0.0
         self.compile_description = ""
@@ -304,11 +308,16 @@ class ModelRunner:
 
     def _allocate_caches(self, backend, model_config, allocation: KVCacheAllocation,
                          extra_blocks: int = 0) -> tuple[list, list]:
-        """A model's KV cache (zeroed) and its swap space, one (key, value) pair per layer."""
-        key_shape, value_shape = backend.kv_cache_shapes(allocation.num_blocks + extra_blocks, self.block_size)
-        caches = [(torch.zeros(key_shape, dtype=self.kv_cache_dtype, device=self.device),
-                   torch.zeros(value_shape, dtype=self.kv_cache_dtype, device=self.device))
-                  for _ in range(model_config.num_hidden_layers)]
+        """A model's KV cache (zeroed) and its swap space, one (key, value) pair per layer (the
+        sliding layers' of num_sliding_blocks where they have a pool of their own)."""
+        sliding = set(model_config.sliding_layers or ()) if allocation.num_sliding_blocks else set()
+
+        def layer_cache(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            num_blocks = allocation.num_sliding_blocks if layer in sliding else allocation.num_blocks + extra_blocks
+            return tuple(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                         for shape in backend.kv_cache_shapes(num_blocks, self.block_size))
+
+        caches = [layer_cache(layer) for layer in range(model_config.num_hidden_layers)]
         swap = allocate_swap_space(backend.kv_cache_shapes(allocation.num_cpu_blocks, self.block_size),
                                    model_config.num_hidden_layers, self.kv_cache_dtype, pin=self.device.type == "cuda")
         return caches, swap if allocation.num_cpu_blocks else []
@@ -430,13 +439,14 @@ class ModelRunner:
         if self._failed:
             for request_id in self._failed:
                 sched.num_scheduled_tokens.pop(request_id, None)
-                sched.new_block_ids.pop(request_id, None)
-                sched.block_tables.pop(request_id, None)
+                for changes in (sched.new_block_ids, sched.block_tables, sched.new_sliding_block_ids,
+                                sched.sliding_block_tables):
+                    changes.pop(request_id, None)
         # NOTE: the order matters: a swapped-out block may be reused by this very step.
         for caches, cpu_caches in ((self.kv_caches, self.cpu_caches), (self.draft_kv_caches, self.draft_cpu_caches)):
             self._move_blocks(sched.swap_out, caches, cpu_caches)
             self._move_blocks(sched.swap_in, cpu_caches, caches)
-            self._move_blocks(sched.copy_blocks, caches, caches)
+        self._copy_blocks(sched.copy_blocks)
         if self.lora is not None:
             self.lora.drop(sched.drop_loras)
             self.lora.add(sched.new_loras)
@@ -446,6 +456,11 @@ class ModelRunner:
             batch.append_block_ids(batch.row_of[request_id], block_ids)
         for request_id, block_ids in sched.block_tables.items():
             batch.set_block_ids(batch.row_of[request_id], block_ids)
+        if batch.sliding_block_table is not None:
+            for request_id, block_ids in sched.new_sliding_block_ids.items():
+                batch.append_block_ids(batch.row_of[request_id], block_ids, sliding=True)
+            for request_id, block_ids in sched.sliding_block_tables.items():
+                batch.set_block_ids(batch.row_of[request_id], block_ids, sliding=True)
         if sched.kv_load:
             out.kv_loaded, failed, out.kv_read_bytes, out.kv_read_seconds = self.offload.load(sched.kv_load)
             out.kv_failed += failed
@@ -657,16 +672,21 @@ class ModelRunner:
         return token_ids[firsts], None if entries is None else [entries[j] for j in firsts.tolist()]
 
     def _metadata(self, query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                  positions: np.ndarray, token_rows: np.ndarray | None = None) -> AttentionMetadata:
-        """The attention metadata of a batch (token_rows: None for the warm-up's block 0)."""
+                  positions: np.ndarray, token_rows: np.ndarray | None = None,
+                  table: np.ndarray | None = None) -> AttentionMetadata:
+        """The attention metadata of a batch (token_rows: None for the warm-up's block 0), and
+        of its sliding layers' own tables where they have them (``table``: the batch's table
+        that ``block_tables`` was gathered from)."""
         device = self.device
         block_size = self.block_size
+        batch = self.batch
+        table = batch.block_table if table is None and batch is not None else table
         query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start[1:])
         if token_rows is None:
             block_ids = np.zeros(len(positions), dtype=np.int64)
         else:
-            block_ids = self.batch.block_table[token_rows, positions // block_size].astype(np.int64)
+            block_ids = table[token_rows, positions // block_size].astype(np.int64)
         slot_mapping = block_ids * block_size + positions % block_size
         metadata = AttentionMetadata(
             num_tokens=int(query_start[-1]),
@@ -682,7 +702,29 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         self.attention_backend.prepare(metadata)
+        sliding = None if batch is None else batch.sliding_block_table
+        if sliding is not None and table is not sliding:
+            # NOTE: each request's first token's row is its row in the batch.
+            tables = (np.zeros_like(block_tables) if token_rows is None
+                      else sliding[token_rows[query_start[:-1]], :block_tables.shape[1]])
+            metadata.sliding = self._metadata(query_lens, seq_lens, tables, positions, token_rows, sliding)
         return metadata
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write copies: of the global pool's blocks in every layer that reads it, and
+        of the sliding layers' own (numbered after the global pool's blocks) in theirs."""
+        if not pairs:
+            return
+        sliding = self.batch.sliding_block_table is not None
+        if not sliding:
+            self._move_blocks(pairs, self.kv_caches, self.kv_caches)
+            self._move_blocks(pairs, self.draft_kv_caches, self.draft_kv_caches)
+            return
+        offset, layers = self.num_global_blocks, set(self.model_config.sliding_layers)
+        own = [cache for i, cache in enumerate(self.kv_caches) if i in layers]
+        others = [cache for i, cache in enumerate(self.kv_caches) if i not in layers]
+        self._move_blocks([(s, d) for s, d in pairs if s < offset], others, others)
+        self._move_blocks([(s - offset, d - offset) for s, d in pairs if s >= offset], own, own)
 
     def _move_blocks(self, pairs: list[tuple[int, int]], src_caches, dst_caches) -> None:
         if not pairs:
