@@ -11,7 +11,9 @@ Three kernels, one layout (the default ``[num_blocks, block_size, num_kv_heads, 
   token's block up in the block table (so any block size works, 1 included, and contexts
   need not fill their last block), masks causally against the query positions (a chunk's
   queries are the last tokens of the context, so prefill over a cached prefix, chunked
-  prefill and decode are one case), and keeps an online softmax in float32.
+  prefill and decode are one case), and keeps an online softmax in float32. A layer with a
+  sliding window starts the walk at its tile's first query's window and masks each row's keys
+  before its own; one with a soft cap maps each score s to ``cap * tanh(s / cap)`` first.
 * Split-KV: when a step has too few programs to keep a GPU busy (a few decodes over long
   contexts), each program takes one part of the context and writes its result with its
   log-sum-exp; ``merge`` combines the parts of each query row and head.
@@ -132,14 +134,15 @@ def _kernels(interpret: bool):
     @triton.jit
     def paged_attention_kernel(query_ptr, key_cache_ptr, value_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                                block_tables_ptr, seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_start_ptr,
-                               scale, num_splits,
+                               scale, num_splits, window, softcap,
                                stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
                                stride_kc_block, stride_kc_slot, stride_kc_head,
                                stride_vc_block, stride_vc_slot, stride_vc_head, stride_table,
                                stride_part_split, stride_part_tok, stride_part_head,
                                QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
                                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                               TILE_N: tl.constexpr, SPLIT: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+                               TILE_N: tl.constexpr, SPLIT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+                               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         request = tl.load(tile_request_ptr + tile)
@@ -166,14 +169,17 @@ def _kernels(interpret: bool):
         l_i = tl.zeros([TOKENS * GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
         context_end = tl.minimum(seq_len, seq_len - query_len + first + TOKENS)
+        # With a window, the keys before the tile's first query's window are never read (their
+        # blocks may have gone back to the pool and hold another request's keys, or NaN).
+        window_begin = tl.maximum(seq_len - query_len + first - window + 1, 0) if WINDOW else 0
         if SPLIT:
             # Split-KV: this program takes one of num_splits equal parts of the tile's context
             # (whole TILE_N columns; the last parts of a short context are empty).
-            split_len = tl.cdiv(tl.cdiv(context_end, num_splits), TILE_N) * TILE_N
-            context_begin = tl.program_id(2) * split_len
+            split_len = tl.cdiv(tl.cdiv(context_end - window_begin, num_splits), TILE_N) * TILE_N
+            context_begin = window_begin + tl.program_id(2) * split_len
             context_end = tl.minimum(context_end, context_begin + split_len)
         else:
-            context_begin = 0
+            context_begin = window_begin
         for start in range(context_begin, context_end, TILE_N):
             cols = start + tl.arange(0, TILE_N)
             col_mask = cols < context_end
@@ -189,7 +195,12 @@ def _kernels(interpret: bool):
                 scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
             else:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            if SOFTCAP:
+                # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1) (exp's overflow gives 1)
+                scores = softcap * (1.0 - 2.0 / (tl.exp(scores * (2.0 / softcap)) + 1.0))
             visible = (cols[None, :] <= positions[:, None]) & col_mask[None, :]
+            if WINDOW:
+                visible = visible & (cols[None, :] > positions[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             # NOTE: a row that has seen no key yet (a split before its position) keeps -inf;
@@ -300,7 +311,10 @@ class TritonAttentionBackend(AttentionBackend):
         metadata.backend_data = (plan, torch.from_numpy(plan.tile_request).to(device),
                                  torch.from_numpy(plan.tile_start).to(device))
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+    supports_window_and_softcap = True
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         key_cache, value_cache = kv_cache
         _, attention_kernel, merge_kernel = _kernels(interpreting())
@@ -317,7 +331,8 @@ class TritonAttentionBackend(AttentionBackend):
         block_tables = metadata.block_tables
         attention_kernel[(len(plan.tile_request), self.num_kv_heads, plan.num_splits)](
             query, key_cache, value_cache, out, part_out, part_lse, block_tables, metadata.seq_lens_tensor,
-            metadata.query_start_loc, tile_request, tile_start, self.scale, plan.num_splits,
+            metadata.query_start_loc, tile_request, tile_start, self.scale, plan.num_splits, window or 0,
+            softcap or 0.0,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
@@ -327,7 +342,7 @@ class TritonAttentionBackend(AttentionBackend):
             SPLIT=plan.num_splits > 1,
             # NOTE: Triton's interpreter computes tl.dot of half-precision inputs wrongly;
             # there the products are taken in float32 (the same values, bf16 -> fp32 is exact).
-            DOT_IN_FP32=interpreting())
+            DOT_IN_FP32=interpreting(), WINDOW=window is not None, SOFTCAP=softcap is not None)
         if plan.num_splits > 1:
             merge_kernel[(query.shape[0], self.num_heads)](
                 part_out, part_lse, out, plan.num_splits, *part_lse.stride(), out.stride(0), out.stride(1),

@@ -201,12 +201,15 @@ def dense_attention(q, k, v):
 
 def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch.float32, device="cpu",
              num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, shared_blocks=0, cache_dtype=None,
-             apart=()):
+             apart=(), window=None, softcap=None, nan_before_window=False):
     """Fills caches for the context, runs one mixed step, returns (output, reference) on the CPU.
 
     With ``shared_blocks``, every request but those listed in ``apart`` starts with the same
     blocks, holding the same keys and values (a prefix the prefix cache shares). ``cache_dtype`` (an fp8 dtype) stores the
-    cache in it, and the reference attends over the keys and values rounded to it.
+    cache in it, and the reference attends over the keys and values rounded to it. With
+    ``window`` or ``softcap`` the backend attends so (the reference does not: compare with
+    naive's); with ``nan_before_window`` too, the blocks wholly before each request's first
+    query's window hold NaN (as blocks given back to the pool and written by others).
     """
     gen = torch.Generator().manual_seed(seed)
     backend = get_attention_backend(backend_name, torch.device(device), cache_dtype)(num_heads, num_kv_heads,
@@ -239,6 +242,11 @@ def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch
             slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(s - q)],
                                  dtype=torch.int64, device=device)
             backend.write_kv(k[: s - q].to(device), v[: s - q].to(device), kv_cache, slots)
+    if nan_before_window:
+        for table, s, q in zip(tables, seq_lens, query_lens):
+            for block in table[:max(0, s - q - window + 1) // block_size]:
+                kv_cache[0][block] = float("nan")
+                kv_cache[1][block] = float("nan")
     queries = [torch.randn(q, num_heads, head_dim, generator=gen, dtype=dtype) for q in query_lens]
     max_blocks = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
@@ -254,8 +262,9 @@ def run_step(backend_name, block_size, seq_lens, query_lens, seed=0, dtype=torch
     backend.prepare(metadata)
     new_k = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens)])
     new_v = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens)])
+    limits = {name: value for name, value in (("window", window), ("softcap", softcap)) if value is not None}
     out = backend.forward(torch.cat(queries).to(device), new_k.to(device), new_v.to(device), kv_cache,
-                          metadata).cpu()
+                          metadata, **limits).cpu()
     def stored(x):
         return (x if cache_dtype is None else to_cache_dtype(x, cache_dtype)).float()
 

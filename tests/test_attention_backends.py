@@ -141,6 +141,26 @@ def test_triton_kernels_match_naive_in_bfloat16_under_the_interpreter(triton_int
 DECODES, CHUNKS = ([150, 97, 17, 128, 40], [1, 1, 1, 1, 1]), ([150, 97, 40], [40, 1, 40])
 
 
+@pytest.mark.parametrize("window,softcap", [(7, None), (1, None), (300, None), (None, 4.0), (23, 4.0)])
+@pytest.mark.parametrize("split", [False, True])
+def test_triton_windows_and_soft_caps_match_naive_under_the_interpreter(triton_interpreter, monkeypatch, window,
+                                                                         softcap, split):
+    # Sliding windows (Mistral's, Gemma's) and soft caps (Gemma 2's) as naive runs them: prefill
+    # chunks and decodes, a window of one key, one shorter than a block and one longer than every
+    # context; split-KV over the window's keys. The blocks before each request's first window hold
+    # NaN: a key before a row's window is never read.
+    from pagoda.attention_backends import triton_attention
+
+    if split:
+        monkeypatch.setattr(triton_attention, "SPLIT_MIN_LEN", 32)
+    cases = DECODES if split else WIDE
+    shape = dict(num_heads=6, num_kv_heads=2, head_dim=64)
+    limits = dict(window=window, softcap=softcap)
+    naive, _ = run_step("naive", 16, *cases, seed=5, **shape, **limits)
+    out, _ = run_step("triton", 16, *cases, seed=5, **shape, **limits, nan_before_window=window is not None)
+    torch.testing.assert_close(out, naive, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("group,cases", [(1, DECODES), (3, DECODES), (8, DECODES), (1, CHUNKS), (3, CHUNKS)],
                          ids=["decodes-1", "decodes-3", "decodes-8", "chunk-decode-prefill-1", "chunk-decode-prefill-3"])
 def test_triton_split_kv_matches_naive_under_the_interpreter(triton_interpreter, monkeypatch, group, cases):

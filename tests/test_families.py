@@ -284,12 +284,13 @@ def test_a_quantized_gguf_files_experts_run_quantized(name, tmp_path):
 def test_gemma_layers_keep_their_windows_past_the_window(family):
     # The first layer attends within 8 tokens, the second globally: prompts of 22-30 tokens are
     # past the window, the context is not capped at it; the CPU kernel runs windows and
-    # soft-capping beside global layers (auto chooses it), and so does naive.
+    # soft-capping beside global layers (auto chooses it), and so do naive and triton (its kernels
+    # under Triton's interpreter here).
     name, model_dir, _, expected = family
     config = ModelConfig.from_dir(model_dir)
     assert (config.sliding_window, config.sliding_layers) == (8, (0,)) and not config.windowed_everywhere
     assert max(len(p) for p in PROMPTS) > config.sliding_window
-    for backend in ("auto", "naive"):
+    for backend in ("auto", "naive", "triton"):
         with LLM(str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64,
                  attention_backend=backend) as llm:
             assert llm.engine.worker.ready.attention_backend == ("cpu_paged" if backend == "auto" else backend)

@@ -54,7 +54,8 @@ def held_blocks(llm) -> list[int]:
     return most
 
 
-@pytest.mark.parametrize("backend,preemption", [("auto", "recompute"), ("auto", "swap"), ("naive", "recompute")])
+@pytest.mark.parametrize("backend,preemption", [("auto", "recompute"), ("auto", "swap"), ("naive", "recompute"),
+                                                ("triton", "recompute")])
 def test_past_the_window_token_exact_with_its_blocks_bounded(mistral, backend, preemption):
     model_dir, expected = mistral
     # Chunks of 8 in blocks of 4, and a pool of 10 blocks: one request at a time holds its most (6)
@@ -65,7 +66,7 @@ def test_past_the_window_token_exact_with_its_blocks_bounded(mistral, backend, p
              swap_space_bytes=2**20 if preemption == "swap" else 0) as llm:
         assert llm.engine.max_model_len == 256  # the model's context, not its window
         assert llm.engine.worker.ready.attention_backend == ("cpu_paged" if backend == "auto" else backend)
-        most = held_blocks(llm)
+        most = held_blocks(llm)  # NOTE: triton: its kernels under Triton's interpreter here
         first = llm.generate(PROMPTS[:1], GREEDY)
         outputs = llm.generate(PROMPTS[1:], GREEDY)
         stats = llm.engine.scheduler.stats
