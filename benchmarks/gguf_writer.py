@@ -16,9 +16,31 @@ from typing import Callable
 
 import numpy as np
 
-#: The tensor types written here: floats, and the quantized types the ``gguf`` package's own
-#: quantizer makes (the tests' files; the benchmarks' K-quant files come from llama.cpp's quantizer).
-TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+#: The tensor types written here: floats, the quantized types the ``gguf`` package's own
+#: quantizer makes, and Q6_K by :func:`quantize_q6_k` (the tests' files; the benchmarks' K-quant
+#: files come from llama.cpp's quantizer).
+TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q6_k")
+
+
+def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
+    """A float [rows, cols] weight (cols a multiple of 256) as Q6_K blocks (uint8 [rows, cols /
+    256 x 210]), rounded to nearest: per 16 values a scale (max |w| / 31) held as an int8 times
+    the super-block's float16 d; not llama.cpp's search for the best scales."""
+    rows, cols = weight.shape
+    subs = weight.astype(np.float32).reshape(-1, 16, 16)  # [super-block, sub-block, 16]
+    wanted = np.abs(subs).max(axis=2) / 31
+    d = (wanted.max(axis=1) / 127).astype(np.float16)
+    dd = d.astype(np.float32)[:, None]
+    sc = np.where(dd > 0, np.round(wanted / np.where(dd > 0, dd, 1)), 0).clip(0, 127).astype(np.int8)
+    step = (dd * sc)[:, :, None]
+    q = np.where(step > 0, np.round(subs / np.where(step > 0, step, 1)), 0).clip(-32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # element 128 n + 32 c + l
+    low, top = q & 0x0F, q >> 4
+    ql = low[:, :, :2] | (low[:, :, 2:] << 4)  # runs of 32 bytes: c and c + 2's nibbles
+    qh = top[:, :, 0] | top[:, :, 1] << 2 | top[:, :, 2] << 4 | top[:, :, 3] << 6
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)],
+                            axis=1)
+    return blocks.reshape(rows, -1)
 
 
 def tokenizer_of(gguf_file: Path) -> Callable:
@@ -115,7 +137,10 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
         # NOTE: norms and biases (1-D) stay float32, as llama.cpp's converter keeps them
         if tensor.ndim == 1:
             writer.add_tensor(name, tensor.astype(np.float32))
-        elif quantized is not None and tensor.shape[-1] % 32 == 0:
+        elif quantized == gguf.GGMLQuantizationType.Q6_K and tensor.shape[-1] % 256 == 0:
+            writer.add_tensor(name, quantize_q6_k(tensor.reshape(-1, tensor.shape[-1])).reshape(
+                *tensor.shape[:-1], -1), raw_dtype=quantized)
+        elif quantized is not None and quantized != gguf.GGMLQuantizationType.Q6_K and tensor.shape[-1] % 32 == 0:
             writer.add_tensor(name, gguf.quants.quantize(tensor.astype(np.float32), quantized), raw_dtype=quantized)
         else:
             writer.add_tensor(name, tensor.astype(numpy_type))

@@ -133,6 +133,11 @@ def quant_linear_vector() -> bool:
     return available() and bool(load().quant_linear_vector())
 
 
+def quant_linear_q6() -> bool:
+    """Whether the quantized kernel runs 6-bit weights (its AVX512-VNNI build)."""
+    return available() and bool(load().quant_linear_q6())
+
+
 def quant_linear_vnni() -> bool:
     """Whether the quantized kernel was built with AVX512-VNNI (else AVX2 or its portable C loop)."""
     return available() and bool(load().quant_linear_vnni())
@@ -153,7 +158,8 @@ def _quant_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, bits: int,
                  has_min: bool, out_f32: bool = False, amx_min_rows: int = 0) -> torch.Tensor:
     """x @ W.T + bias for a 2-D bfloat16 or float32 x and a weight packed by
-    engine/models/quantized.py (``bits`` 8 or 4, with or without minimums); bias float32.
+    engine/models/quantized.py (``bits`` 8 or 4, with or without minimums, or 6 without where
+    :func:`quant_linear_q6`); bias float32.
     From ``amx_min_rows`` rows (0: never) of bfloat16 x without bias, on AMX tiles: pass it
     only where :func:`packed_linear_amx_available` (the tiles proved to run).
 
@@ -164,12 +170,20 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     m, k = x.shape
     out_f32 = out_f32 or x.dtype == torch.float32
     out = torch.empty(m, out_features, dtype=torch.float32 if out_f32 else x.dtype)
-    if m and _kernel("quant_linear")(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.float32), k,
-                                     weight.data_ptr(), bits, int(has_min), out_features,
-                                     None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
-                                     int(out_f32), amx_min_rows):
-        raise MemoryError("quant_linear: out of memory for the quantized activations")
+    if m:
+        _check_quant(_kernel("quant_linear")(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.float32), k,
+                                             weight.data_ptr(), bits, int(has_min), out_features,
+                                             None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+                                             int(out_f32), amx_min_rows), "quant_linear")
     return out
+
+
+def _check_quant(status: int, name: str) -> None:
+    """Raises for a quantized kernel's failure status."""
+    if status == -2:
+        raise RuntimeError(f"{name}: 6-bit weights run on the quantized kernel's AVX512-VNNI build only")
+    if status:
+        raise MemoryError(f"{name}: out of memory for the quantized activations")
 
 
 def quant_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, intermediate_size: int, bits: int, has_min: bool,
@@ -203,11 +217,11 @@ def quant_linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     x = _quant_operands(x, weight, bias, out_features, bits, has_min)
     m, k = x.shape
     ids = torch.empty(m, dtype=torch.int64)
-    if m and _kernel("quant_linear_argmax")(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.float32), k,
-                                            weight.data_ptr(), bits, int(has_min), out_features,
-                                            None if bias is None else bias.data_ptr(), ids.data_ptr(),
-                                            amx_min_rows):
-        raise MemoryError("quant_linear_argmax: out of memory for the quantized activations")
+    if m:
+        _check_quant(_kernel("quant_linear_argmax")(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.float32), k,
+                                                    weight.data_ptr(), bits, int(has_min), out_features,
+                                                    None if bias is None else bias.data_ptr(), ids.data_ptr(),
+                                                    amx_min_rows), "quant_linear_argmax")
     return ids
 
 

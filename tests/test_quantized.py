@@ -34,8 +34,14 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray
     blocks = rng.integers(0, 256, size=(rows * cols // block_elems, block_bytes), dtype=np.uint8)
     halves = 2 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q8_1") else 1
     scales = (rng.uniform(0.001, 0.05, size=(blocks.shape[0], halves)) * rng.choice([-1, 1], (blocks.shape[0], 1)))
-    blocks[:, : 2 * halves] = scales.astype(np.float16).view(np.uint8)
+    start = block_bytes - 2 if type_name in ("Q6_K", "Q3_K") else 0  # their float16 d ends the block
+    blocks[:, start:start + 2 * halves] = scales.astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
+
+
+# The 6-bit packing (Q6_K's) runs on the kernel's AVX512-VNNI build only.
+needs_q6 = pytest.mark.skipif(not linear_kernels.quant_linear_q6(), reason="6-bit weights run on AVX512-VNNI only")
+PACKINGS = [pytest.param(p, marks=needs_q6) if p == "q6" else p for p in Q.QUANT_PACKINGS]
 
 
 @pytest.mark.parametrize("type_name", Q.EXACT_GGUF_TYPES)
@@ -59,14 +65,32 @@ def test_gguf_blocks_are_read_as_gguf_dequantizes_them(type_name):
     assert int(weight.values.min()) >= (-128 if weight.bits == 8 else 0) and int(weight.values.max()) <= 127
 
 
-def test_other_gguf_types_are_quantized_again_to_8_bits():
-    blocks = random_blocks("Q6_K", 8, 256, seed=6)
-    expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K),
+@pytest.mark.parametrize("type_name,six_bit", [("Q3_K", True), ("Q6_K", False)])
+def test_other_gguf_types_are_quantized_again_to_8_bits(monkeypatch, type_name, six_bit):
+    # Q6_K too where the kernel does not run 6-bit weights (an AVX2 CPU, or one whose AMX tiles run).
+    monkeypatch.setattr(Q, "six_bit_kernel", lambda: six_bit)
+    blocks = random_blocks(type_name, 8, 256, seed=6)
+    expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]),
                                            dtype=np.float32).reshape(8, 256))
-    weight = Q.from_gguf(blocks, "Q6_K", (8, 256))
+    weight = Q.from_gguf(blocks, type_name, (8, 256))
     assert weight.bits == 8 and weight.mins is None
     step = expected.abs().reshape(8, 8, 32).amax(2).repeat_interleave(32, 1) / 127
     assert ((weight.dequantize() - expected).abs() <= step * 0.5 + 1e-3 * step).all()
+
+
+def test_q6_k_is_read_as_6_bit_values_with_a_scale_per_16(monkeypatch):
+    monkeypatch.setattr(Q, "six_bit_kernel", lambda: True)
+    rows, cols = 24, 512
+    blocks = random_blocks("Q6_K", rows, cols, seed=7)
+    expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K),
+                                           dtype=np.float32).reshape(rows, cols))
+    weight = Q.from_gguf(blocks, "Q6_K", (rows, cols))
+    assert weight.packing == "q6" and weight.scales.shape == (rows, cols // 16) and weight.mins is None
+    assert int(weight.values.min()) == -32 and int(weight.values.max()) == 31
+    # a sub-block's scale (float16 d x an int8) is rounded to float16 here
+    bound = 2**-11 * weight.values.float().abs() * weight.scales.repeat_interleave(16, 1).abs()
+    assert ((weight.dequantize() - expected).abs() <= bound * 1.01 + 1e-7).all()
+    assert not torch.equal(weight.scales[:, 0], weight.scales[:, 1])  # a scale per 16, not per 32
 
 
 def test_int8_quantization_is_symmetric_per_group_of_32():
@@ -81,12 +105,21 @@ def test_int8_quantization_is_symmetric_per_group_of_32():
         Q.quantize_int8(torch.randn(4, 33))
 
 
-def test_mixed_types_concatenate_as_8_bit_with_minimums():
+def test_mixed_types_concatenate_as_8_bit_with_minimums(monkeypatch):
     four = Q.from_gguf(random_blocks("Q4_1", 8, 64, 1), "Q4_1", (8, 64))
     eight = Q.from_gguf(random_blocks("Q8_0", 4, 64, 2), "Q8_0", (4, 64))
     both = Q.GroupQuantized.cat([four, eight])
     assert both.packing == "q8m" and both.shape == (12, 64)
     assert torch.equal(both.dequantize(), torch.cat([four.dequantize(), eight.dequantize()]))
+    # A 6-bit part (Q4_K_M's v beside Q4_K's q and k) is quantized again to 8 bits per 32.
+    monkeypatch.setattr(Q, "six_bit_kernel", lambda: True)
+    six = Q.from_gguf(random_blocks("Q6_K", 4, 256, 3), "Q6_K", (4, 256))
+    four_k = Q.from_gguf(random_blocks("Q4_K", 8, 256, 4), "Q4_K", (8, 256))
+    mixed = Q.GroupQuantized.cat([four_k, six])
+    assert mixed.packing == "q8m" and mixed.scales.shape == (12, 8)
+    assert torch.equal(mixed.dequantize()[:8], four_k.dequantize())
+    assert torch.equal(mixed.dequantize()[8:], Q.quantize_int8(six.dequantize()).dequantize())
+    assert Q.GroupQuantized.cat([six, six]).packing == "q6"
 
 
 # -- the kernel ------------------------------------------------------------------------------
@@ -105,15 +138,17 @@ def example_weights(n: int, k: int, seed: int) -> dict[str, Q.GroupQuantized]:
     scales = (torch.rand(n, k // 32, generator=gen) * 0.1).half().float()
     mins = (torch.randn(n, k // 32, generator=gen) * 0.1).half().float()
     nibbles = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8)
+    halves = (torch.randn(n, k // 16, generator=gen) * 0.05).half().float()  # signed, as Q6_K's int8 scales
     return {"q8": Q.quantize_int8(torch.randn(n, k, generator=gen)),
             "q8m": Q.GroupQuantized(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8), scales,
                                     mins, 8),
+            "q6": Q.GroupQuantized(torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8), halves, None, 6),
             "q4": Q.GroupQuantized(nibbles, scales, None, 4),
             "q4m": Q.GroupQuantized(nibbles, scales, mins, 4)}
 
 
 @needs_kernels
-@pytest.mark.parametrize("packing", list(Q.QUANT_PACKINGS))
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (16, 32), (97, 160), (576, 576)])
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 6, 13])
 def test_kernel_matches_dequantize_then_multiply(packing, out_features, in_features, rows):
@@ -148,6 +183,25 @@ def test_kernel_bias_bfloat16_output_and_float32_input():
     assert from_f32.dtype == torch.float32
     expected = quantize_activations(x).double() @ weight.dequantize().double().T + bias.double()
     assert ((from_f32.double() - expected).abs() <= 4e-3 * expected.abs().max()).all()
+
+
+@needs_kernels
+@needs_q6
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_6bit_sums_at_their_largest_are_exact(sign):
+    # Every activation quantizes to +-127 and every weight is -32 or 31: the sums of each half
+    # group start from -32 x the activations' half sums (the values are stored + 32).
+    n, k = 48, 576
+    values = torch.full((n, k), 31, dtype=torch.int8)
+    values[::2] = -32
+    weight = Q.GroupQuantized(values, torch.full((n, k // 16), 0.5).index_fill_(1, torch.arange(1, k // 16, 2),
+                                                                                 -0.25), None, 6)
+    x = torch.full((6, k), sign).to(torch.bfloat16)
+    x[1] *= 3.0
+    x[2, :16] = -x[2, :16]  # halves of a group with sums of opposite signs
+    out = linear_kernels.quant_linear(x, Q.pack(weight), None, n, 6, False, out_f32=True)
+    expected = quantize_activations(x).double() @ weight.dequantize().double().T
+    assert torch.allclose(out.double(), expected, rtol=1e-6, atol=0)
 
 
 @needs_kernels
@@ -188,7 +242,7 @@ def bf16_weight(weight: Q.GroupQuantized) -> torch.Tensor:
 
 
 @needs_amx
-@pytest.mark.parametrize("packing", list(Q.QUANT_PACKINGS))
+@pytest.mark.parametrize("packing", [p for p in Q.QUANT_PACKINGS if p != "q6"])  # 6-bit: never on the tiles
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (97, 160), (3072, 576), (576, 1536), (97, 800)])
 @pytest.mark.parametrize("rows", [1, 16, 37, 70, 300, 1001])
 def test_tiles_match_the_bfloat16_weight_times_x(packing, out_features, in_features, rows):
@@ -282,7 +336,7 @@ def first_largest(out: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("packing", list(Q.QUANT_PACKINGS))
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("rows", [1, 3, 64])
 def test_greedy_argmax_is_the_first_largest_of_the_kernels_float32_sums(packing, rows):
     """quant_linear_argmax (greedy sampling's LM head, no logits written): the index of each
@@ -388,7 +442,7 @@ def quant_kernel_for(march: str, directory: Path):
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.quant_linear.argtypes = [p, i64, i64, i32, i64, p, i32, i32, i64, p, p, i64, i32, i64]
     lib.quant_linear_argmax.argtypes = [p, i64, i64, i32, i64, p, i32, i32, i64, p, p, i64]
-    for name in ("quant_linear_vnni", "quant_linear_vector"):
+    for name in ("quant_linear_vnni", "quant_linear_vector", "quant_linear_q6"):
         getattr(lib, name).restype = i32
     return lib
 
@@ -403,6 +457,11 @@ def test_avx2_and_portable_paths_give_the_vnni_paths_results(tmp_path, march, ve
     weights = example_weights(37, 128, seed=5)
     lib = quant_kernel_for(march, tmp_path)
     assert lib.quant_linear_vnni() == 0 and lib.quant_linear_vector() == int(vector)
+    # 6-bit weights run on AVX512-VNNI only: refused here (the engine then reads Q6_K as 8-bit)
+    assert lib.quant_linear_q6() == 0
+    x, out = torch.randn(1, 128).to(torch.bfloat16), torch.empty(1, 37)
+    assert lib.quant_linear(x.data_ptr(), 1, 128, 0, 128, Q.pack(weights.pop("q6")).data_ptr(), 6, 0, 37, None,
+                            out.data_ptr(), 37, 1, 0) == -2
     bias = torch.randn(37)
     for rows in (1, 7):
         x = torch.randn(rows, 128).to(torch.bfloat16)
@@ -591,3 +650,29 @@ def test_quantized_formats_cost_the_default_model_little_perplexity(tmp_path):
         assert results[name] < results["bf16"] * bound, (name, results)
     assert results["Q5_0"] < results["Q5_0 dequantized"] * 1.01, results
     assert all(answer == answers["bf16"] for answer in answers.values()), answers
+
+
+@needs_vector
+def test_a_q6_k_file_runs_its_6_bit_weights(tmp_path):
+    # A Q6_K file (benchmarks/gguf_writer.py's quantizer) of a Llama with rows of 256: its matrices,
+    # the tied head among them, run as 6-bit where the kernel runs them (as 8-bit elsewhere); the
+    # prompt's logprobs stay within the activations' rounding of the same file dequantized to floats.
+    from helpers import GGUF_TEST_VOCAB_SIZE, make_tiny_model_dir, write_gguf
+
+    model_dir = make_tiny_model_dir(tmp_path / "hf", "llama", seed=4, vocab_size=GGUF_TEST_VOCAB_SIZE,
+                                    hidden_size=256, intermediate_size=512)
+    path = write_gguf(model_dir, tmp_path / "llama.Q6_K.gguf", "q6_k")
+    prompt = [3 + (7 * j) % 250 for j in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, ignore_eos=True)
+    runs = {}
+    for quantization in ("auto", "none"):
+        with LLM(str(path), dtype="bfloat16", enforce_eager=True, max_model_len=64, quantization=quantization) as llm:
+            runs[quantization] = (llm.engine.describe(), llm.generate([prompt], params)[0])
+    described, quantized = runs["auto"]
+    packing = "q6" if Q.six_bit_kernel() else "q8"
+    # 2 x (qkv, o, gate/up, down) and the tied head, every step in one C call
+    assert f"GGUF types: 9 layers {packing};" in described and "steps in one call" in described, described
+    floats = runs["none"][1]
+    assert quantized.outputs[0].token_ids[0] == floats.outputs[0].token_ids[0]
+    for got, want, token in zip(quantized.prompt_logprobs[1:], floats.prompt_logprobs[1:], prompt[1:]):
+        assert abs(got[token].logprob - want[token].logprob) < 0.05

@@ -4,9 +4,12 @@ Every quantized weight is held, until it is packed, as :class:`GroupQuantized`: 
 ``values`` [N, K], and per group of 32 inputs a ``scale`` and optionally a ``min``, so that
 ``w = scale * value + min``. That form holds these GGUF types exactly (their blocks are read
 here, not dequantized): Q8_0 (8-bit), Q4_0, Q4_1, Q4_K (4-bit), Q5_0, Q5_1, Q5_K (5-bit
-values, kept as 8-bit). Other GGUF types (Q6_K, Q2_K, Q3_K, the IQ types) are dequantized
-and quantized again to 8 bits per group of 32 (finer than their own steps; not exact).
-``--quantization int8`` quantizes a float checkpoint the same way (symmetric, per group).
+values, kept as 8-bit). Q6_K (6-bit values with a scale per 16 inputs) is held so too, as
+6-bit with two scales a group, where the kernel runs 6-bit weights (AVX512-VNNI vectors, not
+on a CPU whose AMX tiles run: those take 8-bit weights in their products of many rows). Other
+GGUF types (Q2_K, Q3_K, the IQ types; Q6_K elsewhere) are dequantized and quantized again to
+8 bits per group of 32 (finer than their own steps; not exact). ``--quantization int8``
+quantizes a float checkpoint the same way (symmetric, per group).
 
 Scales and minimums are float16, as in GGUF's blocks; a K-quant's scale (its super-block's
 float16 times a 6-bit integer) is rounded to float16 here (a relative error under 2^-11).
@@ -27,7 +30,7 @@ from pagoda.engine.model_loader import QUANTIZED_FILE
 GROUP = linear_kernels.QUANT_GROUP
 BLOCK = linear_kernels.QUANT_BLOCK
 #: The packings of quantized weights (the names linear.py dispatches on): bits, with minimums.
-QUANT_PACKINGS = {"q8": (8, False), "q8m": (8, True), "q4": (4, False), "q4m": (4, True)}
+QUANT_PACKINGS = {"q8": (8, False), "q8m": (8, True), "q6": (6, False), "q4": (4, False), "q4m": (4, True)}
 #: GGUF types read exactly (the rest are dequantized and quantized again to 8 bits).
 EXACT_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
 
@@ -36,8 +39,9 @@ EXACT_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
 class GroupQuantized:
     """``w[n, k] = scales[n, k // 32] * values[n, k] + mins[n, k // 32]``.
 
-    values: int8 [N, K] (``bits`` 8: -128..127; ``bits`` 4: 0..15); scales, mins: float32
-    [N, K / 32] holding float16 values (mins None: zero).
+    values: int8 [N, K] (``bits`` 8: -128..127; ``bits`` 6: -32..31; ``bits`` 4: 0..15);
+    scales, mins: float32 [N, K / 32] holding float16 values (mins None: zero); ``bits`` 6:
+    scales [N, K / 16] (``scales[n, k // 16]``), no mins.
     """
 
     values: torch.Tensor
@@ -55,7 +59,8 @@ class GroupQuantized:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these stand for (the reference the kernel is tested against)."""
-        expand = lambda t: t.repeat_interleave(GROUP, dim=1)  # noqa: E731
+        group = self.values.shape[1] // self.scales.shape[1]
+        expand = lambda t: t.repeat_interleave(group, dim=1)  # noqa: E731
         weight = self.values.float() * expand(self.scales)
         return weight if self.mins is None else weight + expand(self.mins)
 
@@ -65,7 +70,10 @@ class GroupQuantized:
 
     @staticmethod
     def cat(parts: list[GroupQuantized]) -> GroupQuantized:
-        """Rows of several weights (q, k, v; gate, up) as one; mixed types become 8-bit."""
+        """Rows of several weights (q, k, v; gate, up) as one; mixed types become 8-bit (a
+        6-bit part beside others is quantized again, as its GGUF type is without the kernel)."""
+        if len({part.bits == 6 for part in parts}) > 1:
+            parts = [quantize_int8(part.dequantize()) if part.bits == 6 else part for part in parts]
         bits = max(part.bits for part in parts)
         with_mins = any(part.mins is not None for part in parts)
         mins = [part.mins if part.mins is not None else torch.zeros_like(part.scales) for part in parts]
@@ -74,7 +82,14 @@ class GroupQuantized:
 
 
 def _group_bytes(bits: int, has_min: bool) -> int:
-    return (512 if bits == 8 else 256) + 2 * BLOCK * (2 if has_min else 1)
+    values = {8: 512, 6: 384, 4: 256}[bits]
+    return values + 2 * BLOCK * (2 if has_min or bits == 6 else 1)
+
+
+def six_bit_kernel() -> bool:
+    """Whether Q6_K is held as 6-bit: the kernel runs 6-bit weights and no AMX tiles run (whose
+    products of many rows take 8-bit weights, not 6-bit)."""
+    return linear_kernels.quant_linear_q6() and not linear_kernels.packed_linear_amx_available()
 
 
 def float16_rounded(values: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -124,6 +139,8 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Group
     GroupQuantized; ``shape`` is [N, K]."""
     n, k = shape
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, -1)
+    if type_name == "Q6_K" and six_bit_kernel():
+        return _q6_k(raw.reshape(n * k // 256, -1), shape)
     if type_name not in EXACT_GGUF_TYPES:
         import gguf
 
@@ -174,6 +191,21 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Group
                           None if mins is None else float16_rounded(mins).reshape(n, k // GROUP), bits)
 
 
+def _q6_k(blocks: np.ndarray, shape: tuple[int, int]) -> GroupQuantized:
+    """Q6_K's super-blocks of 256 ([B, 210]: 128 bytes of low nibbles, 64 of top two bits, 16
+    int8 scales, a float16 d) as 6-bit values with a float16 scale (d x scale) per 16."""
+    n, k = shape
+    low = blocks[:, :128].reshape(-1, 2, 2, 32)  # [half of 128, 32-byte run, l]
+    top = blocks[:, 128:192].reshape(-1, 2, 1, 32)
+    # Element 128 half + 32 c + l: run c % 2's low nibble (c < 2) or high one, top bits 2c, 2c + 1.
+    nibbles = np.stack([low & 0x0F, low >> 4], axis=2).reshape(-1, 2, 4, 32)
+    tops = (top >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    values = ((nibbles | (tops << 4)).astype(np.int16) - 32).reshape(n, k)
+    scales = _f16(blocks, 208)[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
+    return GroupQuantized(torch.from_numpy(values.astype(np.int8)), float16_rounded(scales).reshape(n, k // 16),
+                          None, 6)
+
+
 class QuantizedCheckpoint:
     """A converted GGUF file's quantized tensors (``gguf/blocks.safetensors``), read one at a
     time on request: ``get(name)`` gives the tensor as GroupQuantized, or None where the
@@ -218,14 +250,24 @@ def pack(weight: GroupQuantized) -> torch.Tensor:
     if weight.bits == 8:
         # [block, feature, group, j, 4] -> [block, group, j, feature, 4]
         data = (values + 128).to(torch.uint8).view(blocks, BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4)
+        parts = [data.reshape(blocks, groups, -1)]
     else:
-        nibbles = values.to(torch.uint8).view(blocks, BLOCK, groups, 4, 2, 4)  # [..., j, low/high, i]
+        stored = (values + 32 if weight.bits == 6 else values).to(torch.uint8)
+        nibbles = (stored & 0x0F).view(blocks, BLOCK, groups, 4, 2, 4)  # [..., j, low/high, i]
         data = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
-    parts = [data.reshape(blocks, groups, -1)]
-    for table in (weight.scales, weight.mins):
+        parts = [data.reshape(blocks, groups, -1)]
+        if weight.bits == 6:
+            # The top two bits: vector t = j // 2, field 2 (j % 2) + low/high of each byte i.
+            tops = (stored >> 4).view(blocks, BLOCK, groups, 2, 2, 2, 4)  # [..., t, j % 2, low/high, i]
+            fields = tops[..., 0, 0, :] | tops[..., 0, 1, :] << 2 | tops[..., 1, 0, :] << 4 | tops[..., 1, 1, :] << 6
+            parts.append(fields.permute(0, 2, 3, 1, 4).reshape(blocks, groups, -1))
+    tables = (weight.scales, weight.mins)
+    per_group = weight.scales.shape[1] // groups  # 2 for 6-bit: inputs 0-15's, then 16-31's
+    for table in tables:
         if table is None:
             continue
-        padded = torch.zeros(blocks * BLOCK, groups, dtype=torch.float16)
+        padded = torch.zeros(blocks * BLOCK, groups * per_group, dtype=torch.float16)
         padded[:n] = table.half()
-        parts.append(padded.view(blocks, BLOCK, groups).permute(0, 2, 1).contiguous().view(torch.uint8))
+        parts.append(padded.view(blocks, BLOCK, groups, per_group).permute(0, 2, 3, 1).contiguous()
+                     .view(torch.uint8).reshape(blocks, groups, -1))
     return torch.cat(parts, dim=2).reshape(-1).contiguous()

@@ -22,6 +22,7 @@ int packed_linear_available(void);
 int amx_probe(void);
 int quant_linear_vnni(void);
 int quant_linear_vector(void);
+int quant_linear_q6(void); /* the 6-bit weights (Q6_K) run: AVX512-VNNI vectors */
 int tile_attention_vector_available(void);
 int tile_attention_float_available(void);
 

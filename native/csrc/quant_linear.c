@@ -16,8 +16,14 @@
  *   8-bit: 512 bytes [8][16][4]: vector j holds, for each feature, q[4j .. 4j+3] + 128
  *   4-bit: 256 bytes [4][16][4]: vector j's byte i holds q[8j + i] in its low nibble and
  *          q[8j + 4 + i] in its high one
- *   then 16 float16 scales, then (with mins) 16 float16 minimums.
- * So a block is one contiguous stretch that a tile of rows reads front to back once.
+ *   6-bit: the 4-bit layout of q + 32's low four bits, then 128 bytes [2][16][4] of its top two:
+ *          vector t's byte i holds, at bits 2s and 2s + 1 (s = 2 (j - 2t) + h, j = 2t, 2t + 1),
+ *          those of nibble vector j's element h (0: the low nibble's, 1: the high one's)
+ *   then 16 float16 scales (6-bit: 32, those of inputs 0-15 then of 16-31), then (with mins)
+ *   16 float16 minimums.
+ * So a block is one contiguous stretch that a tile of rows reads front to back once. The 6-bit
+ * form holds GGUF's Q6_K (a scale per 16 inputs, values -32..31) at 7 bits a weight where 8-bit
+ * takes 8.5; only the AVX512-VNNI vectors run it (quant_linear_q6), never the AMX tiles.
  *
  * x is [M, K] bfloat16 (or float32 with x_f32), K a multiple of 32; y [M, N] bfloat16 (or
  * float32 with out_f32: the LM head's logits unrounded); bias float32 [N] or NULL. Threads
@@ -89,7 +95,20 @@ static inline uint16_t float_to_bf16(float f) { /* to nearest even */
 
 /* NOTE: inline for the kernels: the exported function is called through the PLT, once per tile */
 static inline int64_t group_bytes(int bits, int has_min) {
-    return (bits == 8 ? 512 : 256) + 2 * QBLOCK + (has_min ? 2 * QBLOCK : 0);
+    return (bits == 8 ? 512 : bits == 6 ? 384 : 256) + (bits == 6 ? 4 : 2) * QBLOCK + (has_min ? 2 * QBLOCK : 0);
+}
+
+/* The byte offset of a group's scales (its values' bytes). */
+static inline int64_t values_bytes(int bits) { return bits == 8 ? 512 : bits == 6 ? 384 : 256; }
+
+/* A 6-bit weight's sums start from -32 x its row of x's sums over each 16 inputs (the values are
+ * stored + 32): xhalf [M, 2 K / 32], from xq [M, K]. */
+static void half_sums(const int8_t *xq, int64_t K, int32_t *xhalf) {
+    for (int64_t h = 0; h < K / 16; h++) {
+        int32_t sum = 0;
+        for (int i = 0; i < 16; i++) sum += xq[16 * h + i];
+        xhalf[h] = sum;
+    }
 }
 
 int64_t quant_group_bytes(int bits, int has_min) { return group_bytes(bits, has_min); }
@@ -167,6 +186,7 @@ static void pick_best(const float *best, const int64_t *at, int ranges, int64_t 
 
 int quant_linear_vnni(void) { return 1; }
 int quant_linear_vector(void) { return 1; }
+int quant_linear_q6(void) { return 1; }
 
 /* Row m of x quantized per group: xq [K] int8, xs [K/32] scales, xsum [K/32] sums of xq. */
 static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *xq, float *xs, int32_t *xsum) {
@@ -203,6 +223,19 @@ static inline __m256i to_bf16(__m512 v) { /* to nearest even (no AVX512-BF16 nee
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
+/* A 6-bit weight's top two bits of the values of nibble vector j's element h, at bits 4-5 of
+ * each byte (s = 2 (j % 2) + h: field s of its vector of top bits; 16-bit shifts move no bit
+ * across a byte here). */
+static inline __m512i top_bits(const __m512i v, const int s) {
+    const __m512i mask = _mm512_set1_epi8(0x30);
+    switch (s) {
+    case 0: return _mm512_and_si512(_mm512_slli_epi16(v, 4), mask);
+    case 1: return _mm512_and_si512(_mm512_slli_epi16(v, 2), mask);
+    case 2: return _mm512_and_si512(v, mask);
+    default: return _mm512_and_si512(_mm512_srli_epi16(v, 2), mask);
+    }
+}
+
 /* rows rows of quantized x against vecs blocks of 16 features (consecutive, block_bytes
  * apart) over all groups. The weight vectors of a group are loaded once for all rows, each
  * broadcast of x serves every block. With one or two rows each integer sum is kept in two
@@ -213,8 +246,9 @@ static inline __attribute__((always_inline)) void quant_tile(
         const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, const int rows, const uint8_t *wb,
         int64_t block_bytes, const int vecs, const int bits, const int has_min, const float *bias, void *y,
         int64_t ldy, int64_t n0, int64_t N, int out_f32) {
-    const int64_t groups = K / QGROUP, gbytes = group_bytes(bits, has_min), vbytes = bits == 8 ? 512 : 256;
-    const int halves = rows <= 2 ? 2 : 1;
+    const int64_t groups = K / QGROUP, gbytes = group_bytes(bits, has_min), vbytes = values_bytes(bits);
+    /* 6-bit: the sums of inputs 0-15 and 16-31 apart (their scales differ) */
+    const int halves = rows <= 2 || bits == 6 ? 2 : 1;
     __m512 acc[QROWS][QVECS];
     for (int m = 0; m < rows; m++)
         for (int v = 0; v < vecs; v++) acc[m][v] = _mm512_setzero_ps();
@@ -222,21 +256,30 @@ static inline __attribute__((always_inline)) void quant_tile(
     for (int64_t g = 0; g < groups; g++) {
         __m512i isum[QROWS][QVECS][2];
         for (int m = 0; m < rows; m++) {
-            const __m512i start = _mm512_set1_epi32(bits == 8 ? -128 * xsum[m * groups + g] : 0);
+            const __m512i start = _mm512_set1_epi32(bits == 8   ? -128 * xsum[m * groups + g]
+                                                    : bits == 6 ? -32 * xsum[2 * (m * groups + g)]
+                                                                : 0);
+            const __m512i second = _mm512_set1_epi32(bits == 6 ? -32 * xsum[2 * (m * groups + g) + 1] : 0);
             for (int v = 0; v < vecs; v++) {
                 isum[m][v][0] = start;
-                isum[m][v][1] = _mm512_setzero_si512();
+                isum[m][v][1] = second;
             }
         }
         for (int j = 0; j < (bits == 8 ? 8 : 4); j++) {
             __m512i w[QVECS][2];
             for (int v = 0; v < vecs; v++) {
-                const __m512i raw = _mm512_loadu_si512(wb + v * block_bytes + g * gbytes + 64 * j);
+                const uint8_t *p = wb + v * block_bytes + g * gbytes;
+                const __m512i raw = _mm512_loadu_si512(p + 64 * j);
                 if (bits == 8) {
                     w[v][0] = raw;
                 } else {
                     w[v][0] = _mm512_and_si512(raw, low);
                     w[v][1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                }
+                if (bits == 6) {
+                    const __m512i top = _mm512_loadu_si512(p + 256 + 64 * (j / 2));
+                    w[v][0] = _mm512_or_si512(w[v][0], top_bits(top, 2 * (j % 2)));
+                    w[v][1] = _mm512_or_si512(w[v][1], top_bits(top, 2 * (j % 2) + 1));
                 }
             }
             for (int m = 0; m < rows; m++) {
@@ -245,7 +288,7 @@ static inline __attribute__((always_inline)) void quant_tile(
                     int32_t four;
                     __builtin_memcpy(&four, a + 4 * (bits == 8 ? j : 2 * j + h), 4);
                     const __m512i b = _mm512_set1_epi32(four);
-                    const int half = halves == 2 ? (bits == 8 ? j & 1 : h) : 0;
+                    const int half = bits == 6 ? j / 2 : halves == 2 ? (bits == 8 ? j & 1 : h) : 0;
                     for (int v = 0; v < vecs; v++)
                         isum[m][v][half] = _mm512_dpbusd_epi32(isum[m][v][half], w[v][h], b);
                 }
@@ -255,8 +298,16 @@ static inline __attribute__((always_inline)) void quant_tile(
             const uint8_t *p = wb + v * block_bytes + g * gbytes + vbytes;
             const __m512 scale = load_halves(p);
             const __m512 mins = has_min ? load_halves(p + 2 * QBLOCK) : _mm512_setzero_ps();
+            const __m512 scale2 = bits == 6 ? load_halves(p + 2 * QBLOCK) : _mm512_setzero_ps();
             for (int m = 0; m < rows; m++) {
                 const float d = xs[m * groups + g];
+                if (bits == 6) {
+                    acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][v][0]),
+                                                _mm512_mul_ps(scale, _mm512_set1_ps(d)), acc[m][v]);
+                    acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][v][1]),
+                                                _mm512_mul_ps(scale2, _mm512_set1_ps(d)), acc[m][v]);
+                    continue;
+                }
                 const __m512i sum = halves == 2 ? _mm512_add_epi32(isum[m][v][0], isum[m][v][1]) : isum[m][v][0];
                 acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(d)),
                                             acc[m][v]);
@@ -279,8 +330,9 @@ static inline __attribute__((always_inline)) void quant_tile(
     }
 }
 
-#define QTILE(R, V, B, H) quant_tile(xq + m * K, xs + m * groups, xsum + m * groups, K, R, wb, block_bytes, V, \
-                                     B, H, bias, (char *)y + m * ldy * esize, ldy, n0, N, out_f32)
+/* (6-bit: xsum holds each row's two sums a group, half_sums's) */
+#define QTILE(R, V, B, H) quant_tile(xq + m * K, xs + m * groups, xsum + m * groups * ((B) == 6 ? 2 : 1), K, R, wb, \
+                                     block_bytes, V, B, H, bias, (char *)y + m * ldy * esize, ldy, n0, N, out_f32)
 
 /* Every row of x against V blocks from wb. */
 #define DEFINE_QUANT_ROWS(NAME, V, B, H)                                                                  \
@@ -318,6 +370,9 @@ DEFINE_QUANT_ONE_ROW(one4_q8, 4, 8, 0)
 DEFINE_QUANT_ONE_ROW(one4_q8_min, 4, 8, 1)
 DEFINE_QUANT_ONE_ROW(one4_q4, 4, 4, 0)
 DEFINE_QUANT_ONE_ROW(one4_q4_min, 4, 4, 1)
+DEFINE_QUANT_ROWS(rows_q6, 1, 6, 0)
+DEFINE_QUANT_ROWS(rows2_q6, 2, 6, 0)
+DEFINE_QUANT_ONE_ROW(one4_q6, 4, 6, 0)
 
 typedef void (*quant_rows_fn)(const int8_t *, const float *, const int32_t *, int64_t, int64_t, const uint8_t *,
                               int64_t, const float *, void *, int64_t, int64_t, int64_t, int);
@@ -326,10 +381,10 @@ static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum,
                          const uint8_t *w, int bits, int has_min, const float *bias, void *y, int64_t ldy,
                          int64_t N, int out_f32, int64_t first, int64_t last) {
     const int64_t block_bytes = (K / QGROUP) * group_bytes(bits, has_min);
-    const int kind = (bits == 8 ? 0 : 2) + (has_min ? 1 : 0);
-    static const quant_rows_fn one4[4] = {one4_q8, one4_q8_min, one4_q4, one4_q4_min};
-    static const quant_rows_fn two[4] = {rows2_q8, rows2_q8_min, rows2_q4, rows2_q4_min};
-    static const quant_rows_fn one[4] = {rows_q8, rows_q8_min, rows_q4, rows_q4_min};
+    const int kind = bits == 6 ? 4 : (bits == 8 ? 0 : 2) + (has_min ? 1 : 0);
+    static const quant_rows_fn one4[5] = {one4_q8, one4_q8_min, one4_q4, one4_q4_min, one4_q6};
+    static const quant_rows_fn two[5] = {rows2_q8, rows2_q8_min, rows2_q4, rows2_q4_min, rows2_q6};
+    static const quant_rows_fn one[5] = {rows_q8, rows_q8_min, rows_q4, rows_q4_min, rows_q6};
     int64_t nb = first;
     if (M == 1)
         for (; nb + 4 <= last; nb += 4)
@@ -347,6 +402,7 @@ static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum,
 
 int quant_linear_vnni(void) { return 0; }
 int quant_linear_vector(void) { return 1; }
+int quant_linear_q6(void) { return 0; }
 
 /* Row m of x quantized per group: xq [K] int8, xs [K/32] scales, xsum [K/32] sums of xq. The
  * same values as the portable path's (the same float steps; vcvtps2dq rounds to nearest even,
@@ -502,6 +558,7 @@ static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum,
 
 int quant_linear_vnni(void) { return 0; }
 int quant_linear_vector(void) { return 0; }
+int quant_linear_q6(void) { return 0; }
 
 /* Row m of x quantized per group: xq [K] int8, xs [K/32] scales, xsum [K/32] sums of xq. */
 static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *xq, float *xs, int32_t *xsum) {
@@ -722,7 +779,7 @@ static int quant_linear_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t
 int quant_silu_mul_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
                          int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows) {
 #ifdef QUANT_TILES
-    if (amx_min_rows > 0 && M >= amx_min_rows && I % 32 == 0 && pagoda_amx_permitted())
+    if (amx_min_rows > 0 && M >= amx_min_rows && I % 32 == 0 && bits != 6 && pagoda_amx_permitted())
         return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, I, act, I, TILES_SILU_MUL, NULL) ? -1 : 1;
 #else
     (void)x, (void)M, (void)ldx, (void)K, (void)w, (void)bits, (void)has_min, (void)I, (void)act, (void)amx_min_rows;
@@ -736,8 +793,9 @@ int quant_silu_mul_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, c
 int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
                  int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32, int64_t amx_min_rows) {
     const int64_t groups = K / QGROUP;
+    if (bits == 6 && !quant_linear_q6()) return -2;
 #ifdef QUANT_TILES
-    if (amx_min_rows > 0 && M >= amx_min_rows && !x_f32 && !bias && pagoda_amx_permitted())
+    if (amx_min_rows > 0 && M >= amx_min_rows && !x_f32 && !bias && bits != 6 && pagoda_amx_permitted())
         return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, N, y, ldy, out_f32 ? TILES_PLAIN_F32 : TILES_PLAIN,
                                   NULL);
 #else
@@ -745,7 +803,9 @@ int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, co
 #endif
     int8_t *xq = malloc((size_t)(M * K));
     float *xs = malloc((size_t)(M * groups) * sizeof(float));
-    int32_t *xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
+    /* each row's sums of xq a group, then (6-bit) a half group */
+    int32_t *xsum = malloc((size_t)(M * groups) * (bits == 6 ? 3 : 1) * sizeof(int32_t));
+    int32_t *xhalf = xsum + M * groups;
     if (!xq || !xs || !xsum) {
         free(xq), free(xs), free(xsum);
         return -1;
@@ -755,12 +815,14 @@ int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, co
 #pragma omp parallel num_threads(M * K >= 4096 || blocks >= 2 * threads ? threads : 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
+        for (int64_t m = 0; m < M; m++) {
             quantize_row((const char *)x + m * ldx * esize, x_f32, K, xq + m * K, xs + m * groups, xsum + m * groups);
+            if (bits == 6) half_sums(xq + m * K, K, xhalf + 2 * m * groups);
+        }
         /* contiguous ranges of blocks, one per thread */
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        quant_blocks(xq, xs, xsum, M, K, w, bits, has_min, bias, y, ldy, N, out_f32, blocks * t / nt,
-                     blocks * (t + 1) / nt);
+        quant_blocks(xq, xs, bits == 6 ? xhalf : xsum, M, K, w, bits, has_min, bias, y, ldy, N, out_f32,
+                     blocks * t / nt, blocks * (t + 1) / nt);
     }
     free(xq), free(xs), free(xsum);
     return 0;
@@ -776,9 +838,10 @@ int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, co
 #define ARGMAX_BLOCKS 4
 int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
                         int has_min, int64_t N, const float *bias, int64_t *ids, int64_t amx_min_rows) {
+    if (bits == 6 && !quant_linear_q6()) return -2;
 #ifdef QUANT_TILES
     /* as quant_linear takes the tiles, so that the pick is the largest of its sums */
-    if (amx_min_rows > 0 && M >= amx_min_rows && !x_f32 && !bias && pagoda_amx_permitted())
+    if (amx_min_rows > 0 && M >= amx_min_rows && !x_f32 && !bias && bits != 6 && pagoda_amx_permitted())
         return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, N, NULL, 0, TILES_PLAIN_F32, ids);
 #else
     (void)amx_min_rows;
@@ -788,7 +851,8 @@ int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_
     const int threads = omp_get_max_threads();
     int8_t *xq = malloc((size_t)(M * K));
     float *xs = malloc((size_t)(M * groups) * sizeof(float));
-    int32_t *xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
+    int32_t *xsum = malloc((size_t)(M * groups) * (bits == 6 ? 3 : 1) * sizeof(int32_t));
+    int32_t *xhalf = xsum + M * groups;
     float *scratch = malloc((size_t)(threads * M * width) * sizeof(float));
     float *best = malloc((size_t)(threads * M) * sizeof(float));
     int64_t *at = malloc((size_t)(threads * M) * sizeof(int64_t));
@@ -800,8 +864,10 @@ int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_
 #pragma omp parallel num_threads(M * K >= 4096 || blocks >= 2 * threads ? threads : 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
+        for (int64_t m = 0; m < M; m++) {
             quantize_row((const char *)x + m * ldx * esize, x_f32, K, xq + m * K, xs + m * groups, xsum + m * groups);
+            if (bits == 6) half_sums(xq + m * K, K, xhalf + 2 * m * groups);
+        }
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), end = blocks * (t + 1) / nt;
         if (t == 0) used = (int)nt;
         float *sums = scratch + t * M * width, *top = best + t * M;
@@ -810,8 +876,8 @@ int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_
         for (int64_t nb = blocks * t / nt; nb < end; nb += ARGMAX_BLOCKS) {
             const int64_t count = end - nb < ARGMAX_BLOCKS ? end - nb : ARGMAX_BLOCKS, n0 = nb * QBLOCK;
             const int64_t n = N - n0 < count * QBLOCK ? N - n0 : count * QBLOCK;
-            quant_blocks(xq, xs, xsum, M, K, w + nb * block_bytes, bits, has_min, bias ? bias + n0 : NULL, sums,
-                         width, N - n0, 1, 0, count);
+            quant_blocks(xq, xs, bits == 6 ? xhalf : xsum, M, K, w + nb * block_bytes, bits, has_min,
+                         bias ? bias + n0 : NULL, sums, width, N - n0, 1, 0, count);
             for (int64_t m = 0; m < M; m++) take_best(sums + m * width, n, n0, &top[m], &where[m]);
         }
     }
