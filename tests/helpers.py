@@ -398,6 +398,28 @@ def write_gguf(model_dir: Path, path: Path, tensor_type: str = "f32") -> Path:
     return write(model_dir, path, _add_test_tokenizer, tensor_type)
 
 
+def gguf_runs_agree(path: Path, dtype: str) -> tuple[str, str]:
+    """Runs a quantized GGUF file as it is and dequantized to floats (``--quantization none``) on
+    one 24-token prompt: the first greedy token equal and every prompt token's logprob within 0.05.
+
+    Returns:
+        Each run's start-up description (``engine.describe()``): quantized, floats.
+    """
+    from pagoda import LLM
+
+    prompt = [3 + (7 * j) % 250 for j in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, ignore_eos=True)
+    runs = {}
+    for quantization in ("auto", "none"):
+        with LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=64, quantization=quantization) as llm:
+            runs[quantization] = (llm.engine.describe(), llm.generate([prompt], params)[0])
+    (described, quantized), (float_described, floats) = runs["auto"], runs["none"]
+    assert quantized.outputs[0].token_ids[0] == floats.outputs[0].token_ids[0]
+    for got, want, token in zip(quantized.prompt_logprobs[1:], floats.prompt_logprobs[1:], prompt[1:]):
+        assert abs(got[token].logprob - want[token].logprob) < 0.05
+    return described, float_described
+
+
 def _add_test_tokenizer(writer, config: dict) -> None:
     """write_gguf's small byte-level tokenizer (GGUF_TEST_VOCAB_SIZE tokens)."""
     import gguf

@@ -657,22 +657,12 @@ def test_a_q6_k_file_runs_its_6_bit_weights(tmp_path):
     # A Q6_K file (benchmarks/gguf_writer.py's quantizer) of a Llama with rows of 256: its matrices,
     # the tied head among them, run as 6-bit where the kernel runs them (as 8-bit elsewhere); the
     # prompt's logprobs stay within the activations' rounding of the same file dequantized to floats.
-    from helpers import GGUF_TEST_VOCAB_SIZE, make_tiny_model_dir, write_gguf
+    from helpers import GGUF_TEST_VOCAB_SIZE, gguf_runs_agree, make_tiny_model_dir, write_gguf
 
     model_dir = make_tiny_model_dir(tmp_path / "hf", "llama", seed=4, vocab_size=GGUF_TEST_VOCAB_SIZE,
                                     hidden_size=256, intermediate_size=512)
     path = write_gguf(model_dir, tmp_path / "llama.Q6_K.gguf", "q6_k")
-    prompt = [3 + (7 * j) % 250 for j in range(24)]
-    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, ignore_eos=True)
-    runs = {}
-    for quantization in ("auto", "none"):
-        with LLM(str(path), dtype="bfloat16", enforce_eager=True, max_model_len=64, quantization=quantization) as llm:
-            runs[quantization] = (llm.engine.describe(), llm.generate([prompt], params)[0])
-    described, quantized = runs["auto"]
+    described, _ = gguf_runs_agree(path, "bfloat16")
     packing = "q6" if Q.six_bit_kernel() else "q8"
     # 2 x (qkv, o, gate/up, down) and the tied head, every step in one C call
     assert f"GGUF types: 9 layers {packing};" in described and "steps in one call" in described, described
-    floats = runs["none"][1]
-    assert quantized.outputs[0].token_ids[0] == floats.outputs[0].token_ids[0]
-    for got, want, token in zip(quantized.prompt_logprobs[1:], floats.prompt_logprobs[1:], prompt[1:]):
-        assert abs(got[token].logprob - want[token].logprob) < 0.05
