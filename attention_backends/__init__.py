@@ -91,7 +91,7 @@ def get_attention_backend(name: str, device: torch.device, kv_cache_dtype: torch
             return None
         if shape.window_or_softcap and not backend.supports_window_and_softcap:
             return ("its layers have sliding windows, or soft-capped scores, which this backend does not run "
-                    "(cpu_paged and naive do)")
+                    "(cpu_paged, naive and triton do)")
         if shape.window_or_softcap:
             return backend.shape_problem(shape.dtype, shape.head_dim, shape.num_heads, shape.num_kv_heads,
                                          window_or_softcap=True)

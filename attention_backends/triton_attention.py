@@ -242,7 +242,7 @@ def _kernels(interpret: bool):
         split_mask = splits < num_splits
         part = splits * stride_part_split + token * stride_part_tok + head * stride_part_head
         lse = tl.load(part_lse_ptr + part, mask=split_mask, other=float("-inf"))
-        weights = tl.exp(lse - tl.max(lse, 0))  # every row sees its first key in split 0
+        weights = tl.exp(lse - tl.max(lse, 0))  # every row sees a key in some split: the max is finite
         dims = tl.arange(0, HEAD_DIM_PAD)
         parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :],
                         mask=split_mask[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)

@@ -48,6 +48,14 @@ SHAPES: dict[str, tuple[str, dict[str, Any], str]] = {
         num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=8192,
         rms_norm_eps=1e-6, rope_theta=1000000.0),
         "Qwen3-1.7B's shape (28 layers, 2048 wide, GQA 16/8, q/k norms), 1.5B parameters"),
+    "gemma3-270m": ("Gemma3TextConfig", dict(
+        hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=True),
+        "Gemma-3-270M's shape (18 layers, 640 wide, 15 of them within a 512-token window, one KV head of 256), "
+        "0.13B parameters with this vocabulary"),
     "qwen3-moe": ("Qwen3MoeConfig", dict(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=8,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,

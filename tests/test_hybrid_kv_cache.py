@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
 from pagoda.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from pagoda.engine.core.snapshot import USED, kv_blocks
 from test_kv_cache_manager import BLOCK, KVCacheMachine, make_request
 
 WINDOW = 6
@@ -38,9 +39,19 @@ def test_a_long_request_holds_the_windows_blocks_in_the_sliding_pool():
     assert manager.full.num_blocks_held("a") == -(-request.num_computed_tokens // 4) == 28
     usage = manager.usage()
     assert (usage.num_sliding_blocks, usage.num_used_sliding_blocks) == (6, manager.sliding.num_blocks_held("a"))
+    # The load figures are the fuller pool's: 28 of 40 global blocks, against 3 of 6 sliding.
+    held = manager.sliding.num_blocks_held("a")
+    assert manager.used_fraction() == usage.usage == max(28 / 40, held / 6) == 0.7
+    step(manager, make_request("b", range(8)), 8)
+    assert manager.used_fraction() == max(30 / 40, (held + 2) / 6)
+    # The console's block map: both pools, the sliding pool's blocks numbered after the global ones.
+    states, _ = kv_blocks(manager)
+    assert len(states) == manager.num_blocks and states.count(USED) == 28 + held + 2 + 2
+    assert all(block_id >= 40 for block_id in manager.get_block_ids("a", held=True)[28:])
     # The sliding table keeps its length (block 0 at the places the window passed).
     assert len(manager.get_sliding_block_ids("a")) == 28
     manager.free("a")
+    manager.free("b")
     assert manager.get_num_free_blocks() == manager.num_blocks == 46
     manager.check_invariants()
 

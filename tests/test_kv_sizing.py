@@ -91,6 +91,11 @@ def test_where_only_some_layers_slide_they_get_a_pool_of_the_windows():
     assert size.num_blocks == min((2 * 1024**3 - size.num_sliding_blocks * sliding_bytes) // full_bytes, 4 * 512)
     assert size.num_bytes <= 2 * 1024**3 and size.sliding_window == 1024 and size.max_model_len == 8192
     assert size.num_cpu_blocks == 0  # preemption recomputes
+    # A budget too small for every window: the bytes are split as one pool's would be, and kept.
+    for budget in (20_000_000, 50_000_000):
+        small = size_kv_cache(replace(config, kv_cache_bytes=budget, max_num_seqs=64), gemma, BF16, windows_run=True)
+        assert small.num_bytes <= budget and small.num_sliding_blocks == budget // BLOCK_BYTES
+        assert small.num_blocks >= budget // BLOCK_BYTES
     # num_kv_blocks sets the global pool; the sliding one never has more.
     size = size_kv_cache(replace(config, num_kv_blocks=100), gemma, BF16, windows_run=True)
     assert (size.num_blocks, size.num_sliding_blocks) == (100, 100)

@@ -76,6 +76,14 @@ class HybridKVCacheManager:
     def get_num_free_blocks(self) -> int:
         return self.full.get_num_free_blocks() + self.sliding.get_num_free_blocks()
 
+    def used_fraction(self) -> float:
+        """Of the fuller pool (either one running out stops the requests)."""
+        return max(self.full.used_fraction(), self.sliding.used_fraction())
+
+    def all_blocks(self) -> list[KVBlock]:
+        """The global pool's blocks, then the sliding pool's (numbered after them)."""
+        return self.full.all_blocks() + self.sliding.all_blocks()
+
     def num_blocks_needed(self, num_tokens: int) -> int:
         return self.full.num_blocks_needed(num_tokens)
 

@@ -60,7 +60,12 @@ class KVCacheUsage:
 
     @property
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        """The fraction of blocks used; with a pool for the sliding layers, of the fuller pool
+        (either one running out stops the requests)."""
+        if not self.num_sliding_blocks:
+            return self.num_used_blocks / self.num_blocks
+        return max((self.num_used_blocks - self.num_used_sliding_blocks) / (self.num_blocks - self.num_sliding_blocks),
+                   self.num_used_sliding_blocks / self.num_sliding_blocks)
 
 
 @dataclass(slots=True)
@@ -139,6 +144,14 @@ class KVCacheManager:
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
+
+    def used_fraction(self) -> float:
+        """The fraction of the pool's blocks not free (the load figure of metrics and routing)."""
+        return 1 - self.get_num_free_blocks() / self.num_blocks
+
+    def all_blocks(self) -> list[KVBlock]:
+        """Every block of the pool, in block id order (the console's map)."""
+        return self.block_pool.blocks
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

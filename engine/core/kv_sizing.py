@@ -86,11 +86,13 @@ def _split_pools(config: EngineConfig, model: ModelConfig, dtype_size: int, num_
     sliding_bytes = bytes_per_block(model, size, dtype_size, config.tensor_parallel_size, num_sliding_layers)
     windows = config.max_num_seqs * (-(-(model.sliding_window + lookback) // size) + 2) + \
         -(-config.max_num_batched_tokens // size)
+    num_sliding = windows
     if num_blocks is None:
+        # NOTE: never fewer global blocks than one pool for every layer would have had.
         num_sliding = min(windows, cache_bytes // (full_bytes + sliding_bytes))
         num_blocks = min((cache_bytes - num_sliding * sliding_bytes) // full_bytes,
                          config.max_num_seqs * -(-wanted_len // size))
-    return num_blocks, min(windows, num_blocks), full_bytes, sliding_bytes
+    return num_blocks, min(num_sliding, num_blocks), full_bytes, sliding_bytes
 
 
 def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
@@ -140,7 +142,7 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig, dtype_size: int,
     if window is not None and wanted_len > window and not windows_run:
         if config.max_model_len is not None:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's sliding window "
-                             f"({window}), and the attention backend runs no windows (cpu_paged and naive do)")
+                             f"({window}), and the attention backend runs no windows (cpu_paged, naive and triton do)")
         wanted_len, limited_by_window = window, True
     cache_bytes = budget if budget is not None else config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
     num_sliding = sliding_bytes = 0

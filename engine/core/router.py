@@ -77,7 +77,7 @@ class Router:
         choice = None
         if self.policy is not None and self.policy.routes:
             views = [ReplicaView(i, s.num_running, s.num_waiting,
-                                 1 - s.kv_cache_manager.get_num_free_blocks() / s.kv_cache_manager.num_blocks, cached[i])
+                                 s.kv_cache_manager.used_fraction(), cached[i])
                      for i, s in schedulers.items()]
             choice = self.policy.route_request(prompt_token_ids, views)
             if choice is not None:

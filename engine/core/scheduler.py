@@ -711,7 +711,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions=self.stats.num_preemptions,
-            kv_cache_usage=1 - kv.get_num_free_blocks() / kv.num_blocks,
+            kv_cache_usage=kv.used_fraction(),
             scheduled=scheduler_output.num_scheduled_tokens,
             client_of=lambda request_id: scheduled[request_id].client,
         ))

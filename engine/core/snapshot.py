@@ -43,7 +43,7 @@ class StepLog:
 def kv_blocks(kv: KVCacheManager) -> tuple[list[int], list[int]]:
     """(state of each block, its reference count), in block id order."""
     states, refs = [], []
-    for block in kv.block_pool.blocks:
+    for block in kv.all_blocks():
         refs.append(block.ref_cnt)
         if block.ref_cnt > 1:
             states.append(SHARED)
@@ -56,7 +56,7 @@ def kv_blocks(kv: KVCacheManager) -> tuple[list[int], list[int]]:
 
 def _request(request: Request, kv: KVCacheManager, queue: str) -> dict[str, Any]:
     metrics = request.metrics
-    blocks = kv.get_block_ids(request.request_id, held=True) if request.request_id in kv.req_to_blocks else []
+    blocks = kv.get_block_ids(request.request_id, held=True)
     return {"id": request.request_id, "queue": queue, "status": request.status.name.lower(),
             "priority": request.priority, "client": request.client,
             "prompt_tokens": request.num_prompt_tokens, "output_tokens": request.num_output_tokens,
