@@ -150,16 +150,18 @@ class InputBatch:
             self.pooled_sums.pop(row, None)
         self._free_rows.append(row)
 
+    def _table(self, sliding: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The block tables and their lengths: the rows' own, or their sliding layers'."""
+        return (self.sliding_block_table, self.num_sliding_blocks) if sliding else (self.block_table, self.num_blocks)
+
     def set_block_ids(self, row: int, block_ids: list[int], sliding: bool = False) -> None:
         """Replaces a row's whole block table (or its sliding layers' own)."""
-        table, counts = (self.sliding_block_table, self.num_sliding_blocks) if sliding else \
-            (self.block_table, self.num_blocks)
+        table, counts = self._table(sliding)
         table[row, : len(block_ids)] = block_ids
         counts[row] = len(block_ids)
 
     def append_block_ids(self, row: int, block_ids: list[int], sliding: bool = False) -> None:
-        table, counts = (self.sliding_block_table, self.num_sliding_blocks) if sliding else \
-            (self.block_table, self.num_blocks)
+        table, counts = self._table(sliding)
         start = counts[row]
         table[row, start : start + len(block_ids)] = block_ids
         counts[row] = start + len(block_ids)
