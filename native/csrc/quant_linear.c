@@ -247,8 +247,7 @@ static inline __attribute__((always_inline)) void quant_tile(
         int64_t block_bytes, const int vecs, const int bits, const int has_min, const float *bias, void *y,
         int64_t ldy, int64_t n0, int64_t N, int out_f32) {
     const int64_t groups = K / QGROUP, gbytes = group_bytes(bits, has_min), vbytes = values_bytes(bits);
-    /* 6-bit: the sums of inputs 0-15 and 16-31 apart (their scales differ) */
-    const int halves = rows <= 2 || bits == 6 ? 2 : 1;
+    const int halves = rows <= 2 ? 2 : 1;
     __m512 acc[QROWS][QVECS];
     for (int m = 0; m < rows; m++)
         for (int v = 0; v < vecs; v++) acc[m][v] = _mm512_setzero_ps();
@@ -259,13 +258,28 @@ static inline __attribute__((always_inline)) void quant_tile(
             const __m512i start = _mm512_set1_epi32(bits == 8   ? -128 * xsum[m * groups + g]
                                                     : bits == 6 ? -32 * xsum[2 * (m * groups + g)]
                                                                 : 0);
-            const __m512i second = _mm512_set1_epi32(bits == 6 ? -32 * xsum[2 * (m * groups + g) + 1] : 0);
             for (int v = 0; v < vecs; v++) {
                 isum[m][v][0] = start;
-                isum[m][v][1] = second;
+                isum[m][v][1] = _mm512_setzero_si512();
             }
         }
         for (int j = 0; j < (bits == 8 ? 8 : 4); j++) {
+            if (bits == 6 && j == 2) {
+                /* 6-bit: inputs 0-15 done: their sums at their scale, then those of 16-31 in the
+                 * same registers (two halves' sums side by side would spill four rows') */
+                for (int v = 0; v < vecs; v++) {
+                    const __m512 scale = load_halves(wb + v * block_bytes + g * gbytes + vbytes);
+                    for (int m = 0; m < rows; m++) {
+                        const __m512i sum = halves == 2 ? _mm512_add_epi32(isum[m][v][0], isum[m][v][1])
+                                                        : isum[m][v][0];
+                        acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                                                    _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * groups + g])),
+                                                    acc[m][v]);
+                        isum[m][v][0] = _mm512_set1_epi32(-32 * xsum[2 * (m * groups + g) + 1]);
+                        isum[m][v][1] = _mm512_setzero_si512();
+                    }
+                }
+            }
             __m512i w[QVECS][2];
             for (int v = 0; v < vecs; v++) {
                 const uint8_t *p = wb + v * block_bytes + g * gbytes;
@@ -288,7 +302,7 @@ static inline __attribute__((always_inline)) void quant_tile(
                     int32_t four;
                     __builtin_memcpy(&four, a + 4 * (bits == 8 ? j : 2 * j + h), 4);
                     const __m512i b = _mm512_set1_epi32(four);
-                    const int half = bits == 6 ? j / 2 : halves == 2 ? (bits == 8 ? j & 1 : h) : 0;
+                    const int half = halves == 2 ? (bits == 8 ? j & 1 : h) : 0;
                     for (int v = 0; v < vecs; v++)
                         isum[m][v][half] = _mm512_dpbusd_epi32(isum[m][v][half], w[v][h], b);
                 }
@@ -296,18 +310,11 @@ static inline __attribute__((always_inline)) void quant_tile(
         }
         for (int v = 0; v < vecs; v++) {
             const uint8_t *p = wb + v * block_bytes + g * gbytes + vbytes;
-            const __m512 scale = load_halves(p);
+            /* (6-bit: the second half group's scale) */
+            const __m512 scale = load_halves(bits == 6 ? p + 2 * QBLOCK : p);
             const __m512 mins = has_min ? load_halves(p + 2 * QBLOCK) : _mm512_setzero_ps();
-            const __m512 scale2 = bits == 6 ? load_halves(p + 2 * QBLOCK) : _mm512_setzero_ps();
             for (int m = 0; m < rows; m++) {
                 const float d = xs[m * groups + g];
-                if (bits == 6) {
-                    acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][v][0]),
-                                                _mm512_mul_ps(scale, _mm512_set1_ps(d)), acc[m][v]);
-                    acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][v][1]),
-                                                _mm512_mul_ps(scale2, _mm512_set1_ps(d)), acc[m][v]);
-                    continue;
-                }
                 const __m512i sum = halves == 2 ? _mm512_add_epi32(isum[m][v][0], isum[m][v][1]) : isum[m][v][0];
                 acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(d)),
                                             acc[m][v]);
