@@ -154,7 +154,10 @@ def run_peer(args: argparse.Namespace, plan: list[dict], model_dir: Path, max_mo
         path = f.name
     env = os.environ.copy()
     if args.peer == "vllm":
-        command = [args.vllm_python, str(PEER_SCRIPTS["vllm"]), "--model", str(model_dir), "--workloads", path,
+        from pagoda.engine.model_loader import float_checkpoint
+
+        command = [args.vllm_python, str(PEER_SCRIPTS["vllm"]), "--model", str(float_checkpoint(model_dir)),
+                   "--workloads", path,
                    "--dtype", peer_dtype(args.dtype),
                    "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens)]

@@ -71,8 +71,7 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
         ``path``.
     """
     import gguf
-    import torch
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     from pagoda.engine.families import FAMILIES
     from pagoda.engine.model_loader import _GGUF_LAYER_NAMES, _GGUF_TOP_LEVEL_NAMES
@@ -87,6 +86,7 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(path), arch)
+    rope_factors: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = []
     if tensor_type != "f32":
         writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{tensor_type.upper()}"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -109,7 +109,8 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(stretch) / math.log(original)) if stretch > 1
                                              else 1.0)
         for kind in ("long", "short"):
-            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
+            factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            rope_factors.append((f"rope_factors_{kind}.weight", factors.shape, lambda factors=factors: factors))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if family.moe:
         writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
@@ -124,39 +125,34 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
                 getattr(writer, f"add_{key}")(config[key])
     add_tokenizer(writer, config)
 
-    weights = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        weights.update(load_file(str(file)))
+    # NOTE: tensor by tensor, read from the checkpoint as written (an 8B model's file is larger
+    # than this machine's memory): every tensor's info first, then each one's data in order.
+    handles = [safe_open(str(file), framework="pt") for file in sorted(Path(model_dir).glob("*.safetensors"))]
+    where = {name: handle for handle in handles for name in handle.keys()}
     top_level = {hf: ours for ours, hf in _GGUF_TOP_LEVEL_NAMES.items()}
     layer_names = {**_GGUF_LAYER_NAMES, **dict(family.gguf_names)}
     patterns = [(re.compile(r"model\.layers\.(\d+)\." + re.escape(hf).replace(r"\{\}", r"(\d+)") + r"\.(\w+)$"), ours)
                 for ours, hf in layer_names.items()]
-    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    entries: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = list(rope_factors)  # name, shape, data
+    stacked: dict[str, dict[int, str]] = {}
 
-    def add(name: str, tensor: np.ndarray) -> None:
-        # NOTE: norms and biases (1-D) stay float32, as llama.cpp's converter keeps them
-        if tensor.ndim == 1:
-            writer.add_tensor(name, tensor.astype(np.float32))
-        elif quantized == gguf.GGMLQuantizationType.Q6_K and tensor.shape[-1] % 256 == 0:
-            writer.add_tensor(name, quantize_q6_k(tensor.reshape(-1, tensor.shape[-1])).reshape(
-                *tensor.shape[:-1], -1), raw_dtype=quantized)
-        elif quantized is not None and quantized != gguf.GGMLQuantizationType.Q6_K and tensor.shape[-1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(tensor.astype(np.float32), quantized), raw_dtype=quantized)
-        else:
-            writer.add_tensor(name, tensor.astype(numpy_type))
+    def read(name: str) -> np.ndarray:
+        tensor = where[name].get_tensor(name)
+        if name.endswith("norm.weight"):
+            tensor = tensor + family.gguf_norm_offset  # Gemma's norms are stored as 1 + weight
+        return tensor.float().numpy()
 
-    def permuted(ours: str, tensor: torch.Tensor) -> torch.Tensor:
+    def permuted(ours: str, tensor: np.ndarray) -> np.ndarray:
         # llama.cpp's permute for its interleaved RoPE: rows (heads, 2, d/2) -> (heads, d/2, 2).
         n = {"attn_q": heads, "attn_k": kv_heads}.get(ours)
         if not family.gguf_permutes_qk or n is None:
             return tensor
         return tensor.reshape(n, 2, tensor.shape[0] // n // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
 
-    for name, tensor in sorted(weights.items()):
-        if name.endswith("norm.weight"):
-            tensor = tensor + family.gguf_norm_offset  # Gemma's norms are stored as 1 + weight
+    for name in sorted(where):
+        shape = tuple(where[name].get_slice(name).get_shape())
         if name in top_level:
-            add(top_level[name], tensor.float().numpy())
+            entries.append((top_level[name], shape, lambda name=name: read(name)))
             continue
         for pattern, ours in patterns:
             match = pattern.match(name)
@@ -164,17 +160,46 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
                 continue
             if "{}" in layer_names[ours]:
                 layer, expert, kind = match.groups()
-                stacked.setdefault(f"blk.{layer}.{ours}.{kind}", {})[int(expert)] = tensor
+                stacked.setdefault(f"blk.{layer}.{ours}.{kind}", {})[int(expert)] = name
             else:
                 layer, kind = match.groups()
-                add(f"blk.{layer}.{ours}.{kind}", permuted(ours, tensor).float().numpy())
+                entries.append((f"blk.{layer}.{ours}.{kind}", shape,
+                                lambda name=name, ours=ours: permuted(ours, read(name))))
             break
         else:
             raise ValueError(f"no GGUF name for {name}")
     for name, experts in stacked.items():
-        add(name, np.stack([experts[e].float().numpy() for e in sorted(experts)]))
+        names = [experts[e] for e in sorted(experts)]
+        shape = (len(names), *where[names[0]].get_slice(names[0]).get_shape())
+        entries.append((name, shape, lambda names=names: np.stack([read(n) for n in names])))
+
+    def encoding(shape: tuple[int, ...]) -> gguf.GGMLQuantizationType | np.dtype:
+        # NOTE: norms and biases (1-D) stay float32, as llama.cpp's converter keeps them
+        if len(shape) == 1:
+            return np.dtype(np.float32)
+        if quantized is not None and shape[-1] % (256 if quantized == gguf.GGMLQuantizationType.Q6_K else 32) == 0:
+            return quantized
+        return np.dtype(numpy_type)
+
+    def encoded(data: np.ndarray) -> np.ndarray:
+        kind = encoding(data.shape)
+        if kind == gguf.GGMLQuantizationType.Q6_K:
+            return quantize_q6_k(data.reshape(-1, data.shape[-1])).reshape(*data.shape[:-1], -1)
+        if isinstance(kind, gguf.GGMLQuantizationType):
+            return gguf.quants.quantize(data.astype(np.float32), kind)
+        return data.astype(kind)
+
+    for name, shape, _ in entries:
+        kind = encoding(shape)
+        if isinstance(kind, gguf.GGMLQuantizationType):
+            stored = gguf.quants.quant_shape_to_byte_shape(shape, kind)
+            writer.add_tensor_info(name, stored, np.dtype(np.uint8), math.prod(stored), raw_dtype=kind)
+        else:
+            writer.add_tensor_info(name, shape, kind, math.prod(shape) * kind.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for _, _, data in entries:
+        writer.write_tensor_data(encoded(data()))
     writer.close()
     return Path(path)

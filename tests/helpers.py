@@ -157,14 +157,16 @@ def make_hf_model(path: Path) -> torch.nn.Module:
 
     Args:
         path: A directory written by `make_tiny_model_dir` (or any supported
-            Hugging Face checkpoint).
+            Hugging Face checkpoint, or a converted GGUF file: its float folder is read).
 
     Returns:
         The ``AutoModelForCausalLM`` instance, the oracle for parity tests.
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    from pagoda.engine.model_loader import float_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(str(float_checkpoint(path)), dtype=torch.float32)
     return model.eval()
 
 
@@ -401,11 +403,14 @@ def write_gguf(model_dir: Path, path: Path, tensor_type: str = "f32") -> Path:
 def gguf_runs_agree(path: Path, dtype: str) -> tuple[str, str]:
     """Runs a quantized GGUF file as it is and dequantized to floats (``--quantization none``) on
     one 24-token prompt: the first greedy token equal and every prompt token's logprob within 0.05.
+    The quantized run (where it quantizes) wrote no float folder (model_loader.float_checkpoint):
+    it read no floats of its quantized tensors.
 
     Returns:
         Each run's start-up description (``engine.describe()``): quantized, floats.
     """
     from pagoda import LLM
+    from pagoda.engine.model_loader import FLOATS_DIR, resolve_model
 
     prompt = [3 + (7 * j) % 250 for j in range(24)]
     params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, ignore_eos=True)
@@ -413,6 +418,8 @@ def gguf_runs_agree(path: Path, dtype: str) -> tuple[str, str]:
     for quantization in ("auto", "none"):
         with LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=64, quantization=quantization) as llm:
             runs[quantization] = (llm.engine.describe(), llm.generate([prompt], params)[0])
+        floats_written = (resolve_model(str(path)) / FLOATS_DIR).is_dir()
+        assert floats_written == (quantization == "none" or "GGUF types" not in runs[quantization][0])
     (described, quantized), (float_described, floats) = runs["auto"], runs["none"]
     assert quantized.outputs[0].token_ids[0] == floats.outputs[0].token_ids[0]
     for got, want, token in zip(quantized.prompt_logprobs[1:], floats.prompt_logprobs[1:], prompt[1:]):

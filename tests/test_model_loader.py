@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from pagoda.engine import model_loader
 from pagoda.engine.model_loader import (
     DEFAULT_GGUF_FILE,
     convert_gguf,
     default_gguf_path,
+    float_checkpoint,
     load_tokenizer,
     load_weights,
     resolve_model,
@@ -365,24 +367,35 @@ def test_second_resolve_is_a_cache_hit(
     assert weights.stat().st_mtime_ns == mtime
 
 
-def test_a_large_gguf_file_converts_into_shards_one_at_a_time(monkeypatch: pytest.MonkeyPatch,
-                                                              tmp_path: Path) -> None:
-    # Shards of 8 KB (SHARD_BYTES made small): several files and an index, the same tensors as
-    # one file holds, and the model loads from them as from one.
-    from helpers import GGUF_TEST_VOCAB_SIZE, make_tiny_model_dir, write_gguf
+def test_a_gguf_file_converts_to_its_blocks_and_its_floats_come_when_asked(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    # Converting copies the quantized blocks and dequantizes nothing (the directory is about the
+    # file's size); load_weights dequantizes them as they come, but those it is told to skip;
+    # float_checkpoint writes every tensor in float32 once, in shards of 8 KB here (SHARD_BYTES
+    # made small): several files and an index, that transformers reads.
+    from helpers import GGUF_TEST_VOCAB_SIZE, write_gguf
 
     model_dir = make_tiny_model_dir(tmp_path / "hf", "llama", seed=1, vocab_size=GGUF_TEST_VOCAB_SIZE)
     gguf_file = write_gguf(model_dir, tmp_path / "tiny.gguf", "q8_0")
-    whole = convert_gguf(gguf_file, cache_dir=tmp_path / "whole")
-    assert (whole / "model.safetensors").is_file() and not (whole / "model.safetensors.index.json").exists()
+    converted = convert_gguf(gguf_file, cache_dir=tmp_path / "cache")
+    with safe_open(str(converted / "model.safetensors"), framework="pt") as handle:
+        assert sorted(handle.keys()) and all(name.endswith("norm.weight") for name in handle.keys())
+    stored = sum(p.stat().st_size for p in converted.rglob("*.safetensors"))
+    assert stored < 1.2 * gguf_file.stat().st_size
+    floats = dict(model_loader.load_weights(converted))
+    assert "model.layers.0.self_attn.q_proj.weight" in floats and all(t.dtype == torch.float32 for t in floats.values())
+    skipped = dict(model_loader.load_weights(converted, skip=lambda name: "mlp" in name))
+    assert skipped.keys() == {name for name in floats if "mlp" not in name}
+
     monkeypatch.setattr(model_loader, "SHARD_BYTES", 8 << 10)
-    sharded = convert_gguf(gguf_file, cache_dir=tmp_path / "sharded")
-    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    folder = float_checkpoint(converted)
+    assert folder == converted / model_loader.FLOATS_DIR and float_checkpoint(folder) == folder
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
-    assert sorted(p.name for p in sharded.glob("*.safetensors")) == files  # no leftovers
-    one = dict(model_loader.load_weights(whole))
-    many = dict(model_loader.load_weights(sharded))
-    assert one.keys() == many.keys() and all(torch.equal(one[name], many[name]) for name in one)
-    assert index["metadata"]["total_size"] == sum(t.nbytes for t in one.values())
-    assert (sharded / model_loader.QUANTIZED_FILE).is_file()
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == files  # no leftovers
+    many = dict(model_loader.load_weights(folder))
+    assert floats.keys() == many.keys() and all(torch.equal(floats[name], many[name]) for name in floats)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in floats.values())
+    hf = make_hf_model(converted)  # reads the float folder
+    assert torch.equal(hf.model.layers[0].mlp.down_proj.weight, floats["model.layers.0.mlp.down_proj.weight"])

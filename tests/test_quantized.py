@@ -15,7 +15,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.native import library as kernel_library
 from pagoda.native import linear as linear_kernels
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.model_loader import QUANTIZED_FILE, default_gguf_path, plan_quantization, resolve_model
+from pagoda.engine.model_loader import FLOATS_DIR, QUANTIZED_FILE, default_gguf_path, plan_quantization, resolve_model
 from pagoda.engine.models import linear
 from pagoda.engine.models import quantized as Q
 
@@ -497,18 +497,24 @@ def test_without_a_vector_quantized_kernel_gguf_is_dequantized_and_int8_refused(
 
 def test_converted_gguf_keeps_the_blocks_of_its_quantized_tensors():
     """The default model's file: Q4_1 layers and a Q8_0 embedding, read from
-    gguf/blocks.safetensors, equal the float weights the converter wrote (q/k rows un-permuted
-    alike)."""
+    gguf/blocks.safetensors, equal the float weights gguf dequantizes them to (load_weights);
+    the converter wrote no floats of them."""
     from safetensors import safe_open
+
+    from pagoda.engine.model_loader import load_weights
 
     model_dir = resolve_model(None)
     checkpoint = Q.quantized_weights(model_dir)
     assert checkpoint is not None and checkpoint.type_counts() == {"Q4_1": 210, "Q8_0": 1}
-    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as floats:
-        for name in ("layers.0.self_attn.q_proj.weight", "layers.3.self_attn.k_proj.weight",
-                     "layers.7.mlp.down_proj.weight", "embed_tokens.weight"):
-            assert torch.equal(checkpoint.get(name).dequantize(), floats.get_tensor("model." + name)), name
+    names = ("layers.0.self_attn.q_proj.weight", "layers.3.self_attn.k_proj.weight",
+             "layers.7.mlp.down_proj.weight", "embed_tokens.weight")
+    floats = dict(load_weights(model_dir, skip=lambda name: name.removeprefix("model.") not in names))
+    assert len(floats) == len(names)
+    for name in names:
+        assert torch.equal(checkpoint.get(name).dequantize(), floats["model." + name]), name
     assert checkpoint.get("norm.weight") is None  # kept in floats
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as stored:
+        assert all(name.endswith("norm.weight") for name in stored.keys())
     assert (model_dir / QUANTIZED_FILE).is_file() and default_gguf_path().is_file()
 
 
@@ -592,25 +598,25 @@ def test_greedy_tokens_without_logits_are_the_samplers(tiny_llama_dir, monkeypat
 
 def requantized_default_model(type_name: str, directory: Path) -> Path:
     """The default model with its quantized tensors quantized again to ``type_name`` by gguf
-    (from the float weights the converter wrote: the file's Q4_1 values), as Pagoda would
-    convert that type's GGUF file: the blocks, and their dequantized floats beside them."""
+    (from the file's Q4_1 values, dequantized), as Pagoda would convert that type's GGUF file:
+    the blocks, and the float tensors beside them."""
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from pagoda.engine.model_loader import load_weights
 
     source = resolve_model(None)
     directory.mkdir()
     for file in source.iterdir():
-        if file.name not in (Path(QUANTIZED_FILE).parts[0], "model.safetensors"):
+        if file.name not in (Path(QUANTIZED_FILE).parts[0], "model.safetensors", FLOATS_DIR):
             (directory / file.name).symlink_to(file)
     qtype = gguf.GGMLQuantizationType[type_name]
     types, blocks = {}, {}
-    with safe_open(str(source / QUANTIZED_FILE), framework="pt") as stored, \
-            safe_open(str(source / "model.safetensors"), framework="pt") as floats:
-        weights = {name: floats.get_tensor(name) for name in floats.keys()}
+    weights = dict(load_weights(source))
+    with safe_open(str(source / QUANTIZED_FILE), framework="pt") as stored:
         for name, (_, rows, cols) in json.loads(stored.metadata()["gguf_types"]).items():
-            quantized = gguf.quants.quantize(weights[name].float().numpy(), qtype)
+            quantized = gguf.quants.quantize(weights.pop(name).float().numpy(), qtype)
             blocks[name] = torch.from_numpy(quantized.reshape(rows, -1))
-            weights[name] = torch.from_numpy(gguf.quants.dequantize(quantized, qtype)).to(weights[name].dtype)
             types[name] = [type_name, rows, cols]
     (directory / QUANTIZED_FILE).parent.mkdir()
     save_file(blocks, str(directory / QUANTIZED_FILE), metadata={"gguf_types": json.dumps(types)})

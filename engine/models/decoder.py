@@ -302,6 +302,14 @@ def break_bfloat16_ties(logits: torch.Tensor, hidden: torch.Tensor, weight: torc
     return logits
 
 
+def _checkpoint_names(module_name: str) -> tuple[str, ...]:
+    """A linear layer's checkpoint weights ("layers.0.self_attn.q_proj.weight", ... for the
+    fused "layers.0.self_attn.qkv_proj")."""
+    prefix, _, last = module_name.rpartition(".")
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(last, (last,))
+    return tuple(f"{prefix}.{part}.weight" if prefix else f"{part}.weight" for part in parts)
+
+
 class DecoderForCausalLM(nn.Module):
     """The model (of any family in engine/families). ``forward`` returns hidden states; ``compute_logits`` runs the LM head
     only on the rows that sample.
@@ -387,16 +395,13 @@ class DecoderForCausalLM(nn.Module):
         if self.tp.is_parallel:
             raise ValueError("quantized weights do not run under tensor parallelism yet; pass --quantization none")
         self._one_call = None  # it holds the weights' addresses
-        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
         packings = []
         for name, module in self.named_modules():
             if isinstance(module, SparseMoE):
                 packings.extend(self._quantize_experts(name, module, pick))
             if not isinstance(module, Linear) or isinstance(module, RouterLinear):
                 continue
-            prefix, _, last = name.rpartition(".")
-            parts = fused.get(last, (last,))
-            names = tuple(f"{prefix}.{part}.weight" if prefix else f"{part}.weight" for part in parts)
+            names = _checkpoint_names(name)
             weight = pick(names, module.weight)
             if weight is not None:
                 module.quantize(weight)
@@ -407,6 +412,18 @@ class DecoderForCausalLM(nn.Module):
                 self._packed_lm_head = (pack_quantized(weight), method_for(weight.packing))
                 packings.append(weight.packing)
         return packings
+
+    def quantized_names(self) -> set[str]:
+        """The checkpoint names (as quantize_weights gives them to ``pick``) of the weights that
+        quantize_weights replaced: a checkpoint's floats of these are not needed."""
+        names: set[str] = set()
+        for name, module in self.named_modules():
+            if isinstance(module, SparseMoE) and module.quantized is not None:
+                names.update(f"{name}.experts.{e}.{part}.weight" for e in range(module.num_experts)
+                             for part in ("gate_proj", "up_proj", "down_proj"))
+            elif isinstance(module, Linear) and module.packing in QUANT_PACKINGS:
+                names.update(_checkpoint_names(name))
+        return names
 
     @staticmethod
     def _quantize_experts(name: str, moe: SparseMoE, pick) -> list[str]:
@@ -612,7 +629,13 @@ class DecoderForCausalLM(nn.Module):
         self._one_call = None  # it holds the weights' addresses
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
+        # NOTE: quantize_weights may run first (a GGUF file's blocks): those weights are in.
         loaded: set[str] = set()
+        for name, module in self.named_modules():
+            if isinstance(module, Linear) and module.packing in QUANT_PACKINGS:
+                loaded.add(f"{name}.weight")
+            elif isinstance(module, SparseMoE) and module.quantized is not None:
+                loaded.update((f"{name}.gate_up", f"{name}.down"))
         fused = {"q_proj": ("qkv_proj", 3), "k_proj": ("qkv_proj", 3), "v_proj": ("qkv_proj", 3),
                  "gate_proj": ("gate_up_proj", 2), "up_proj": ("gate_up_proj", 2)}
         order = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}

@@ -29,7 +29,8 @@ from pagoda.engine.kv_offload import KVOffloadTarget, model_fingerprint, namespa
 from pagoda.engine.messages import (DeviceMemory, KVCacheAllocation, RunnerOutput, SchedulerOutput, TokenLogprobs,
                                     WorkerInit)
 from pagoda.engine.config import SIMULATED_DEVICE_MEMORY_ENV, compiles_model
-from pagoda.engine.model_loader import compressed_tensors_config, default_cache_dir, load_weights
+from pagoda.engine.families import FAMILIES
+from pagoda.engine.model_loader import compressed_tensors_config, default_cache_dir, float_checkpoint, load_weights
 from pagoda.engine.models import linear
 from pagoda.engine.models.linear import choose_packing, describe_amx_rows
 from pagoda.engine.models.compressed_tensors import CompressedTensorsCheckpoint
@@ -262,18 +263,26 @@ class ModelRunner:
             model.local_rotary = RotaryEmbedding(model_config, init.max_model_len, local=True).to(self.device)
         start = time.perf_counter()
         progress(f"loading weights from {model_dir} ({self.device}, {str(self.dtype).removeprefix('torch.')})")
-        weights = load_weights(model_dir)
         mode = init.plan.draft_quantization if draft else init.plan.quantization
-        compressed = compressed_tensors_config(model_dir)
-        if compressed is not None:  # int8 weights, dequantized for the float model (and kept if used)
-            compressed = CompressedTensorsCheckpoint(compressed, keep=mode == "compressed-tensors")
-            weights = compressed.dequantizing(weights)
-        model.load_weights(weights)
         if config.enable_lora and not draft:
             # NOTE: before packing: a gate/up layer with slots is packed without its fused activation.
             self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
             model.lora_context = self.lora.context
-        quantized = self._quantize(model, model_dir, mode, compressed)
+        if mode == "gguf":
+            # NOTE: the file's blocks first: the floats of the layers they fill are never read
+            # (nor dequantized, nor held: the empty tensors above are never touched).
+            quantized = self._quantize(model, model_dir, mode, None)
+            family, taken = FAMILIES[model_config.architecture], model.quantized_names()
+            model.load_weights(load_weights(
+                model_dir, skip=lambda name: family.checkpoint_name(name.removeprefix("model.")) in taken))
+        else:
+            weights = load_weights(float_checkpoint(model_dir))
+            compressed = compressed_tensors_config(model_dir)
+            if compressed is not None:  # int8 weights, dequantized for the float model (and kept if used)
+                compressed = CompressedTensorsCheckpoint(compressed, keep=mode == "compressed-tensors")
+                weights = compressed.dequantizing(weights)
+            model.load_weights(weights)
+            quantized = self._quantize(model, model_dir, mode, compressed)
         packing = choose_packing(self.device, self.dtype, self.batch_invariant)
         if packing is not None:
             model.pack_weights(packing, self.batch_invariant)
