@@ -31,6 +31,10 @@ from pagoda.environment import read
 from pagoda.benchmarks.memory_bandwidth import floor_line, measure_read_rate
 from pagoda.benchmarks.progress import emit, note
 from pagoda.benchmarks.workloads import WORKLOADS, Workload
+
+#: The workloads whose decode steps read every weight once a step: measured against the
+#: bandwidth floor (memory_bandwidth.floor_line).
+FLOOR_WORKLOADS = ("single", "batch8")
 from pagoda.engine.args import add_engine_args, engine_config_from_args
 
 PEER_SCRIPTS = {"vllm": Path(__file__).with_name("vllm_peer.py"),
@@ -242,11 +246,11 @@ def run_compare(args: argparse.Namespace) -> int:
     read_rates = []  # bytes/s, before each engine and after both: the rate moves on shared machines
 
     def measure(when: str) -> None:
-        if "single" in names:
+        if set(FLOOR_WORKLOADS) & set(names):
             read_rates.append(measure_read_rate())
             emit(args, {"engine": "machine", "event": "read_rate", "when": when,
                         "gb_per_s": round(read_rates[-1] / 1e9, 2)},
-                 f"memory read rate {when}: {read_rates[-1] / 1e9:.2f} GB/s (for the single stream's bandwidth floor)")
+                 f"memory read rate {when}: {read_rates[-1] / 1e9:.2f} GB/s (for the decode's bandwidth floor)")
 
     measure("before pagoda")
     results = run_pagoda(args, plan)
@@ -275,10 +279,12 @@ def run_compare(args: argparse.Namespace) -> int:
             if theirs is not None:
                 line += f"{theirs[0]:>12.2f}{theirs[1] / theirs[0]:>9.1f}{theirs[0] / ours[0]:>16.2f}x"
         print(line)
-    if "single" in names:
-        per_token = {engine: median[0] / median[1] for engine in ("pagoda", args.peer)
-                     if (median := _median(results, engine, "single")) is not None}
-        print(floor_line(args.weight_bytes_per_token, read_rates, per_token))
+    for name in FLOOR_WORKLOADS:
+        if name in names:
+            count = WORKLOADS[name].count  # a step reads the weights once for every row
+            per_step = {engine: median[0] / (median[1] / count) for engine in ("pagoda", args.peer)
+                        if (median := _median(results, engine, name)) is not None}
+            print(floor_line(args.weight_bytes_per_token, read_rates, per_step, WORKLOADS[name].description))
     return 0
 
 

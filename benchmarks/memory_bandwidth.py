@@ -34,14 +34,15 @@ def measure_read_rate(passes: int = 5, buffer_bytes: int = BUFFER_BYTES) -> floa
     return buffer_bytes / best
 
 
-def floor_line(weight_bytes: int, read_rates: list[float], per_token: dict[str, float]) -> str:
-    """``bandwidth floor: ... ms/token; single stream: pagoda ... ms/token (1.20x the floor), ...``: the
-    floor at the highest of the sitting's ``read_rates`` (the rate the machine showed it can read at)."""
+def floor_line(weight_bytes: int, read_rates: list[float], per_step: dict[str, float], workload: str) -> str:
+    """``bandwidth floor: ... ms/step; <workload>: pagoda ... ms/step (1.20x the floor), ...``: the
+    floor at the highest of the sitting's ``read_rates`` (the rate the machine showed it can read at);
+    ``per_step`` is each engine's time over its decode steps (one a token of every row)."""
     rate = max(read_rates)
     floor = weight_bytes / rate
-    parts = [f"{engine} {seconds * 1e3:.1f} ms/token ({seconds / floor:.2f}x the floor)"
-             for engine, seconds in per_token.items()]
+    parts = [f"{engine} {seconds * 1e3:.1f} ms/step ({seconds / floor:.2f}x the floor)"
+             for engine, seconds in per_step.items()]
     spread = f"{min(read_rates) / 1e9:.1f}-{rate / 1e9:.1f} GB/s" if len(read_rates) > 1 else "once"
-    return (f"bandwidth floor: {weight_bytes / 1e9:.2f} GB of weights read per token (Pagoda's) at {rate / 1e9:.1f} "
-            f"GB/s, the highest read rate of the sitting (measured {spread}), = {floor * 1e3:.1f} ms/token; single "
-            f"stream (its prefill included): {', '.join(parts)}")
+    return (f"bandwidth floor: {weight_bytes / 1e9:.2f} GB of weights read per step (Pagoda's) at {rate / 1e9:.1f} "
+            f"GB/s, the highest read rate of the sitting (measured {spread}), = {floor * 1e3:.1f} ms/step; "
+            f"{workload} (its prefill included): {', '.join(parts)}")

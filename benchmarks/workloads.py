@@ -76,6 +76,7 @@ WORKLOADS = {
         Workload("shared-prefix", "64 x (512 shared prefix + 64 unique) -> 64 out", "shared-prefix", 64, 512, 64,
                  suffix_len=64),
         Workload("single", "1 x 128 -> 128 out (single stream)", "random", 1, 128, 128),
+        Workload("batch8", "8 x 128 random prompt -> 128 out (small batch)", "random", 8, 128, 128),
         Workload("chat", "64 chat-like: prompts ~200 (long tail to 1200), outputs ~100 (to 400)", "chat", 64, 200,
                  100),
         Workload("prefill", "64 x 256 random prompt -> 1 out (prefill only)", "random", 64, 256, 1),

@@ -100,8 +100,8 @@ def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llam
     assert cpu["model_name"] in flags and cpu["cores"] >= 1
     assert ("amx_bf16" in cpu["features"]) == (" amx_bf16" in flags)
     output = tmp_path / "compare.json"
-    assert main(["bench", "compare", "--model", str(tiny_llama_dir), "--workloads", "single,prefill", "--runs", "1",
-                 "--dtype", "float32", "--enforce-eager", "--output", str(output)]) == 0
+    assert main(["bench", "compare", "--model", str(tiny_llama_dir), "--workloads", "single,batch8,prefill",
+                 "--runs", "1", "--dtype", "float32", "--enforce-eager", "--output", str(output)]) == 0
     out = capsys.readouterr().out
     assert f"CPU: {cpu['model_name']}" in out
     assert re.search(r"^precision: pagoda float32, \d+ MB of weights$", out, re.M), out
@@ -117,34 +117,38 @@ def test_compare_names_the_cpu_in_its_table_and_json(capsys, tmp_path, tiny_llam
     assert weight_bytes == sum(t.numel() * 4 for t in tensors.values())
     # As it goes: the memory read rate (measured before the engine starts), a line before the
     # engine starts, one when it has, one per run (warm-up and timed), in order, each with its
-    # time; then the table, a row per workload, and the single stream's bandwidth floor.
+    # time; then the table, a row per workload, and the single stream's and the small batch's
+    # bandwidth floor.
     lines = out.splitlines()
     # The read rate before the engine and after the runs (the floor takes the higher).
     assert len(rates) == 2 and min(rates) > 0.5
-    for when, rate, line in zip(("before pagoda", "after the runs"), rates, (lines[0], lines[7])):
-        assert line == f"memory read rate {when}: {rate:.2f} GB/s (for the single stream's bandwidth floor)"
-    del lines[7], lines[0]
+    for when, rate, line in zip(("before pagoda", "after the runs"), rates, (lines[0], lines[9])):
+        assert line == f"memory read rate {when}: {rate:.2f} GB/s (for the decode's bandwidth floor)"
+    del lines[9], lines[0]
     assert lines[0].startswith("pagoda: starting the engine on") and re.fullmatch(r"pagoda: started in [0-9.]+ s",
                                                                                   lines[1])
-    runs = [re.fullmatch(r"pagoda +(\S+) +(warm-up|run 1/1) +([0-9.]+) s +([0-9.]+) tok/s", line) for line in lines[2:6]]
-    assert [(m[1], m[2]) for m in runs] == [("single", "warm-up"), ("single", "run 1/1"), ("prefill", "warm-up"),
-                                            ("prefill", "run 1/1")], lines
+    runs = [re.fullmatch(r"pagoda +(\S+) +(warm-up|run 1/1) +([0-9.]+) s +([0-9.]+) tok/s", line)
+            for line in lines[2:8]]
+    assert [(m[1], m[2]) for m in runs] == [(name, run) for name in ("single", "batch8", "prefill")
+                                            for run in ("warm-up", "run 1/1")], lines
     timed = [r for r in records[1:] if r.get("event") == "run" and not r["warmup"]]
-    assert [float(runs[i][3]) for i in (1, 3)] == [round(r["seconds"], 2) for r in timed]
+    assert [float(runs[i][3]) for i in (1, 3, 5)] == [round(r["seconds"], 2) for r in timed]
     assert not any(line.startswith("{") for line in lines)  # JSON only with --json
     table = lines[lines.index(next(line for line in lines if line.startswith("workload"))):]
-    assert len(table) == 4 and table[1].startswith("1 x ") and "prompt" in table[2]
-    floor = re.fullmatch(r"bandwidth floor: ([0-9.]+) GB of weights read per token \(Pagoda's\) at ([0-9.]+) GB/s, "
-                         r"the highest read rate of the sitting \(measured ([0-9.]+)-([0-9.]+) GB/s\), = ([0-9.]+) "
-                         r"ms/token; single stream \(its prefill included\): pagoda ([0-9.]+) ms/token "
-                         r"\(([0-9.]+)x the floor\)", table[3])
-    assert floor, table[3]
-    assert float(floor[1]) == round(weight_bytes / 1e9, 2)
-    assert [float(floor[i]) for i in (3, 4, 2)] == pytest.approx([min(rates), max(rates), max(rates)], abs=0.06)
-    per_token, floor_seconds = timed[0]["seconds"] / timed[0]["output_tokens"], weight_bytes / (max(rates) * 1e9)
-    assert float(floor[5]) == pytest.approx(floor_seconds * 1e3, rel=0.01, abs=0.06)
-    assert float(floor[6]) == round(per_token * 1e3, 1)
-    assert float(floor[7]) == pytest.approx(per_token / floor_seconds, rel=0.01, abs=0.01)
+    assert len(table) == 6 and table[1].startswith("1 x ") and table[2].startswith("8 x ") and "prompt" in table[3]
+    for line, record, rows in zip(table[4:], timed, (1, 8)):
+        floor = re.fullmatch(r"bandwidth floor: ([0-9.]+) GB of weights read per step \(Pagoda's\) at ([0-9.]+) GB/s, "
+                             r"the highest read rate of the sitting \(measured ([0-9.]+)-([0-9.]+) GB/s\), = ([0-9.]+) "
+                             r"ms/step; (1|8) x 128 (?:random prompt )?-> 128 out \((single stream|small batch)\) "
+                             r"\(its prefill included\): pagoda ([0-9.]+) ms/step \(([0-9.]+)x the floor\)", line)
+        assert floor and int(floor[6]) == rows, line
+        assert float(floor[1]) == round(weight_bytes / 1e9, 2)
+        assert [float(floor[i]) for i in (3, 4, 2)] == pytest.approx([min(rates), max(rates), max(rates)], abs=0.06)
+        per_step = record["seconds"] / (record["output_tokens"] / rows)
+        floor_seconds = weight_bytes / (max(rates) * 1e9)
+        assert float(floor[5]) == pytest.approx(floor_seconds * 1e3, rel=0.01, abs=0.06)
+        assert float(floor[8]) == round(per_step * 1e3, 1)
+        assert float(floor[9]) == pytest.approx(per_step / floor_seconds, rel=0.01, abs=0.01)
 
 
 def test_compare_against_vllm_is_at_equal_precision_unless_told_otherwise(tmp_path):
