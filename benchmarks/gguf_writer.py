@@ -17,9 +17,9 @@ from typing import Callable
 import numpy as np
 
 #: The tensor types written here: floats, the quantized types the ``gguf`` package's own
-#: quantizer makes, and Q6_K by :func:`quantize_q6_k` (the tests' files; the benchmarks' K-quant
-#: files come from llama.cpp's quantizer).
-TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q6_k")
+#: quantizer makes, and Q4_K and Q6_K by :func:`quantize_q4_k` and :func:`quantize_q6_k` (the
+#: tests' files; the benchmarks' K-quant files come from llama.cpp's quantizer).
+TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
 
 
 def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
@@ -40,6 +40,30 @@ def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
     qh = top[:, :, 0] | top[:, :, 1] << 2 | top[:, :, 2] << 4 | top[:, :, 3] << 6
     blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)],
                             axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
+    """A float [rows, cols] weight (cols a multiple of 256) as Q4_K blocks (uint8 [rows, cols /
+    256 x 144]), rounded to nearest: per 32 values a step (their range / 15) and a minimum
+    (-min(0, their least)), each a 6-bit integer times the super-block's float16 d or dmin; not
+    llama.cpp's search for the best ones."""
+    rows, cols = weight.shape
+    subs = weight.astype(np.float32).reshape(-1, 8, 32)  # [super-block, sub-block, 32]
+    low = np.minimum(subs.min(axis=2), 0)
+    steps, mins = (subs.max(axis=2) - low) / 15, -low
+    d, dmin = ((t.max(axis=1) / 63).astype(np.float16) for t in (steps, mins))
+    six = lambda t, unit: np.where(unit > 0, np.round(t / np.where(unit > 0, unit, 1)), 0).clip(0, 63)  # noqa: E731
+    sc, mn = six(steps, d.astype(np.float32)[:, None]), six(mins, dmin.astype(np.float32)[:, None])
+    step, least = (d.astype(np.float32)[:, None] * sc)[:, :, None], (dmin.astype(np.float32)[:, None] * mn)[:, :, None]
+    q = np.where(step > 0, np.round((subs + least) / np.where(step > 0, step, 1)), 0).clip(0, 15).astype(np.uint8)
+    q = q.reshape(-1, 4, 2, 32)  # element 64 c + 32 h + l
+    qs = q[:, :, 0] | (q[:, :, 1] << 4)
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=1)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales,
+                             qs.reshape(-1, 128)], axis=1)
     return blocks.reshape(rows, -1)
 
 
@@ -88,7 +112,8 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
     writer = gguf.GGUFWriter(str(path), arch)
     rope_factors: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = []
     if tensor_type != "f32":
-        writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{tensor_type.upper()}"])
+        # (a file all of Q4_K is llama.cpp's Q4_K_S)
+        writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{tensor_type.upper()}" + ("_S" if tensor_type == "q4_k" else "")])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -177,14 +202,15 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
         # NOTE: norms and biases (1-D) stay float32, as llama.cpp's converter keeps them
         if len(shape) == 1:
             return np.dtype(np.float32)
-        if quantized is not None and shape[-1] % (256 if quantized == gguf.GGMLQuantizationType.Q6_K else 32) == 0:
+        if quantized is not None and shape[-1] % (256 if quantized.name.endswith("_K") else 32) == 0:
             return quantized
         return np.dtype(numpy_type)
 
     def encoded(data: np.ndarray) -> np.ndarray:
         kind = encoding(data.shape)
-        if kind == gguf.GGMLQuantizationType.Q6_K:
-            return quantize_q6_k(data.reshape(-1, data.shape[-1])).reshape(*data.shape[:-1], -1)
+        ours = {gguf.GGMLQuantizationType.Q6_K: quantize_q6_k, gguf.GGMLQuantizationType.Q4_K: quantize_q4_k}
+        if kind in ours:
+            return ours[kind](data.reshape(-1, data.shape[-1])).reshape(*data.shape[:-1], -1)
         if isinstance(kind, gguf.GGMLQuantizationType):
             return gguf.quants.quantize(data.astype(np.float32), kind)
         return data.astype(kind)
