@@ -123,9 +123,8 @@ QUANT_BLOCK = 16  # output features per block of the packed layout
 
 
 @functools.cache
-def quant_block_bytes(k: int, bits: int, has_min: bool) -> int:
-    """The packed bytes of 16 output features over ``k`` inputs (csrc/quant_linear.c's layout)."""
-    return _kernel("quant_block_bytes")(k, bits, int(has_min))
+def _quant_group_bytes(bits: int, has_min: bool) -> int:
+    return _kernel("quant_group_bytes")(bits, int(has_min))
 
 
 def quant_linear_vector() -> bool:
@@ -135,8 +134,7 @@ def quant_linear_vector() -> bool:
 
 
 def quant_linear_q6() -> bool:
-    """Whether the quantized kernel runs 6-bit weights and the K4 form (4-bit values under
-    Q4_K's two-level scales): its AVX512-VNNI build."""
+    """Whether the quantized kernel runs 6-bit weights (its AVX512-VNNI build)."""
     return available() and bool(load().quant_linear_q6())
 
 
@@ -151,7 +149,7 @@ def _quant_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == torch.uint8
     k = x.shape[1]
     assert k % QUANT_GROUP == 0 and weight.is_contiguous()
-    assert weight.numel() == -(-out_features // QUANT_BLOCK) * quant_block_bytes(k, bits, has_min)
+    assert weight.numel() == -(-out_features // QUANT_BLOCK) * (k // QUANT_GROUP) * _quant_group_bytes(bits, has_min)
     if bias is not None:
         assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (out_features,)
     return x if x.stride(1) == 1 else x.contiguous()

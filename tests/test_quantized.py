@@ -39,18 +39,13 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray
     return blocks.reshape(rows, -1)
 
 
-# The 6-bit packing (Q6_K's) and the K4 form (Q4_K's) run on the kernel's AVX512-VNNI build only.
-needs_q6 = pytest.mark.skipif(not linear_kernels.quant_linear_q6(),
-                              reason="6-bit and K4 weights run on AVX512-VNNI only")
-#: The packings of weights of any whole groups of 32 inputs (the K4 form takes whole 256s: its own tests).
-PACKINGS = [pytest.param(p, marks=needs_q6) if p == "q6" else p for p in Q.QUANT_PACKINGS if p != "q4k"]
+# The 6-bit packing (Q6_K's) runs on the kernel's AVX512-VNNI build only.
+needs_q6 = pytest.mark.skipif(not linear_kernels.quant_linear_q6(), reason="6-bit weights run on AVX512-VNNI only")
+PACKINGS = [pytest.param(p, marks=needs_q6) if p == "q6" else p for p in Q.QUANT_PACKINGS]
 
 
-@pytest.mark.parametrize("vector_only", [False, True])
 @pytest.mark.parametrize("type_name", Q.EXACT_GGUF_TYPES)
-def test_gguf_blocks_are_read_as_gguf_dequantizes_them(monkeypatch, type_name, vector_only):
-    # Q4_K in its own form where the vectors run it (exact), else as plain 4-bit.
-    monkeypatch.setattr(Q, "vector_only_packings", lambda: vector_only)
+def test_gguf_blocks_are_read_as_gguf_dequantizes_them(type_name):
     rows, cols = 24, 512
     blocks = random_blocks(type_name, rows, cols, seed=len(type_name))
     expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]),
@@ -58,13 +53,7 @@ def test_gguf_blocks_are_read_as_gguf_dequantizes_them(monkeypatch, type_name, v
     weight = Q.from_gguf(blocks, type_name, (rows, cols))
     assert weight.values.shape == (rows, cols) and weight.scales.shape == (rows, cols // 32)
     got = weight.dequantize()
-    assert (weight.packing == "q4k") == (type_name == "Q4_K" and vector_only)
-    if weight.packing == "q4k":  # exact; as plain 4-bit (beside other types), as before
-        assert torch.equal(got, expected) and weight.k_scales[0].shape == (rows, cols // 256)
-        monkeypatch.setattr(Q, "vector_only_packings", lambda: False)
-        assert torch.equal(weight.without_k_scales().dequantize(), Q.from_gguf(blocks, type_name, (rows, cols))
-                           .dequantize())
-    elif type_name.endswith("_K"):
+    if type_name.endswith("_K"):
         # a sub-block's scale and minimum (float16 x 6-bit integer) are rounded to float16 here
         expand = lambda t: t.repeat_interleave(32, 1)  # noqa: E731
         bound = 2**-11 * (weight.values.float().abs() * expand(weight.scales).abs() + expand(weight.mins).abs())
@@ -79,7 +68,7 @@ def test_gguf_blocks_are_read_as_gguf_dequantizes_them(monkeypatch, type_name, v
 @pytest.mark.parametrize("type_name,six_bit", [("Q3_K", True), ("Q6_K", False)])
 def test_other_gguf_types_are_quantized_again_to_8_bits(monkeypatch, type_name, six_bit):
     # Q6_K too where the kernel does not run 6-bit weights (an AVX2 CPU, or one whose AMX tiles run).
-    monkeypatch.setattr(Q, "vector_only_packings", lambda: six_bit)
+    monkeypatch.setattr(Q, "six_bit_kernel", lambda: six_bit)
     blocks = random_blocks(type_name, 8, 256, seed=6)
     expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]),
                                            dtype=np.float32).reshape(8, 256))
@@ -90,7 +79,7 @@ def test_other_gguf_types_are_quantized_again_to_8_bits(monkeypatch, type_name, 
 
 
 def test_q6_k_is_read_as_6_bit_values_with_a_scale_per_16(monkeypatch):
-    monkeypatch.setattr(Q, "vector_only_packings", lambda: True)
+    monkeypatch.setattr(Q, "six_bit_kernel", lambda: True)
     rows, cols = 24, 512
     blocks = random_blocks("Q6_K", rows, cols, seed=7)
     expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K),
@@ -123,16 +112,12 @@ def test_mixed_types_concatenate_as_8_bit_with_minimums(monkeypatch):
     assert both.packing == "q8m" and both.shape == (12, 64)
     assert torch.equal(both.dequantize(), torch.cat([four.dequantize(), eight.dequantize()]))
     # A 6-bit part (Q4_K_M's v beside Q4_K's q and k) is quantized again to 8 bits per 32.
-    monkeypatch.setattr(Q, "vector_only_packings", lambda: True)
+    monkeypatch.setattr(Q, "six_bit_kernel", lambda: True)
     six = Q.from_gguf(random_blocks("Q6_K", 4, 256, 3), "Q6_K", (4, 256))
     four_k = Q.from_gguf(random_blocks("Q4_K", 8, 256, 4), "Q4_K", (8, 256))
-    assert four_k.packing == "q4k" and Q.GroupQuantized.cat([four_k, four_k]).packing == "q4k"
     mixed = Q.GroupQuantized.cat([four_k, six])
     assert mixed.packing == "q8m" and mixed.scales.shape == (12, 8)
-    assert torch.equal(mixed.dequantize()[:8], four_k.without_k_scales().dequantize())
-    four = Q.from_gguf(random_blocks("Q4_1", 8, 256, 5), "Q4_1", (8, 256))
-    plain = Q.GroupQuantized.cat([four_k, four])  # beside plain 4-bit: plain 4-bit
-    assert plain.packing == "q4m" and torch.equal(plain.dequantize()[8:], four.dequantize())
+    assert torch.equal(mixed.dequantize()[:8], four_k.dequantize())
     assert torch.equal(mixed.dequantize()[8:], Q.quantize_int8(six.dequantize()).dequantize())
     assert Q.GroupQuantized.cat([six, six]).packing == "q6"
 
@@ -182,45 +167,6 @@ def test_kernel_matches_dequantize_then_multiply(packing, out_features, in_featu
     # and the activations' quantization costs little against the exact product
     exact = x.double() @ weight.dequantize().double().T
     assert ((out.double() - exact).abs() <= 0.03 * scale).all()
-
-
-def k4_weight(n: int, k: int, seed: int) -> Q.GroupQuantized:
-    """A random weight in the K4 form (Q4_K's): 4-bit values, 6-bit scales and minimums, and
-    float16 d and dmin a super-block of 256 inputs."""
-    gen = torch.Generator().manual_seed(seed)
-    sixes = lambda: torch.randint(0, 64, (n, k // 32), generator=gen).float()  # noqa: E731
-    return Q.GroupQuantized(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8), sixes(), sixes(), 4,
-                            ((torch.rand(n, k // 256, generator=gen) * 3e-3).half().float(),
-                             (torch.rand(n, k // 256, generator=gen) * 2e-3).half().float()))
-
-
-@needs_kernels
-@needs_q6
-@pytest.mark.parametrize("out_features,in_features", [(40, 256), (97, 512), (576, 768)])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 6, 13])
-def test_k4_form_matches_dequantize_then_multiply(out_features, in_features, rows):
-    # Q4_K's own form: 4.625 bits a weight where plain 4-bit takes 5; each group's scale and
-    # minimum from its super-block's float16 d, dmin and its 6-bit integers, for every tile shape
-    # (one row: four blocks at a time; two; four-row tiles and a tail).
-    weight = k4_weight(out_features, in_features, seed=rows + out_features)
-    packed = Q.pack(weight)
-    blocks = -(-out_features // 16)
-    assert packed.numel() == weight.nbytes_packed() == blocks * 16 * in_features * 4.625 / 8
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    out = linear_kernels.quant_linear(x, packed, None, out_features, *Q.QUANT_PACKINGS["q4k"], out_f32=True)
-    assert out.shape == (rows, out_features)
-    if not rows:
-        return
-    expected = quantize_activations(x).double() @ weight.dequantize().double().T
-    assert ((out.double() - expected).abs() <= 4e-3 * expected.abs().max()).all()
-    # the same sums as the plain 4-bit form's but for its float16 scales (rounded there)
-    plain = weight.without_k_scales()
-    assert plain.packing == "q4m"
-    other = linear_kernels.quant_linear(x, Q.pack(plain), None, out_features, 4, True, out_f32=True)
-    assert ((out - other).abs() <= 2e-3 * expected.abs().max()).all()
-    ids = linear_kernels.quant_linear_argmax(x, packed, None, out_features, *Q.QUANT_PACKINGS["q4k"])
-    assert torch.equal(ids, first_largest(out))
 
 
 @needs_kernels
@@ -296,7 +242,7 @@ def bf16_weight(weight: Q.GroupQuantized) -> torch.Tensor:
 
 
 @needs_amx
-@pytest.mark.parametrize("packing", [p for p in Q.QUANT_PACKINGS if p not in ("q6", "q4k")])  # never on the tiles
+@pytest.mark.parametrize("packing", [p for p in Q.QUANT_PACKINGS if p != "q6"])  # 6-bit: never on the tiles
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (97, 160), (3072, 576), (576, 1536), (97, 800)])
 @pytest.mark.parametrize("rows", [1, 16, 37, 70, 300, 1001])
 def test_tiles_match_the_bfloat16_weight_times_x(packing, out_features, in_features, rows):
@@ -516,9 +462,6 @@ def test_avx2_and_portable_paths_give_the_vnni_paths_results(tmp_path, march, ve
     x, out = torch.randn(1, 128).to(torch.bfloat16), torch.empty(1, 37)
     assert lib.quant_linear(x.data_ptr(), 1, 128, 0, 128, Q.pack(weights.pop("q6")).data_ptr(), 6, 0, 37, None,
                             out.data_ptr(), 37, 1, 0) == -2
-    x256 = torch.randn(1, 256).to(torch.bfloat16)  # and the K4 form (the engine then reads Q4_K as plain 4-bit)
-    assert lib.quant_linear(x256.data_ptr(), 1, 256, 0, 256, Q.pack(k4_weight(37, 256, seed=5)).data_ptr(),
-                            *Q.QUANT_PACKINGS["q4k"], 37, None, out.data_ptr(), 37, 1, 0) == -2
     bias = torch.randn(37)
     for rows in (1, 7):
         x = torch.randn(rows, 128).to(torch.bfloat16)
@@ -716,26 +659,23 @@ def test_quantized_formats_cost_the_default_model_little_perplexity(tmp_path):
 
 
 @needs_vector
-def test_a_q4_k_file_runs_in_its_own_form(tmp_path):
+def test_a_q4_k_file_runs_its_4_bit_weights(tmp_path):
     # A Q4_K file (benchmarks/gguf_writer.py's quantizer, its blocks checked against gguf's
-    # dequantizer) of a Llama with rows of 256: its matrices, the tied head among them, run in the
-    # K4 form where the kernel runs it (plain 4-bit elsewhere), within the activations' rounding
-    # of the same file dequantized to floats.
+    # dequantizer) of a Llama with rows of 256: its matrices, the tied head among them, run as
+    # 4-bit with minimums, within the activations' rounding of the same file dequantized to floats.
     from pagoda.benchmarks.gguf_writer import quantize_q4_k
     from helpers import GGUF_TEST_VOCAB_SIZE, gguf_runs_agree, make_tiny_model_dir, write_gguf
 
     weight = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
-    blocks = quantize_q4_k(weight)
-    decoded = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(8, 512)
+    decoded = gguf.quants.dequantize(quantize_q4_k(weight), gguf.GGMLQuantizationType.Q4_K).reshape(8, 512)
     step = (weight.reshape(8, 16, 32).max(2) - np.minimum(weight.reshape(8, 16, 32).min(2), 0)) / 15
     assert (np.abs(decoded - weight) <= 0.75 * np.repeat(step, 32, axis=1) + 1e-6).all()
     model_dir = make_tiny_model_dir(tmp_path / "hf", "llama", seed=4, vocab_size=GGUF_TEST_VOCAB_SIZE,
                                     hidden_size=256, intermediate_size=512)
     path = write_gguf(model_dir, tmp_path / "llama.Q4_K.gguf", "q4_k")
     described, _ = gguf_runs_agree(path, "bfloat16")
-    packing = "q4k" if Q.vector_only_packings() else "q4m"
     # 2 x (qkv, o, gate/up, down) and the tied head, every step in one C call
-    assert f"GGUF types: 9 layers {packing};" in described and "steps in one call" in described, described
+    assert "GGUF types: 9 layers q4m;" in described and "steps in one call" in described, described
 
 
 @needs_vector
@@ -749,6 +689,6 @@ def test_a_q6_k_file_runs_its_6_bit_weights(tmp_path):
                                     hidden_size=256, intermediate_size=512)
     path = write_gguf(model_dir, tmp_path / "llama.Q6_K.gguf", "q6_k")
     described, _ = gguf_runs_agree(path, "bfloat16")
-    packing = "q6" if Q.vector_only_packings() else "q8"
+    packing = "q6" if Q.six_bit_kernel() else "q8"
     # 2 x (qkv, o, gate/up, down) and the tied head, every step in one C call
     assert f"GGUF types: 9 layers {packing};" in described and "steps in one call" in described, described

@@ -5,17 +5,14 @@ Every quantized weight is held, until it is packed, as :class:`GroupQuantized`: 
 ``w = scale * value + min``. That form holds these GGUF types exactly (their blocks are read
 here, not dequantized): Q8_0 (8-bit), Q4_0, Q4_1, Q4_K (4-bit), Q5_0, Q5_1, Q5_K (5-bit
 values, kept as 8-bit). Q6_K (6-bit values with a scale per 16 inputs) is held so too, as
-6-bit with two scales a group, and Q4_K as its own two levels of scales (``k_scales``: 4.625
-bits a weight read, not 5), where the kernel runs those forms (AVX512-VNNI vectors, not on a
-CPU whose AMX tiles run: those take 8- and plain 4-bit weights in their products of many
-rows; `vector_only_packings`). Other
+6-bit with two scales a group, where the kernel runs 6-bit weights (AVX512-VNNI vectors, not
+on a CPU whose AMX tiles run: those take 8-bit weights in their products of many rows). Other
 GGUF types (Q2_K, Q3_K, the IQ types; Q6_K elsewhere) are dequantized and quantized again to
 8 bits per group of 32 (finer than their own steps; not exact). ``--quantization int8``
 quantizes a float checkpoint the same way (symmetric, per group).
 
 Scales and minimums are float16, as in GGUF's blocks; a K-quant's scale (its super-block's
-float16 times a 6-bit integer) is rounded to float16 here (a relative error under 2^-11), but
-for Q4_K in its own form (exact).
+float16 times a 6-bit integer) is rounded to float16 here (a relative error under 2^-11).
 """
 
 from __future__ import annotations
@@ -33,9 +30,7 @@ from pagoda.engine.model_loader import QUANTIZED_FILE
 GROUP = linear_kernels.QUANT_GROUP
 BLOCK = linear_kernels.QUANT_BLOCK
 #: The packings of quantized weights (the names linear.py dispatches on): bits, with minimums.
-#: (The K4 form's bits code, 5, is csrc/quant_linear.c's K4_BITS: its values are 4-bit.)
-QUANT_PACKINGS = {"q8": (8, False), "q8m": (8, True), "q6": (6, False), "q4": (4, False), "q4m": (4, True),
-                  "q4k": (5, True)}
+QUANT_PACKINGS = {"q8": (8, False), "q8m": (8, True), "q6": (6, False), "q4": (4, False), "q4m": (4, True)}
 #: GGUF types read exactly (the rest are dequantized and quantized again to 8 bits).
 EXACT_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
 
@@ -46,16 +41,13 @@ class GroupQuantized:
 
     values: int8 [N, K] (``bits`` 8: -128..127; ``bits`` 6: -32..31; ``bits`` 4: 0..15);
     scales, mins: float32 [N, K / 32] holding float16 values (mins None: zero); ``bits`` 6:
-    scales [N, K / 16] (``scales[n, k // 16]``), no mins. With ``k_scales`` (Q4_K's form,
-    packing "q4k"): (d, dmin) float32 [N, K / 256] holding float16 values, and scales, mins the
-    6-bit integers (0..63) of each group: ``w = d * scales * values - dmin * mins``.
+    scales [N, K / 16] (``scales[n, k // 16]``), no mins.
     """
 
     values: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
     bits: int
-    k_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,45 +55,23 @@ class GroupQuantized:
 
     @property
     def packing(self) -> str:
-        return "q4k" if self.k_scales is not None else f"q{self.bits}" + ("m" if self.mins is not None else "")
-
-    def _group_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The scale and minimum of each group, float32 (the K4 form's products of its two levels)."""
-        if self.k_scales is None:
-            return self.scales, self.mins
-        d, dmin = (t.repeat_interleave(256 // GROUP, dim=1) for t in self.k_scales)
-        return d * self.scales, -(dmin * self.mins)
+        return f"q{self.bits}" + ("m" if self.mins is not None else "")
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these stand for (the reference the kernel is tested against)."""
-        scales, mins = self._group_scales()
-        group = self.values.shape[1] // scales.shape[1]
+        group = self.values.shape[1] // self.scales.shape[1]
         expand = lambda t: t.repeat_interleave(group, dim=1)  # noqa: E731
-        weight = self.values.float() * expand(scales)
-        return weight if mins is None else weight + expand(mins)
-
-    def without_k_scales(self) -> GroupQuantized:
-        """The K4 form as plain 4-bit with minimums ("q4m": each group's scale and minimum
-        rounded to float16), for the kernels that take no other; any other weight as it is."""
-        if self.k_scales is None:
-            return self
-        scales, mins = self._group_scales()
-        return GroupQuantized(self.values, float16_rounded(scales), float16_rounded(mins), 4)
+        weight = self.values.float() * expand(self.scales)
+        return weight if self.mins is None else weight + expand(self.mins)
 
     def nbytes_packed(self) -> int:
         n, k = self.shape
-        return -(-n // BLOCK) * linear_kernels.quant_block_bytes(k, *QUANT_PACKINGS[self.packing])
+        return -(-n // BLOCK) * (k // GROUP) * _group_bytes(self.bits, self.mins is not None)
 
     @staticmethod
     def cat(parts: list[GroupQuantized]) -> GroupQuantized:
         """Rows of several weights (q, k, v; gate, up) as one; mixed types become 8-bit (a
-        6-bit part beside others is quantized again, as its GGUF type is without the kernel;
-        the K4 form beside plain ones becomes plain 4-bit)."""
-        if all(part.k_scales is not None for part in parts):
-            return GroupQuantized(*(torch.cat([getattr(part, name) for part in parts])
-                                    for name in ("values", "scales", "mins")), 4,
-                                  tuple(torch.cat([part.k_scales[i] for part in parts]) for i in range(2)))
-        parts = [part.without_k_scales() for part in parts]
+        6-bit part beside others is quantized again, as its GGUF type is without the kernel)."""
         if len({part.bits == 6 for part in parts}) > 1:
             parts = [quantize_int8(part.dequantize()) if part.bits == 6 else part for part in parts]
         bits = max(part.bits for part in parts)
@@ -111,9 +81,14 @@ class GroupQuantized:
                               torch.cat(mins) if with_mins else None, bits)
 
 
-def vector_only_packings() -> bool:
-    """Whether Q6_K is held as 6-bit and Q4_K in its own form ("q6", "q4k"): the kernel runs
-    them and no AMX tiles run (whose products of many rows take 8-bit and plain 4-bit weights)."""
+def _group_bytes(bits: int, has_min: bool) -> int:
+    values = {8: 512, 6: 384, 4: 256}[bits]
+    return values + 2 * BLOCK * (2 if has_min or bits == 6 else 1)
+
+
+def six_bit_kernel() -> bool:
+    """Whether Q6_K is held as 6-bit: the kernel runs 6-bit weights and no AMX tiles run (whose
+    products of many rows take 8-bit weights, not 6-bit)."""
     return linear_kernels.quant_linear_q6() and not linear_kernels.packed_linear_amx_available()
 
 
@@ -164,7 +139,7 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Group
     GroupQuantized; ``shape`` is [N, K]."""
     n, k = shape
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, -1)
-    if type_name == "Q6_K" and vector_only_packings():
+    if type_name == "Q6_K" and six_bit_kernel():
         return _q6_k(raw.reshape(n * k // 256, -1), shape)
     if type_name not in EXACT_GGUF_TYPES:
         import gguf
@@ -197,13 +172,6 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Group
     else:  # Q4_K, Q5_K: super-blocks of 256, eight sub-blocks of 32
         d, dmin = _f16(blocks, 0), _f16(blocks, 2)
         sc, mn = _k_scales(blocks[:, 4:16])
-        if type_name == "Q4_K" and vector_only_packings():  # its own form: the values below, these scales
-            qs = blocks[:, 16:144].reshape(-1, 4, 32)
-            values = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, k)
-            return GroupQuantized(torch.from_numpy(values.astype(np.int8)),
-                                  torch.from_numpy(sc.astype(np.float32).reshape(n, k // GROUP)),
-                                  torch.from_numpy(mn.astype(np.float32).reshape(n, k // GROUP)), 4,
-                                  (torch.from_numpy(d.reshape(n, k // 256)), torch.from_numpy(dmin.reshape(n, k // 256))))
         scales = d[:, None] * sc
         mins = -(dmin[:, None] * mn)
         if type_name == "Q4_K":
@@ -293,8 +261,6 @@ def pack(weight: GroupQuantized) -> torch.Tensor:
             tops = (stored >> 4).view(blocks, BLOCK, groups, 2, 2, 2, 4)  # [..., t, j % 2, low/high, i]
             fields = tops[..., 0, 0, :] | tops[..., 0, 1, :] << 2 | tops[..., 1, 0, :] << 4 | tops[..., 1, 1, :] << 6
             parts.append(fields.permute(0, 2, 3, 1, 4).reshape(blocks, groups, -1))
-    if weight.k_scales is not None:
-        return _pack_k4(weight, parts[0], blocks)
     tables = (weight.scales, weight.mins)
     per_group = weight.scales.shape[1] // groups  # 2 for 6-bit: inputs 0-15's, then 16-31's
     for table in tables:
@@ -305,23 +271,3 @@ def pack(weight: GroupQuantized) -> torch.Tensor:
         parts.append(padded.view(blocks, BLOCK, groups, per_group).permute(0, 2, 3, 1).contiguous()
                      .view(torch.uint8).reshape(blocks, groups, -1))
     return torch.cat(parts, dim=2).reshape(-1).contiguous()
-
-
-def _pack_k4(weight: GroupQuantized, nibbles: torch.Tensor, blocks: int) -> torch.Tensor:
-    """The K4 form's layout: per block and super-block of 256 inputs, the 16 features' float16
-    d and dmin, then its 8 groups, each the 4-bit layout's 256 bytes (``nibbles``, [block,
-    group, 256]) and the 16 features' 6-bit scales and minimums as bytes."""
-    n, k = weight.shape
-    groups, supers = k // GROUP, k // 256
-    parts = [nibbles]
-    for table in (weight.scales, weight.mins):
-        padded = torch.zeros(blocks * BLOCK, groups, dtype=torch.uint8)
-        padded[:n] = table.to(torch.uint8)
-        parts.append(padded.view(blocks, BLOCK, groups).permute(0, 2, 1))
-    heads = []
-    for table in weight.k_scales:
-        padded = torch.zeros(blocks * BLOCK, supers, dtype=torch.float16)
-        padded[:n] = table.half()
-        heads.append(padded.view(blocks, BLOCK, supers).permute(0, 2, 1).contiguous().view(torch.uint8))
-    body = torch.cat(parts, dim=2).reshape(blocks, supers, -1)
-    return torch.cat([*heads, body], dim=2).reshape(-1).contiguous()

@@ -22,7 +22,7 @@ int packed_linear_available(void);
 int amx_probe(void);
 int quant_linear_vnni(void);
 int quant_linear_vector(void);
-int quant_linear_q6(void); /* the 6-bit (Q6_K) and K4 (Q4_K) weights run: AVX512-VNNI vectors */
+int quant_linear_q6(void); /* the 6-bit weights (Q6_K) run: AVX512-VNNI vectors */
 int tile_attention_vector_available(void);
 int tile_attention_float_available(void);
 
@@ -90,7 +90,7 @@ void packed_linear_halves(const uint16_t *x, int64_t M, int64_t ldx, const uint1
     int64_t w_k, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t first, int64_t end, int64_t out_f32);
 void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
     uint16_t *y, int64_t ldy, int64_t amx_min_rows);
-int64_t quant_block_bytes(int64_t K, int bits, int has_min);
+int64_t quant_group_bytes(int bits, int has_min);
 int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
     int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32, int64_t amx_min_rows);
 int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,

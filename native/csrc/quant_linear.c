@@ -21,14 +21,9 @@
  *          those of nibble vector j's element h (0: the low nibble's, 1: the high one's)
  *   then 16 float16 scales (6-bit: 32, those of inputs 0-15 then of 16-31), then (with mins)
  *   16 float16 minimums.
- *   K4 (bits code K4_BITS): 4-bit values under GGUF's Q4_K scales, groups in super-blocks of 8
- *   (256 inputs), each a 64-byte head, 16 float16 d then 16 float16 dmin, and its 8 groups of
- *   the 4-bit layout followed by 16 bytes of 6-bit scales and 16 of 6-bit minimums:
- *   w = d * scale * q - dmin * min.
  * So a block is one contiguous stretch that a tile of rows reads front to back once. The 6-bit
  * form holds GGUF's Q6_K (a scale per 16 inputs, values -32..31) at 7 bits a weight where 8-bit
- * takes 8.5, the K4 form Q4_K exactly at 4.625 bits where the 4-bit one takes 5; only the
- * AVX512-VNNI vectors run these two (quant_linear_q6), never the AMX tiles.
+ * takes 8.5; only the AVX512-VNNI vectors run it (quant_linear_q6), never the AMX tiles.
  *
  * x is [M, K] bfloat16 (or float32 with x_f32), K a multiple of 32; y [M, N] bfloat16 (or
  * float32 with out_f32: the LM head's logits unrounded); bias float32 [N] or NULL. Threads
@@ -62,9 +57,6 @@
 #define QBLOCK 16
 #define QROWS 4
 #define QVECS 4 /* blocks of 16 features a tile, at most */
-#define K4_BITS 5 /* the bits code of the K4 form (4-bit values under Q4_K's two-level scales) */
-#define K4_HEAD 64 /* a K4 super-block's head: 16 float16 d, 16 float16 dmin */
-#define K4_SUPER (K4_HEAD + 8 * 288) /* a K4 super-block's bytes in a block */
 
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
@@ -103,19 +95,7 @@ static inline uint16_t float_to_bf16(float f) { /* to nearest even */
 
 /* NOTE: inline for the kernels: the exported function is called through the PLT, once per tile */
 static inline int64_t group_bytes(int bits, int has_min) {
-    if (bits == K4_BITS) return 256 + 2 * QBLOCK; /* (its super-block's head aside) */
     return (bits == 8 ? 512 : bits == 6 ? 384 : 256) + (bits == 6 ? 4 : 2) * QBLOCK + (has_min ? 2 * QBLOCK : 0);
-}
-
-/* A block's bytes (16 features over K inputs). */
-static inline int64_t block_bytes_of(int64_t K, int bits, int has_min) {
-    return bits == K4_BITS ? (K / 256) * K4_SUPER : (K / QGROUP) * group_bytes(bits, has_min);
-}
-
-/* Group g of a block. */
-static inline const uint8_t *group_at(const uint8_t *block, int64_t g, int bits, int has_min) {
-    return bits == K4_BITS ? block + (g >> 3) * K4_SUPER + K4_HEAD + (g & 7) * group_bytes(bits, has_min)
-                           : block + g * group_bytes(bits, has_min);
 }
 
 /* The byte offset of a group's scales (its values' bytes). */
@@ -131,7 +111,7 @@ static void half_sums(const int8_t *xq, int64_t K, int32_t *xhalf) {
     }
 }
 
-int64_t quant_block_bytes(int64_t K, int bits, int has_min) { return block_bytes_of(K, bits, has_min); }
+int64_t quant_group_bytes(int bits, int has_min) { return group_bytes(bits, has_min); }
 
 /* Greedy sampling's LM head (quant_linear_argmax): a row's float32 sums of features n0..n0+n-1
  * taken into its range's best so far (*top at *where, -1 before any): the first of a new
@@ -266,7 +246,7 @@ static inline __attribute__((always_inline)) void quant_tile(
         const int8_t *xq, const float *xs, const int32_t *xsum, int64_t K, const int rows, const uint8_t *wb,
         int64_t block_bytes, const int vecs, const int bits, const int has_min, const float *bias, void *y,
         int64_t ldy, int64_t n0, int64_t N, int out_f32) {
-    const int64_t groups = K / QGROUP, vbytes = values_bytes(bits);
+    const int64_t groups = K / QGROUP, gbytes = group_bytes(bits, has_min), vbytes = values_bytes(bits);
     const int halves = rows <= 2 ? 2 : 1;
     __m512 acc[QROWS][QVECS];
     for (int m = 0; m < rows; m++)
@@ -288,7 +268,7 @@ static inline __attribute__((always_inline)) void quant_tile(
                 /* 6-bit: inputs 0-15 done: their sums at their scale, then those of 16-31 in the
                  * same registers (two halves' sums side by side would spill four rows') */
                 for (int v = 0; v < vecs; v++) {
-                    const __m512 scale = load_halves(group_at(wb + v * block_bytes, g, bits, has_min) + vbytes);
+                    const __m512 scale = load_halves(wb + v * block_bytes + g * gbytes + vbytes);
                     for (int m = 0; m < rows; m++) {
                         const __m512i sum = halves == 2 ? _mm512_add_epi32(isum[m][v][0], isum[m][v][1])
                                                         : isum[m][v][0];
@@ -302,7 +282,7 @@ static inline __attribute__((always_inline)) void quant_tile(
             }
             __m512i w[QVECS][2];
             for (int v = 0; v < vecs; v++) {
-                const uint8_t *p = group_at(wb + v * block_bytes, g, bits, has_min);
+                const uint8_t *p = wb + v * block_bytes + g * gbytes;
                 const __m512i raw = _mm512_loadu_si512(p + 64 * j);
                 if (bits == 8) {
                     w[v][0] = raw;
@@ -329,19 +309,10 @@ static inline __attribute__((always_inline)) void quant_tile(
             }
         }
         for (int v = 0; v < vecs; v++) {
-            const uint8_t *p = group_at(wb + v * block_bytes, g, bits, has_min) + vbytes;
-            __m512 scale, mins;
-            if (bits == K4_BITS) { /* d * scale and -dmin * min, the 6-bit integers as bytes */
-                const uint8_t *head = wb + v * block_bytes + (g >> 3) * K4_SUPER;
-                const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-                const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-                scale = _mm512_mul_ps(load_halves(head), sc);
-                mins = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(load_halves(head + 2 * QBLOCK), mn));
-            } else {
-                /* (6-bit: the second half group's scale) */
-                scale = load_halves(bits == 6 ? p + 2 * QBLOCK : p);
-                mins = has_min ? load_halves(p + 2 * QBLOCK) : _mm512_setzero_ps();
-            }
+            const uint8_t *p = wb + v * block_bytes + g * gbytes + vbytes;
+            /* (6-bit: the second half group's scale) */
+            const __m512 scale = load_halves(bits == 6 ? p + 2 * QBLOCK : p);
+            const __m512 mins = has_min ? load_halves(p + 2 * QBLOCK) : _mm512_setzero_ps();
             for (int m = 0; m < rows; m++) {
                 const float d = xs[m * groups + g];
                 const __m512i sum = halves == 2 ? _mm512_add_epi32(isum[m][v][0], isum[m][v][1]) : isum[m][v][0];
@@ -409,9 +380,6 @@ DEFINE_QUANT_ONE_ROW(one4_q4_min, 4, 4, 1)
 DEFINE_QUANT_ROWS(rows_q6, 1, 6, 0)
 DEFINE_QUANT_ROWS(rows2_q6, 2, 6, 0)
 DEFINE_QUANT_ONE_ROW(one4_q6, 4, 6, 0)
-DEFINE_QUANT_ROWS(rows_k4, 1, K4_BITS, 1)
-DEFINE_QUANT_ROWS(rows2_k4, 2, K4_BITS, 1)
-DEFINE_QUANT_ONE_ROW(one4_k4, 4, K4_BITS, 1)
 
 typedef void (*quant_rows_fn)(const int8_t *, const float *, const int32_t *, int64_t, int64_t, const uint8_t *,
                               int64_t, const float *, void *, int64_t, int64_t, int64_t, int);
@@ -419,11 +387,11 @@ typedef void (*quant_rows_fn)(const int8_t *, const float *, const int32_t *, in
 static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
                          const uint8_t *w, int bits, int has_min, const float *bias, void *y, int64_t ldy,
                          int64_t N, int out_f32, int64_t first, int64_t last) {
-    const int64_t block_bytes = block_bytes_of(K, bits, has_min);
-    const int kind = bits == K4_BITS ? 5 : bits == 6 ? 4 : (bits == 8 ? 0 : 2) + (has_min ? 1 : 0);
-    static const quant_rows_fn one4[6] = {one4_q8, one4_q8_min, one4_q4, one4_q4_min, one4_q6, one4_k4};
-    static const quant_rows_fn two[6] = {rows2_q8, rows2_q8_min, rows2_q4, rows2_q4_min, rows2_q6, rows2_k4};
-    static const quant_rows_fn one[6] = {rows_q8, rows_q8_min, rows_q4, rows_q4_min, rows_q6, rows_k4};
+    const int64_t block_bytes = (K / QGROUP) * group_bytes(bits, has_min);
+    const int kind = bits == 6 ? 4 : (bits == 8 ? 0 : 2) + (has_min ? 1 : 0);
+    static const quant_rows_fn one4[5] = {one4_q8, one4_q8_min, one4_q4, one4_q4_min, one4_q6};
+    static const quant_rows_fn two[5] = {rows2_q8, rows2_q8_min, rows2_q4, rows2_q4_min, rows2_q6};
+    static const quant_rows_fn one[5] = {rows_q8, rows_q8_min, rows_q4, rows_q4_min, rows_q6};
     int64_t nb = first;
     if (M == 1)
         for (; nb + 4 <= last; nb += 4)
@@ -588,7 +556,7 @@ static void quant_blocks(const int8_t *xq, const float *xs, const int32_t *xsum,
                             const float *, void *, int64_t, int64_t, int64_t, int);
     static const rows_fn kinds[4] = {avx2_q8, avx2_q8_min, avx2_q4, avx2_q4_min};
     const rows_fn rows = kinds[(bits == 8 ? 0 : 2) + (has_min ? 1 : 0)];
-    const int64_t block_bytes = block_bytes_of(K, bits, has_min);
+    const int64_t block_bytes = (K / QGROUP) * group_bytes(bits, has_min);
     for (int64_t nb = first; nb < last; nb++)
         rows(xq, xs, xsum, M, K, w + nb * block_bytes, bias, y, ldy, nb * QBLOCK, N, out_f32);
 }
@@ -818,7 +786,7 @@ static int quant_linear_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t
 int quant_silu_mul_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
                          int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows) {
 #ifdef QUANT_TILES
-    if (amx_min_rows > 0 && M >= amx_min_rows && I % 32 == 0 && bits != 6 && bits != K4_BITS && pagoda_amx_permitted())
+    if (amx_min_rows > 0 && M >= amx_min_rows && I % 32 == 0 && bits != 6 && pagoda_amx_permitted())
         return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, I, act, I, TILES_SILU_MUL, NULL) ? -1 : 1;
 #else
     (void)x, (void)M, (void)ldx, (void)K, (void)w, (void)bits, (void)has_min, (void)I, (void)act, (void)amx_min_rows;
@@ -832,10 +800,9 @@ int quant_silu_mul_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, c
 int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
                  int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32, int64_t amx_min_rows) {
     const int64_t groups = K / QGROUP;
-    if ((bits == 6 || bits == K4_BITS) && !quant_linear_q6()) return -2;
+    if (bits == 6 && !quant_linear_q6()) return -2;
 #ifdef QUANT_TILES
-    if (amx_min_rows > 0 && M >= amx_min_rows && !x_f32 && !bias && bits != 6 && bits != K4_BITS &&
-        pagoda_amx_permitted())
+    if (amx_min_rows > 0 && M >= amx_min_rows && !x_f32 && !bias && bits != 6 && pagoda_amx_permitted())
         return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, N, y, ldy, out_f32 ? TILES_PLAIN_F32 : TILES_PLAIN,
                                   NULL);
 #else
@@ -878,17 +845,16 @@ int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, co
 #define ARGMAX_BLOCKS 4
 int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
                         int has_min, int64_t N, const float *bias, int64_t *ids, int64_t amx_min_rows) {
-    if ((bits == 6 || bits == K4_BITS) && !quant_linear_q6()) return -2;
+    if (bits == 6 && !quant_linear_q6()) return -2;
 #ifdef QUANT_TILES
     /* as quant_linear takes the tiles, so that the pick is the largest of its sums */
-    if (amx_min_rows > 0 && M >= amx_min_rows && !x_f32 && !bias && bits != 6 && bits != K4_BITS &&
-        pagoda_amx_permitted())
+    if (amx_min_rows > 0 && M >= amx_min_rows && !x_f32 && !bias && bits != 6 && pagoda_amx_permitted())
         return quant_linear_tiles(x, M, ldx, K, w, bits, has_min, N, NULL, 0, TILES_PLAIN_F32, ids);
 #else
     (void)amx_min_rows;
 #endif
     const int64_t groups = K / QGROUP, blocks = (N + QBLOCK - 1) / QBLOCK, width = ARGMAX_BLOCKS * QBLOCK;
-    const int64_t block_bytes = block_bytes_of(K, bits, has_min), esize = x_f32 ? 4 : 2;
+    const int64_t block_bytes = groups * group_bytes(bits, has_min), esize = x_f32 ? 4 : 2;
     const int threads = omp_get_max_threads();
     int8_t *xq = malloc((size_t)(M * K));
     float *xs = malloc((size_t)(M * groups) * sizeof(float));
