@@ -554,8 +554,13 @@ def _dequantized(path: Path, skip: Callable[[str], bool]) -> Iterator[tuple[str,
         # NOTE: a bar on a terminal only (disable=None): a large model's floats take minutes.
         for stored, name in tqdm(wanted, desc="dequantizing", unit="tensor", disable=None, leave=False):
             type_name, *shape = types[stored]
-            values = gguf.quants.dequantize(handle.get_tensor(stored), gguf.GGMLQuantizationType[type_name])
-            yield name, torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(shape))
+            rows, kind = handle.get_tensor(stored), gguf.GGMLQuantizationType[type_name]
+            floats = torch.empty(shape, dtype=torch.float32)
+            # NOTE: by rows: gguf's temporaries are several times the floats (an 8B head's: GBs)
+            for start in range(0, shape[0], 4096):
+                part = gguf.quants.dequantize(rows[start:start + 4096], kind)
+                floats[start:start + 4096] = torch.from_numpy(np.asarray(part, dtype=np.float32).reshape(-1, shape[1]))
+            yield name, floats
 
 
 def _quantization_config(model_dir: Path) -> dict:

@@ -122,6 +122,21 @@ def test_mixed_types_concatenate_as_8_bit_with_minimums(monkeypatch):
     assert Q.GroupQuantized.cat([six, six]).packing == "q6"
 
 
+@pytest.mark.parametrize("packing", [p for p in Q.QUANT_PACKINGS])
+def test_packing_and_reading_by_rows_change_nothing(monkeypatch, packing):
+    # Large weights are decoded and packed ROWS_AT_ONCE rows at a time (their temporaries
+    # bounded): the same bytes as all at once, a partial last block included.
+    weight = example_weights(97, 256, seed=2)[packing]
+    whole = Q.pack(weight)
+    monkeypatch.setattr(Q, "ROWS_AT_ONCE", 32)
+    assert torch.equal(Q.pack(weight), whole)
+    model_dir = resolve_model(None)  # the default model's blocks: 576 rows and more, read 32 at a time
+    name = "layers.0.mlp.down_proj.weight"
+    by_rows = Q.quantized_weights(model_dir).get(name)
+    monkeypatch.setattr(Q, "ROWS_AT_ONCE", 1 << 20)
+    assert torch.equal(by_rows.dequantize(), Q.quantized_weights(model_dir).get(name).dequantize())
+
+
 # -- the kernel ------------------------------------------------------------------------------
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ GROUP = linear_kernels.QUANT_GROUP
 BLOCK = linear_kernels.QUANT_BLOCK
 #: The packings of quantized weights (the names linear.py dispatches on): bits, with minimums.
 QUANT_PACKINGS = {"q8": (8, False), "q8m": (8, True), "q6": (6, False), "q4": (4, False), "q4m": (4, True)}
+#: Rows decoded and packed at a time (a multiple of BLOCK), which bounds their temporaries.
+ROWS_AT_ONCE = 4096
 #: GGUF types read exactly (the rest are dequantized and quantized again to 8 bits).
 EXACT_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
 
@@ -63,6 +65,11 @@ class GroupQuantized:
         expand = lambda t: t.repeat_interleave(group, dim=1)  # noqa: E731
         weight = self.values.float() * expand(self.scales)
         return weight if self.mins is None else weight + expand(self.mins)
+
+    def rows(self, start: int, stop: int) -> GroupQuantized:
+        """Rows ``start:stop`` of the weight."""
+        return GroupQuantized(self.values[start:stop], self.scales[start:stop],
+                              None if self.mins is None else self.mins[start:stop], self.bits)
 
     def nbytes_packed(self) -> int:
         n, k = self.shape
@@ -224,7 +231,12 @@ class QuantizedCheckpoint:
         if stored is None:
             return None
         type_name, rows, cols = self.types[stored]
-        return from_gguf(self._handle.get_tensor(stored).numpy(), type_name, (rows, cols))
+        raw = self._handle.get_tensor(stored).numpy()
+        # NOTE: by rows: the decoding's temporaries are several times the values' bytes
+        # (an 8B model's 49152-row head would take gigabytes at once)
+        return GroupQuantized.cat([from_gguf(raw[start:start + ROWS_AT_ONCE], type_name,
+                                             (min(ROWS_AT_ONCE, rows - start), cols))
+                                   for start in range(0, rows, ROWS_AT_ONCE)])
 
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -242,8 +254,11 @@ def quantized_weights(model_dir: Path) -> QuantizedCheckpoint | None:
 # -- the kernel's layout ---------------------------------------------------------------------
 
 def pack(weight: GroupQuantized) -> torch.Tensor:
-    """The uint8 layout csrc/quant_linear.c reads (see the top of that file)."""
+    """The uint8 layout csrc/quant_linear.c reads (see the top of that file); ROWS_AT_ONCE rows
+    at a time (whole blocks: the layouts of consecutive rows follow one another)."""
     n, k = weight.shape
+    if n > ROWS_AT_ONCE:
+        return torch.cat([pack(weight.rows(start, start + ROWS_AT_ONCE)) for start in range(0, n, ROWS_AT_ONCE)])
     groups, blocks = k // GROUP, -(-n // BLOCK)
     values = torch.zeros(blocks * BLOCK, k, dtype=torch.int16)
     values[:n] = weight.values.to(torch.int16)
