@@ -113,7 +113,8 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
     rope_factors: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = []
     if tensor_type != "f32":
         # (a file all of Q4_K is llama.cpp's Q4_K_S)
-        writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{tensor_type.upper()}" + ("_S" if tensor_type == "q4_k" else "")])
+        file_type = f"MOSTLY_{tensor_type.upper()}" + ("_S" if tensor_type == "q4_k" else "")
+        writer.add_file_type(gguf.LlamaFileType[file_type])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -206,9 +207,10 @@ def write_gguf(model_dir: Path, path: Path, add_tokenizer: Callable, tensor_type
             return quantized
         return np.dtype(numpy_type)
 
+    ours = {gguf.GGMLQuantizationType.Q6_K: quantize_q6_k, gguf.GGMLQuantizationType.Q4_K: quantize_q4_k}
+
     def encoded(data: np.ndarray) -> np.ndarray:
         kind = encoding(data.shape)
-        ours = {gguf.GGMLQuantizationType.Q6_K: quantize_q6_k, gguf.GGMLQuantizationType.Q4_K: quantize_q4_k}
         if kind in ours:
             return ours[kind](data.reshape(-1, data.shape[-1])).reshape(*data.shape[:-1], -1)
         if isinstance(kind, gguf.GGMLQuantizationType):

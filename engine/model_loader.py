@@ -55,6 +55,9 @@ FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 # Bump when the converted layout changes so stale cache entries are ignored.
 _CONVERTER_VERSION = 6  # 2: the quantized blocks; 3: in gguf/; 4: the families' names; 5: the experts' blocks;
 # 6: no floats of the quantized tensors
+#: A quantized tensor's rows decoded at a time (here, and by engine/models/quantized.py), which
+#: bounds the decoders' temporaries (several times the result: gigabytes for an 8B model's head).
+ROWS_AT_ONCE = 4096
 #: A converted GGUF file's float folder (`float_checkpoint`), written when first asked for.
 FLOATS_DIR = "floats"
 #: The float32 weights of `float_checkpoint` are written in shards of about this many bytes,
@@ -556,10 +559,10 @@ def _dequantized(path: Path, skip: Callable[[str], bool]) -> Iterator[tuple[str,
             type_name, *shape = types[stored]
             rows, kind = handle.get_tensor(stored), gguf.GGMLQuantizationType[type_name]
             floats = torch.empty(shape, dtype=torch.float32)
-            # NOTE: by rows: gguf's temporaries are several times the floats (an 8B head's: GBs)
-            for start in range(0, shape[0], 4096):
-                part = gguf.quants.dequantize(rows[start:start + 4096], kind)
-                floats[start:start + 4096] = torch.from_numpy(np.asarray(part, dtype=np.float32).reshape(-1, shape[1]))
+            for start in range(0, shape[0], ROWS_AT_ONCE):
+                part = gguf.quants.dequantize(rows[start:start + ROWS_AT_ONCE], kind)
+                floats[start:start + ROWS_AT_ONCE] = torch.from_numpy(np.asarray(part, dtype=np.float32)
+                                                                      .reshape(-1, shape[1]))
             yield name, floats
 
 

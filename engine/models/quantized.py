@@ -25,14 +25,12 @@ import numpy as np
 import torch
 
 from pagoda.native import linear as linear_kernels
-from pagoda.engine.model_loader import QUANTIZED_FILE
+from pagoda.engine.model_loader import QUANTIZED_FILE, ROWS_AT_ONCE  # (a multiple of BLOCK)
 
 GROUP = linear_kernels.QUANT_GROUP
 BLOCK = linear_kernels.QUANT_BLOCK
 #: The packings of quantized weights (the names linear.py dispatches on): bits, with minimums.
 QUANT_PACKINGS = {"q8": (8, False), "q8m": (8, True), "q6": (6, False), "q4": (4, False), "q4m": (4, True)}
-#: Rows decoded and packed at a time (a multiple of BLOCK), which bounds their temporaries.
-ROWS_AT_ONCE = 4096
 #: GGUF types read exactly (the rest are dequantized and quantized again to 8 bits).
 EXACT_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
 
@@ -232,8 +230,6 @@ class QuantizedCheckpoint:
             return None
         type_name, rows, cols = self.types[stored]
         raw = self._handle.get_tensor(stored).numpy()
-        # NOTE: by rows: the decoding's temporaries are several times the values' bytes
-        # (an 8B model's 49152-row head would take gigabytes at once)
         return GroupQuantized.cat([from_gguf(raw[start:start + ROWS_AT_ONCE], type_name,
                                              (min(ROWS_AT_ONCE, rows - start), cols))
                                    for start in range(0, rows, ROWS_AT_ONCE)])
