@@ -230,9 +230,9 @@ class QuantizedCheckpoint:
             return None
         type_name, rows, cols = self.types[stored]
         raw = self._handle.get_tensor(stored).numpy()
-        return GroupQuantized.cat([from_gguf(raw[start:start + ROWS_AT_ONCE], type_name,
-                                             (min(ROWS_AT_ONCE, rows - start), cols))
-                                   for start in range(0, rows, ROWS_AT_ONCE)])
+        parts = [from_gguf(raw[start:start + ROWS_AT_ONCE], type_name, (min(ROWS_AT_ONCE, rows - start), cols))
+                 for start in range(0, rows, ROWS_AT_ONCE)]
+        return parts[0] if len(parts) == 1 else GroupQuantized.cat(parts)  # (one part: no copy)
 
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
