@@ -236,9 +236,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-
 #: csrc/one_call_forward.c's struct layer_product kinds.
 QUANTIZED_PRODUCT, BLOCKED_PRODUCT = 0, 1
+
+
+def moe_layer_struct(gate_up: torch.Tensor, gate_up_product: tuple[int, int, int], down: torch.Tensor,
+                     down_product: tuple[int, int, int], intermediate: int, top_k: int, norm_topk_prob: bool,
+                     router: tuple[int, int, int, int] = (0, 0, 0, 0)) -> list[int]:
+    """csrc/one_call_forward.c's struct moe_layer, one int64 a field: ``router`` the router's
+    struct layer_product (weight address, kind, a, b; zeros where the caller routes),
+    ``gate_up`` and ``down`` [experts, ...] each expert's packed weight and ``*_product`` the
+    kernel's (kind, a, b) for them."""
+    assert gate_up.is_contiguous() and down.is_contiguous() and gate_up.shape[0] == down.shape[0]
+    return [*router, gate_up.data_ptr(), *gate_up_product, down.data_ptr(), *down_product, gate_up[0].nbytes,
+            down[0].nbytes, gate_up.shape[0], top_k, int(norm_topk_prob), intermediate]
 
 
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -246,26 +257,57 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
                 intermediate: int) -> torch.Tensor:
     """A mixture-of-experts layer's experts in one call (csrc/one_call_forward.c's
     moe_experts_forward): bfloat16 x [tokens, hidden], experts [tokens, k] int64, their routing
-    weights [tokens, k] (float32); ``gate_up`` and ``down`` [experts, ...] each expert's packed
-    weight, and ``*_product`` the kernel's (kind, a, b) for them (struct layer_product).
+    weights [tokens, k] (float32); ``gate_up``, ``down`` and their products as
+    :func:`moe_layer_struct` takes them.
 
     Raises:
         MemoryError: Out of memory.
         ValueError: An expert id out of range.
     """
-    assert x.dtype == torch.bfloat16 and x.dim() == 2 and gate_up.is_contiguous() and down.is_contiguous()
+    assert x.dtype == torch.bfloat16 and x.dim() == 2
     x = x.contiguous()
     experts = experts.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
-    m, hidden = x.shape
-    num_experts = gate_up.shape[0]
+    layer = torch.tensor(moe_layer_struct(gate_up, gate_up_product, down, down_product, intermediate,
+                                          experts.shape[1], False), dtype=torch.int64)
     out = torch.empty_like(x)
-    failed = m and _kernel("moe_experts_forward")(
-        x.data_ptr(), m, hidden, experts.data_ptr(), weights.data_ptr(), experts.shape[1], num_experts,
-        gate_up.data_ptr(), gate_up[0].nbytes, *gate_up_product, down.data_ptr(), down[0].nbytes, *down_product,
-        intermediate, out.data_ptr())
+    failed = len(x) and _kernel("moe_experts_forward")(x.data_ptr(), len(x), x.shape[1], experts.data_ptr(),
+                                                       weights.data_ptr(), layer.data_ptr(), out.data_ptr())
     if failed == -2:
-        raise ValueError(f"expert ids must be in [0, {num_experts})")
+        raise ValueError(f"expert ids must be in [0, {gate_up.shape[0]})")
     if failed:
         raise MemoryError("moe_experts_forward: out of memory")
+    return out
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts ([tokens, k] int64, the lower id first among equal logits) and
+    their routing weights ([tokens, k] float32 holding bfloat16 values) from bfloat16 router
+    logits [tokens, experts], as csrc/one_call_forward.c's moe_route computes them for
+    :func:`moe_layer`."""
+    assert logits.dtype == torch.bfloat16 and logits.dim() == 2
+    logits = logits.contiguous()
+    experts = torch.empty(len(logits), top_k, dtype=torch.int64)
+    weights = torch.empty(len(logits), top_k, dtype=torch.float32)
+    _kernel("moe_route")(logits.data_ptr(), len(logits), logits.shape[1], top_k, int(norm_topk_prob),
+                         experts.data_ptr(), weights.data_ptr())
+    return experts, weights
+
+
+def moe_layer(x: torch.Tensor, logits: torch.Tensor, layer: list[int]) -> torch.Tensor:
+    """A mixture-of-experts layer's output for bfloat16 x [tokens, hidden] and its router's
+    bfloat16 logits [tokens, experts], routed by :func:`moe_route` (csrc/one_call_forward.c's
+    moe_layer_forward); ``layer`` :func:`moe_layer_struct`'s.
+
+    Raises:
+        MemoryError: Out of memory.
+    """
+    assert x.dtype == logits.dtype == torch.bfloat16 and x.dim() == logits.dim() == 2 and len(x) == len(logits)
+    assert logits.shape[1] == layer[-4]
+    x, logits = x.contiguous(), logits.contiguous()
+    described = torch.tensor(layer, dtype=torch.int64)
+    out = torch.empty_like(x)
+    if len(x) and _kernel("moe_layer_forward")(x.data_ptr(), len(x), x.shape[1], logits.data_ptr(),
+                                               described.data_ptr(), out.data_ptr()):
+        raise MemoryError("moe_layer_forward: out of memory")
     return out

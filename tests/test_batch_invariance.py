@@ -43,10 +43,12 @@ def tokens(outputs) -> list[tuple]:
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs or []]) for o in outputs]
 
 
-def run_matrix(model: str, speculative: dict) -> dict[str, list[tuple]]:
-    """The 16 requests' tokens in every cell of the matrix, and alone."""
+def run_matrix(model: str, speculative: dict, **engine) -> dict[str, list[tuple]]:
+    """The 16 requests' tokens in every cell of the matrix, and alone (``engine``: more of the
+    engine's options)."""
     cells = {}
-    with LLM(model, **OPTIONS) as llm:
+    options = {**OPTIONS, **engine}
+    with LLM(model, **options) as llm:
         cells["alone"] = [tokens(llm.generate([p], [sp]))[0] for p, sp in zip(PROMPTS, PARAMS)]
         # Every prompt is cached now: run again, each prompt's tail is computed on its own.
         hits = llm.generate(PROMPTS, PARAMS)
@@ -60,12 +62,12 @@ def run_matrix(model: str, speculative: dict) -> dict[str, list[tuple]]:
     # Too few blocks for everyone and prompts chunked: requests are preempted and their tokens
     # recomputed in a prefill, as a worker restart recomputes them.
     with LLM(model, num_kv_blocks=24, block_size=16, preemption_mode="recompute", max_num_batched_tokens=48,
-             **OPTIONS) as llm:
+             **options) as llm:
         cells["chunked and preempted"] = tokens(llm.generate(FILLERS[:12] + PROMPTS,
                                                              [FILLER_PARAMS] * 12 + PARAMS))[12:]
         assert llm.engine.scheduler.stats.num_recomputed > 0
     # NOTE: verification runs a request's drafts and the token after them as rows of one product.
-    with LLM(model, speculative_config=speculative, **OPTIONS) as llm:
+    with LLM(model, speculative_config=speculative, **options) as llm:
         cells[f"with {speculative['method']} speculation"] = tokens(llm.generate(PROMPTS, PARAMS))
         assert llm.engine.scheduler.stats.num_accepted_tokens > 0
     return cells
@@ -87,6 +89,20 @@ def test_tiny_model_outputs_are_the_same_in_every_cell(tiny_llama_dir, packing, 
     # drafts: the model drafts for itself (greedily; most drafts are then accepted).
     model = str(tiny_llama_dir)
     assert_every_cell_equal(run_matrix(model, {"method": "draft_model", "model": model, "num_speculative_tokens": 3}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_tiny_mixture_of_experts_outputs_are_the_same_in_every_cell(tmp_path, quantization):
+    """A mixture of experts (Qwen3-MoE's layers, 4 experts, 2 a token): each token's experts and
+    their sums do not depend on the other tokens of the step, in bfloat16 (the packed kernel) and
+    int8 (every expert's products in one parallel region) alike."""
+    from conftest import TINY_INIT
+    from helpers import make_tiny_model_dir
+
+    model = str(make_tiny_model_dir(tmp_path, "qwen3_moe", seed=6, moe_intermediate_size=64, **TINY_INIT))
+    assert_every_cell_equal(run_matrix(model, {"method": "draft_model", "model": model, "num_speculative_tokens": 3},
+                                       quantization=quantization))
 
 
 @pytest.mark.slow
@@ -136,8 +152,10 @@ def test_invariance_is_the_default_where_it_costs_little(tiny_llama_dir, monkeyp
     assert not resolve(fp8=torch.float8_e4m3fn)
     assert not resolve(EngineConfig(enable_lora=True))
     assert not resolve(ranks=2)
-    assert not resolve(model=dataclasses.replace(llama, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64))
+    assert not resolve(model=dataclasses.replace(llama, sandwich_norms=True))  # Gemma's
     assert resolve(model=dataclasses.replace(llama, qk_norm=True))  # Qwen3's steps run in one call
+    # and so do a mixture of experts' (Qwen3-MoE's, Mixtral's)
+    assert resolve(model=dataclasses.replace(llama, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64))
     if packing_available("onednn"):
         monkeypatch.setenv(PACKING_ENV, "onednn")  # products of few rows round apart from many
         assert not resolve()

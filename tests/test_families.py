@@ -198,6 +198,36 @@ def test_packed_experts_match_the_experts_as_loaded(packing):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+def test_packed_experts_at_once_equal_each_product_on_its_own():
+    """bfloat16 experts on Pagoda's packed kernel, every expert's products in one parallel region
+    (csrc's blocked_experts): each token's output is, bit for bit, its experts' own packed
+    products (gate/up with SiLU-mul, then down in float32) summed in float32 in the order of its
+    experts and rounded once; 1 token (decode), 9 and 40."""
+    from pagoda.engine.models.linear import packing_available
+    from pagoda.native import linear as linear_kernels
+
+    if not packing_available("blocked"):
+        pytest.skip("this CPU has no blocked bfloat16 kernel")
+    moe = random_moe(seed=3).to(torch.bfloat16)
+    moe.pack("blocked")
+    generator = torch.Generator().manual_seed(3)
+    for tokens in (1, 9, 40):
+        x = torch.randn(tokens, 64, generator=generator).to(torch.bfloat16)
+        experts = torch.stack([torch.randperm(6, generator=generator)[:2] for _ in range(tokens)])
+        # NOTE: powers of two, whose products are exact (the kernel's multiply-add may be fused)
+        weights = 2.0 ** -torch.randint(0, 4, (tokens, 2), generator=generator).float()
+        got = linear_kernels.moe_experts(x, experts, weights, moe.gate_up, moe.products[:3], moe.down,
+                                         moe.products[3:], 96)
+        for t in range(tokens):
+            total = torch.zeros(64)
+            for j in range(2):
+                e = int(experts[t, j])
+                act = linear_kernels.packed_silu_mul_linear(x[t:t + 1], moe.gate_up[e], 96)
+                total += weights[t, j] * linear_kernels.packed_linear(act, moe.down[e], None, 64,
+                                                                      out_dtype=torch.float32)[0]
+            assert torch.equal(got[t], total.to(torch.bfloat16)), (tokens, t)
+
+
 def test_quantized_experts_match_the_experts_dequantized():
     # Every expert's gate/up and down in 8 and 4 bits (with minimums), on the quantized kernel
     # (the layer in one C call), against torch's products on the weights they stand for: 1 row
@@ -249,6 +279,34 @@ def test_quantized_experts_match_the_experts_dequantized():
     with pytest.raises(ValueError, match="different packings"):
         SparseMoE(64, 6, 2, 96, True).quantize(gate_up[:5] + [Q.quantize_int8(moe.gate_up.new_ones(192, 64).float())],
                                               down)
+
+
+def test_the_kernels_routing_is_the_routers():
+    """The C kernel's routing (csrc's moe_route: the layer's op and the one-call forward route
+    with it) picks the experts SparseMoE.route picks, the lower id first among equal logits,
+    with their weights within a bfloat16 step, renormalized or not."""
+    from pagoda.native import library as kernel_library
+    from pagoda.native import linear as linear_kernels
+    from pagoda.engine.models.moe import SparseMoE
+
+    if not kernel_library.available():
+        pytest.skip("needs the CPU kernels (a C compiler)")
+    torch.manual_seed(5)
+    logits = torch.randn(300, 8).mul(3).to(torch.bfloat16)
+    logits[0] = 1.0  # every expert tied
+    logits[1] = torch.tensor([0.5, 2, 1, 2, 2, -1, 0, 1])  # three tied for two places
+    for norm in (True, False):
+        router = SparseMoE(hidden_size=8, num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=norm)
+        router = router.to(torch.bfloat16)
+        with torch.no_grad():
+            router.gate.weight.copy_(torch.eye(8))  # the logits as given
+        want_experts, want_weights = router.route(logits)
+        experts, weights = linear_kernels.moe_route(logits, 2, norm)
+        assert torch.equal(experts, want_experts)
+        assert experts[0].tolist() == [0, 1] and experts[1].tolist() == [1, 3]
+        torch.testing.assert_close(weights, want_weights.float(), rtol=2**-8, atol=0)
+        if norm:
+            assert weights.sum(1).sub(1).abs().max() < 0.01
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from pagoda.engine.models.linear import BLOCKED_LAYOUT, GateUpLinear, Linear, ch
 from pagoda.engine.models.decoder import DecoderForCausalLM, RotaryEmbedding
 from pagoda.engine.models import lora as worker_lora
 from pagoda.engine.models.lora import LoRAManager
+from pagoda.engine.models.moe import SparseMoE
 from pagoda.engine.models.one_call_forward import ENV
 from pagoda.engine.models.quantized import quantize_int8
 from conftest import TINY_INIT
@@ -51,12 +52,14 @@ def tiny_model(model_dir, weights: str, max_positions: int = 128, lora_slots: in
     if lora_slots:
         model.lora_manager = LoRAManager(model, lora_slots, 8, None)
         model.lora_context = model.lora_manager.context
+    packing = choose_packing(torch.device("cpu"), torch.bfloat16)
     if weights == "int8":
         if not linear_kernels.quant_linear_vector():
             pytest.skip("the quantized kernel has no vector path here (neither AVX512-VNNI nor AVX2)")
         model.quantize_weights(lambda names, weight: quantize_int8(weight))
+        if config.is_moe and packing in BLOCKED_LAYOUT:  # the routers (never quantized), as the worker packs them
+            model.pack_weights(packing)
     else:
-        packing = choose_packing(torch.device("cpu"), torch.bfloat16)
         if packing not in BLOCKED_LAYOUT:
             pytest.skip(f"Pagoda's bfloat16 kernel does not run here ({packing})")
         model.pack_weights(packing)
@@ -155,10 +158,18 @@ def tiny_qwen3_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", seed=2, **TINY_INIT)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe_dir(tmp_path_factory):
+    """Qwen3-MoE's layers: the first a mixture of 4 experts (2 a token), the second a dense MLP."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe", seed=3, mlp_only_layers=[1],
+                               moe_intermediate_size=64,
+                               **TINY_INIT)
+
+
 @pytest.mark.parametrize("weights, silu_exp", [("int8", "torch's"), ("int8", "expf"), ("bf16", None)],
                          indirect=["silu_exp"])
-# qwen2: q/k/v with a bias; qwen3: an RMS norm per query and key head
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+# qwen2: q/k/v with a bias; qwen3: an RMS norm per query and key head; qwen3_moe: and experts
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @torch.inference_mode()
 def test_each_step_equals_the_layer_by_layer_path(request, monkeypatch, architecture, weights, rounded_once,
                                                   silu_exp):
@@ -173,7 +184,8 @@ def test_each_step_equals_the_layer_by_layer_path(request, monkeypatch, architec
     monkeypatch.setattr(cpu_paged, "PREFILL_ON_TILES_MIN_TOKENS", 8)
     model = tiny_model(request.getfixturevalue(f"tiny_{architecture}_dir"), weights)
     assert (model.layers[0].self_attn.qkv_proj.bias is not None) == (architecture == "qwen2")
-    assert (model.layers[0].self_attn.q_norm is not None) == (architecture == "qwen3")
+    assert (model.layers[0].self_attn.q_norm is not None) == architecture.startswith("qwen3")
+    assert isinstance(model.layers[0].mlp, SparseMoE) == (architecture == "qwen3_moe")
     backend = model.layers[0].self_attn.backend
     caches, calls = prepared_caches(model, 40, lambda args: args[2])  # rows
     generator = torch.Generator().manual_seed(0)

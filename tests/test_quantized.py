@@ -245,6 +245,38 @@ def test_a_rows_result_does_not_depend_on_its_batch():
         assert torch.equal(linear_kernels.quant_linear(x[i : i + 1], packed, None, 3072, 4, True), batched[i : i + 1])
 
 
+@needs_kernels
+@pytest.mark.parametrize("packing", PACKINGS)
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_quantized_experts_at_once_equal_each_product_on_its_own(packing, tokens):
+    """A mixture of experts' quantized products run together (csrc's quant_linear_many: one
+    parallel region for every expert's gate/up, one for every down): each token's output is,
+    bit for bit, its experts' own quant_linear products (gate/up, SiLU-mul, down in float32)
+    summed in float32 in the order of its experts and rounded once."""
+    hidden, intermediate, num_experts, k = 96, 64, 5, 2
+    gate_up = [example_weights(2 * intermediate, hidden, seed=e)[packing] for e in range(num_experts)]
+    down = [example_weights(hidden, intermediate, seed=10 + e)[packing] for e in range(num_experts)]
+    bits, has_min = Q.QUANT_PACKINGS[packing]
+    product = (linear_kernels.QUANTIZED_PRODUCT, bits, int(has_min))
+    stacked_gate_up, stacked_down = torch.stack([Q.pack(w) for w in gate_up]), torch.stack([Q.pack(w) for w in down])
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    experts = torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(tokens)])
+    # NOTE: powers of two, whose products are exact (the kernel's multiply-add may be fused)
+    weights = 2.0 ** -torch.randint(0, 4, (tokens, k), generator=gen).float()
+    got = linear_kernels.moe_experts(x, experts, weights, stacked_gate_up, product, stacked_down, product,
+                                     intermediate)
+    for t in range(tokens):
+        total = torch.zeros(hidden)
+        for j in range(k):
+            e = int(experts[t, j])
+            act = linear_kernels.silu_mul(linear_kernels.quant_linear(x[t:t + 1], stacked_gate_up[e], None,
+                                                                      2 * intermediate, bits, has_min))
+            total += weights[t, j] * linear_kernels.quant_linear(act, stacked_down[e], None, hidden, bits, has_min,
+                                                                 out_f32=True)[0]
+        assert torch.equal(got[t], total.to(torch.bfloat16)), t
+
+
 # -- the tile path (quant_linear.c's quant_linear_tiles: the weight dequantized to bfloat16) ---
 
 needs_amx = pytest.mark.skipif(not linear_kernels.packed_linear_amx_available(),

@@ -11,8 +11,9 @@ dense MLP's.
 
 The grouped product is one opaque op to torch.compile (its loop depends on the routing, data,
 which would break the compiled region's graph): ``pagoda::moe_experts`` with the experts as
-loaded (torch's products); ``pagoda::moe_experts_native``, one C call for the whole layer
-(csrc/one_call_forward.c: the grouping, each expert's products, the weighted sum), with each
+loaded (torch's products); ``pagoda::moe_experts_native``, one C call for the whole layer but
+the router's product (csrc/one_call_forward.c: the routing, the grouping, each expert's
+products, the weighted sum; the one-call forward runs the same function), with each
 expert packed for Pagoda's bfloat16 kernel (csrc/packed_linear.c: gate and up in one product with
 SiLU(gate) * up in its epilogue, on AMX tiles from the measured row count), as every other
 linear layer of the model is on a CPU with AVX512-BF16, or quantized (a GGUF file's own blocks,
@@ -33,9 +34,9 @@ from pagoda.engine.models.quantized import pack as pack_quantized
 
 _library = torch.library.Library("pagoda", "FRAGMENT")
 _library.define("moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down) -> Tensor")
-_library.define("moe_experts_native(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down, "
-                "int intermediate, int gate_up_kind, int gate_up_a, int gate_up_b, int down_kind, int down_a, "
-                "int down_b) -> Tensor")
+_library.define("moe_experts_native(Tensor x, Tensor logits, Tensor gate_up, Tensor down, int top_k, "
+                "bool norm_topk_prob, int intermediate, int gate_up_kind, int gate_up_a, int gate_up_b, "
+                "int down_kind, int down_a, int down_b) -> Tensor")
 _library.define("moe_experts_quantized(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down, "
                 "int intermediate, int gate_up_bits, bool gate_up_has_min, int down_bits, bool down_has_min) -> Tensor")
 
@@ -80,15 +81,17 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
     return _grouped(x, experts, weights, gate_up.shape[0], expert)
 
 
-def moe_experts_native(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                       down: torch.Tensor, intermediate: int, gate_up_kind: int, gate_up_a: int, gate_up_b: int,
+def moe_experts_native(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                       norm_topk_prob: bool, intermediate: int, gate_up_kind: int, gate_up_a: int, gate_up_b: int,
                        down_kind: int, down_a: int, down_b: int) -> torch.Tensor:
-    """moe_experts in one C call (csrc/one_call_forward.c's moe_experts_forward) over experts
-    packed for Pagoda's kernels (SparseMoE.pack's bfloat16 ones, SparseMoE.quantize's), bfloat16
-    ``x``; ``*_kind``, ``*_a``, ``*_b``: the kernel's description of each expert's product
-    (SparseMoE.products). Each token's experts are summed in float32 and rounded once."""
-    return linear_kernels.moe_experts(x, experts, weights, gate_up, (gate_up_kind, gate_up_a, gate_up_b), down,
-                                      (down_kind, down_a, down_b), intermediate)
+    """The routing (from the router's bfloat16 ``logits``) and moe_experts in one C call
+    (csrc/one_call_forward.c's moe_layer_forward, which the one-call forward runs too) over
+    experts packed for Pagoda's kernels (SparseMoE.pack's bfloat16 ones, SparseMoE.quantize's),
+    bfloat16 ``x``; ``*_kind``, ``*_a``, ``*_b``: the kernel's description of each expert's
+    product (SparseMoE.products). Each token's experts are summed in float32 and rounded once."""
+    return linear_kernels.moe_layer(x, logits, linear_kernels.moe_layer_struct(
+        gate_up, (gate_up_kind, gate_up_a, gate_up_b), down, (down_kind, down_a, down_b), intermediate, top_k,
+        norm_topk_prob))
 
 
 def moe_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -118,8 +121,8 @@ def _(x, experts, weights, gate_up, down):
 
 
 @torch.library.register_fake("pagoda::moe_experts_native")
-def _(x, experts, weights, gate_up, down, intermediate, gate_up_kind, gate_up_a, gate_up_b, down_kind, down_a,
-      down_b):
+def _(x, logits, gate_up, down, top_k, norm_topk_prob, intermediate, gate_up_kind, gate_up_a, gate_up_b, down_kind,
+      down_a, down_b):
     return torch.empty_like(x)
 
 
@@ -206,18 +209,20 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and routing weights ([tokens, k] each): a softmax over the router's
-        logits in float32, its top k, renormalized where the family asks."""
+        logits in float32, its top k (the lower id first among equal ones, as the C kernel's
+        moe_route takes them), renormalized where the family asks."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights, experts = probs.sort(dim=-1, descending=True, stable=True)
+        weights, experts = weights[:, :self.top_k], experts[:, :self.top_k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        experts, weights = self.route(x)
         if self.products is not None and x.dtype == torch.bfloat16:
-            return torch.ops.pagoda.moe_experts_native(x, experts, weights, self.gate_up, self.down,
-                                                       self.intermediate_size, *self.products)
+            return torch.ops.pagoda.moe_experts_native(x, self.gate(x), self.gate_up, self.down, self.top_k,
+                                                       self.norm_topk_prob, self.intermediate_size, *self.products)
+        experts, weights = self.route(x)
         if self.quantized is not None:  # float32 activations
             (gate_up_bits, gate_up_min), (down_bits, down_min) = self.quantized
             return torch.ops.pagoda.moe_experts_quantized(x, experts, weights, self.gate_up, self.down,

@@ -15,8 +15,9 @@ bit for bit the eager path's so rounded). The compiled regions are not called.
 It runs where the model is a single rank in bfloat16 on the CPU, every linear layer of its
 decoder runs one of Pagoda's kernels (quantized weights: GGUF files' own types,
 ``--quantization int8``; bfloat16 weights packed "blocked" or "amx", see
-engine/models/linear.py; not oneDNN's), the attention backend is ``cpu_paged`` over a
-bfloat16 cache (with batch invariance, as the backend plans: neither attention tiles nor a
+engine/models/linear.py; not oneDNN's), and so do a mixture of experts' router and experts
+(engine/models/moe.py: the layer's routing and experts are the function its op calls, LoRA
+slots aside), the attention backend is ``cpu_paged`` over a bfloat16 cache (with batch invariance, as the backend plans: neither attention tiles nor a
 cascade). A step whose sequences share a prefix that the backend attends to as a cascade
 runs layer by layer where the backend has no tiles for the shared part (head sizes other than
 64 and 128). ``PAGODA_ONE_CALL_FORWARD=0`` turns it off (for A/B measurements).
@@ -34,6 +35,7 @@ from pagoda.native import library as kernel_library
 from pagoda.native import linear as linear_kernels
 from pagoda.attention_backends.base import AttentionMetadata
 from pagoda.engine.models.linear import BLOCKED_LAYOUT
+from pagoda.engine.models.moe import SparseMoE
 from pagoda.engine.models.quantized import QUANT_PACKINGS
 
 ENV = "PAGODA_ONE_CALL_FORWARD"
@@ -42,8 +44,6 @@ ENV = "PAGODA_ONE_CALL_FORWARD"
 def architecture_reason(config) -> str | None:
     """The part of a family's layers (ModelConfig) that the one call does not have, or None: such
     a model runs its steps layer by layer, on the same matrix and attention kernels."""
-    if config.is_moe:
-        return "a mixture of experts"
     if config.norm_unit_offset or config.sandwich_norms or config.hidden_act != "silu":
         return "Gemma's norms and GELU"
     if config.sliding_layers is not None or config.attn_logit_softcapping or config.final_logit_softcapping:
@@ -78,7 +78,14 @@ def unsupported_reason(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
         return "not the cpu_paged attention backend"
     for layer in model.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if isinstance(mlp, SparseMoE):
+            if mlp.products is None:
+                return "experts that do not run Pagoda's kernels"
+            if model.lora_context is not None:
+                return "LoRA slots beside a mixture of experts"
+            products = (attention.qkv_proj, attention.o_proj, mlp.gate)
+        else:
+            products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(p.packing not in QUANT_PACKINGS and p.packing not in BLOCKED_LAYOUT for p in products):
             return "a linear layer does not run Pagoda's kernels"
         if any(p.packing in QUANT_PACKINGS for p in products) and not linear_kernels.quant_linear_vector():
@@ -110,16 +117,26 @@ class OneCallForward:
             bits, has_min = QUANT_PACKINGS[linear.packing]
             return [linear.weight.data_ptr(), 0, bits, int(has_min) + 2 * linear.amx_min_rows]
 
+        # The C side's struct moe_layer of each mixture-of-experts layer, one int64 per field (held:
+        # the layers' rows point to them).
+        self.moe_layers = []
         rows = []
         for layer, (key_cache, value_cache) in zip(model.layers, kv_caches, strict=True):
             attention, mlp = layer.self_attn, layer.mlp
             bias = attention.qkv_proj.bias
             qk_norms = [0, 0] if attention.q_norm is None else [attention.q_norm.weight.data_ptr(),
                                                                  attention.k_norm.weight.data_ptr()]
+            if isinstance(mlp, SparseMoE):
+                self.moe_layers.append(torch.tensor(linear_kernels.moe_layer_struct(
+                    mlp.gate_up, mlp.products[:3], mlp.down, mlp.products[3:], mlp.intermediate_size, mlp.top_k,
+                    mlp.norm_topk_prob, product(mlp.gate)), dtype=torch.int64))
+                feed_forward = [0] * 8 + [self.moe_layers[-1].data_ptr()]
+            else:
+                feed_forward = [*product(mlp.gate_up_proj), *product(mlp.down_proj), 0]
             rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                         *product(attention.qkv_proj), *product(attention.o_proj), *product(mlp.gate_up_proj),
-                         *product(mlp.down_proj), 0 if bias is None else bias.data_ptr(), key_cache.data_ptr(),
-                         value_cache.data_ptr(), *qk_norms])
+                         *product(attention.qkv_proj), *product(attention.o_proj), *feed_forward[:8],
+                         0 if bias is None else bias.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                         *qk_norms, feed_forward[8]])
         # NOTE: the C side's struct forward_layer, one int64 per field.
         self.layers = torch.tensor(rows, dtype=torch.int64)
         # With LoRA slots (engine/models/lora.py), the C side's struct lora_layer likewise.
@@ -148,8 +165,11 @@ class OneCallForward:
         # Every layer's window (architecture_reason leaves the one call models whose layers all
         # have the same one, or none).
         self.window = attention.window
+        # NOTE: the dense layers' intermediate width (0: every layer a mixture of experts)
+        dense = max((layer.mlp.intermediate_size for layer in model.layers if not isinstance(layer.mlp, SparseMoE)),
+                    default=0)
         self.sizes = (config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                      first.mlp.intermediate_size, self.block_size, model.embed_tokens.num_embeddings,
+                      dense, self.block_size, model.embed_tokens.num_embeddings,
                       model.rotary.cos.shape[0])
 
     def applies(self, metadata: AttentionMetadata) -> bool:

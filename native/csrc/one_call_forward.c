@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "pagoda_kernels.h"
 #ifdef __AVX512F__
@@ -40,12 +41,23 @@ struct layer_product {
     int64_t kind, a, b;
 };
 
+/* A mixture-of-experts layer (engine/models/moe.py's SparseMoE): its router's product (bfloat16
+ * logits [tokens, num_experts]; unused where the caller routes), expert 0's gate/up (packed for
+ * the SiLU-mul epilogue where BLOCKED) and down products, expert e's weights gate_up_stride and
+ * down_stride bytes further on each; top_k experts a token, their weights renormalized to sum to
+ * 1 where norm_topk_prob. */
+struct moe_layer {
+    struct layer_product router, gate_up, down;
+    int64_t gate_up_stride, down_stride, num_experts, top_k, norm_topk_prob, intermediate;
+};
+
 struct forward_layer {
     const uint16_t *input_norm, *post_norm; /* bfloat16 [hidden] */
     struct layer_product qkv, o, gate_up, down;
     const void *qkv_bias; /* [q + 2 kv] or NULL: float32 for a quantized product, else bfloat16 */
     uint16_t *key_cache, *value_cache;
     const uint16_t *q_norm, *k_norm; /* bfloat16 [head_dim]: an RMS norm per query and key head, or NULL */
+    const struct moe_layer *moe;     /* a mixture of experts in place of gate_up and down, or NULL */
 };
 
 /* LoRA slots of one projection (engine/models/lora.py): slot s's A at a + s * a_stride (packed
@@ -357,6 +369,232 @@ static void *carve(char **at, size_t bytes, int index) {
     return start;
 }
 
+/* -- a mixture-of-experts layer's experts (engine/models/moe.py) -- */
+
+/* Each token's top_k experts (by its logits, bfloat16 [M, num_experts]; the lower id first
+ * among equal logits, as a stable sort puts them) and their routing weights: a softmax over all
+ * of its logits in float32, the top k's renormalized where norm, rounded to bfloat16 (as
+ * SparseMoE.route computes them, to within float32's rounding). A NaN logit ranks lowest. */
+void moe_route(const uint16_t *logits, int64_t M, int64_t num_experts, int64_t k, int64_t norm, int64_t *experts,
+               float *weights) {
+    for (int64_t t = 0; t < M; t++) {
+        const uint16_t *l = logits + t * num_experts;
+        int64_t *ids = experts + t * k;
+        float *w = weights + t * k;
+#define LOGIT(e) (isnan(bf(l[e])) ? -INFINITY : bf(l[e]))
+        int64_t n = 0; /* ids[0..n) in descending order of their logits */
+        for (int64_t e = 0; e < num_experts; e++) {
+            const float v = LOGIT(e);
+            if (n == k && !(v > LOGIT(ids[k - 1]))) continue;
+            int64_t at = n < k ? n++ : k - 1;
+            for (; at > 0 && v > LOGIT(ids[at - 1]); at--) ids[at] = ids[at - 1];
+            ids[at] = e;
+        }
+        const float top = LOGIT(ids[0]);
+        float sum = 0.0f, chosen = 0.0f;
+        for (int64_t e = 0; e < num_experts; e++) sum += expf(bf(l[e]) - top);
+        for (int64_t j = 0; j < k; j++) chosen += (w[j] = expf(bf(l[ids[j]]) - top) / sum);
+        for (int64_t j = 0; j < k; j++) w[j] = bf(to_bf(norm ? w[j] / chosen : w[j]));
+#undef LOGIT
+    }
+}
+
+static void *moe_scratch;
+static size_t moe_scratch_bytes;
+
+/* The experts' products where both are quantized (without AMX tiles): every expert's gate/up
+ * product on its rows (rows, the groups start[e]..start[e + 1]) in one call of
+ * quant_linear_many, SiLU-mul over all of them, then every down product in another, into y
+ * (float32). Returns 0, or -1 if memory ran out. */
+static int quantized_experts(const uint16_t *rows, const int64_t *start, int64_t hidden, const struct moe_layer *moe,
+                             uint16_t *gate_up, uint16_t *act, float *y) {
+    const int64_t num_experts = moe->num_experts, intermediate = moe->intermediate;
+    struct quant_task *tasks = malloc((size_t)num_experts * sizeof(*tasks));
+    if (!tasks) return -1;
+    int64_t n = 0;
+    for (int64_t e = 0; e < num_experts; e++) {
+        const int64_t first = start[e], count = start[e + 1] - first;
+        if (count)
+            tasks[n++] = (struct quant_task){rows + first * hidden, count, hidden,
+                                             (const uint8_t *)moe->gate_up.weight + e * moe->gate_up_stride,
+                                             2 * intermediate, gate_up + first * 2 * intermediate, 2 * intermediate};
+    }
+    int failed = quant_linear_many(tasks, n, hidden, (int)moe->gate_up.a, (int)(moe->gate_up.b & 1), 0);
+    if (!failed) {
+        silu_mul_bf16(gate_up, start[num_experts], intermediate, act);
+        n = 0;
+        for (int64_t e = 0; e < num_experts; e++) {
+            const int64_t first = start[e], count = start[e + 1] - first;
+            if (count)
+                tasks[n++] = (struct quant_task){act + first * intermediate, count, intermediate,
+                                                 (const uint8_t *)moe->down.weight + e * moe->down_stride, hidden,
+                                                 y + first * hidden, hidden};
+        }
+        failed = quant_linear_many(tasks, n, intermediate, (int)moe->down.a, (int)(moe->down.b & 1), 1);
+    }
+    free(tasks);
+    return failed ? -1 : 0;
+}
+
+/* The experts' products where both are packed bfloat16 and no expert's rows reach its AMX tiles
+ * (rows, the groups start[e]..start[e + 1]): one parallel region, every expert's gate/up groups
+ * (SiLU-mul in the product's epilogue) laid end to end and split into one contiguous range a
+ * thread, then every down product's half-groups likewise, into y (float32). The sums of each
+ * expert's own packed_silu_mul_linear_bf16 and packed_linear_bf16, output for output. */
+static void blocked_experts(const uint16_t *rows, const int64_t *start, int64_t hidden, const struct moe_layer *moe,
+                            uint16_t *act, float *y) {
+    const int64_t num_experts = moe->num_experts, intermediate = moe->intermediate;
+    int64_t active = 0;
+    for (int64_t e = 0; e < num_experts; e++) active += start[e + 1] > start[e];
+    /* 32 activations a gate/up group, 32 features a down half-group (packed_linear.c's GROUP / 2) */
+    const int64_t up_groups = (intermediate + 31) / 32, down_halves = (hidden + 31) / 32;
+#pragma omp parallel
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int pass = 0; pass < 2; pass++) {
+            const int64_t per_expert = pass ? down_halves : up_groups, items = active * per_expert;
+            const int64_t first = items * t / nt, last = items * (t + 1) / nt;
+            int64_t at = 0; /* the first item of expert e in the laid-out order */
+            for (int64_t e = 0; e < num_experts && at < last; e++) {
+                const int64_t from_row = start[e], count = start[e + 1] - from_row;
+                if (!count) continue;
+                const int64_t from = first > at ? first - at : 0, to = last - at < per_expert ? last - at : per_expert;
+                if (from < to && !pass)
+                    packed_silu_mul_groups(rows + from_row * hidden, count, hidden,
+                                           (const uint16_t *)((const char *)moe->gate_up.weight + e * moe->gate_up_stride),
+                                           intermediate, hidden, act + from_row * intermediate, intermediate, from, to);
+                else if (from < to)
+                    packed_linear_halves(act + from_row * intermediate, count, intermediate,
+                                         (const uint16_t *)((const char *)moe->down.weight + e * moe->down_stride),
+                                         hidden, intermediate, intermediate, NULL, (uint16_t *)(y + from_row * hidden),
+                                         hidden, from, to, 1);
+                at += per_expert;
+            }
+            if (!pass) {
+#pragma omp barrier
+            }
+        }
+    }
+}
+
+/* out [M, hidden] (bfloat16) = for each token t, the sum over its k experts e = experts[t, j] of
+ * weights[t, j] * down_e(SiLU(gate_e x_t) * up_e x_t). The token-expert pairs are grouped by
+ * expert (stable, so an expert's rows keep the tokens' order); each expert that got rows gathers
+ * them and runs its two products once (silu_mul and product above); an expert with no row costs
+ * nothing. The down products come out in float32 and each token's k terms are summed in
+ * float32 in the order of its experts, then rounded once: a token's output does not depend on
+ * the other tokens of the step. Returns 0, -1 if memory ran out, or -2 if an expert id is out
+ * of range. */
+static int moe_experts(const uint16_t *x, int64_t M, int64_t hidden, const int64_t *experts, const float *weights,
+                       const struct moe_layer *moe, uint16_t *out) {
+    const int64_t k = moe->top_k, num_experts = moe->num_experts, intermediate = moe->intermediate;
+    const int64_t pairs = M * k;
+    int64_t *start = calloc((size_t)(num_experts + 1), sizeof(int64_t));
+    int64_t *slot = malloc((size_t)(pairs ? pairs : 1) * sizeof(int64_t)); /* pair -> its row in the groups */
+    int64_t *token = malloc((size_t)(pairs ? pairs : 1) * sizeof(int64_t)); /* a group row's token */
+    if (!start || !slot || !token) {
+        free(start), free(slot), free(token);
+        return -1;
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        if (experts[p] < 0 || experts[p] >= num_experts) {
+            free(start), free(slot), free(token);
+            return -2;
+        }
+        start[experts[p] + 1]++;
+    }
+    for (int64_t e = 0; e < num_experts; e++) start[e + 1] += start[e];
+    {
+        int64_t *next = malloc((size_t)num_experts * sizeof(int64_t));
+        if (!next) {
+            free(start), free(slot), free(token);
+            return -1;
+        }
+        memcpy(next, start, (size_t)num_experts * sizeof(int64_t));
+        for (int64_t p = 0; p < pairs; p++) {
+            slot[p] = next[experts[p]]++;
+            token[slot[p]] = p / k;
+        }
+        free(next);
+    }
+    /* the groups' rows, their gate/up scratch (quantized), activations and float32 outputs */
+    const size_t rows_bytes = (size_t)(pairs * hidden) * 2, gate_up_bytes = (size_t)(pairs * 2 * intermediate) * 2;
+    const size_t act_bytes = (size_t)(pairs * intermediate) * 2, y_bytes = (size_t)(pairs * hidden) * 4;
+    const size_t bytes = rows_bytes + gate_up_bytes + act_bytes + y_bytes + 12 * LINE; /* carve's offsets */
+    if (bytes > moe_scratch_bytes) {
+        free(moe_scratch);
+        if (posix_memalign(&moe_scratch, LINE, bytes)) moe_scratch = NULL;
+        moe_scratch_bytes = moe_scratch ? bytes : 0;
+    }
+    if (!moe_scratch) {
+        free(start), free(slot), free(token);
+        return -1;
+    }
+    char *at = moe_scratch;
+    uint16_t *rows = carve(&at, rows_bytes, 0), *gu = carve(&at, gate_up_bytes, 1), *act = carve(&at, act_bytes, 2);
+    float *y = carve(&at, y_bytes, 3);
+#pragma omp parallel for schedule(static) if (pairs >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < pairs; r++) memcpy(rows + r * hidden, x + token[r] * hidden, (size_t)hidden * 2);
+    int64_t most = 0; /* an expert's most rows */
+    for (int64_t e = 0; e < num_experts; e++) most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
+    /* all the experts' products at once, unless some expert's rows would run on AMX tiles */
+    const int quantized = moe->gate_up.kind == QUANTIZED && moe->down.kind == QUANTIZED && !(moe->gate_up.b >> 1) &&
+                          !(moe->down.b >> 1);
+    const int blocked = moe->gate_up.kind == BLOCKED && moe->down.kind == BLOCKED &&
+                        (!moe->gate_up.a || most < moe->gate_up.a) && (!moe->down.a || most < moe->down.a);
+    int failed = quantized ? quantized_experts(rows, start, hidden, moe, gu, act, y) : 0;
+    if (blocked) blocked_experts(rows, start, hidden, moe, act, y);
+    for (int64_t e = 0; e < num_experts && !failed && !quantized && !blocked; e++) { /* one expert at a time */
+        const int64_t first = start[e], count = start[e + 1] - first;
+        if (!count) continue;
+        struct layer_product up = moe->gate_up, d = moe->down;
+        up.weight = (const char *)up.weight + e * moe->gate_up_stride;
+        d.weight = (const char *)d.weight + e * moe->down_stride;
+        failed = silu_mul(rows + first * hidden, count, hidden, &up, intermediate, gu + first * 2 * intermediate,
+                          act + first * intermediate);
+        if (failed) break;
+        if (d.kind == BLOCKED)
+            packed_linear_bf16(act + first * intermediate, count, intermediate, d.weight, hidden, intermediate, NULL,
+                               (uint16_t *)(y + first * hidden), hidden, d.a, 1);
+        else
+            failed = quant_linear(act + first * intermediate, count, intermediate, 0, intermediate, d.weight,
+                                  (int)d.a, (int)(d.b & 1), hidden, NULL, y + first * hidden, hidden, 1, d.b >> 1);
+    }
+    if (!failed) {
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
+        for (int64_t t = 0; t < M; t++) {
+            for (int64_t i = 0; i < hidden; i++) {
+                float sum = 0.0f;
+                for (int64_t j = 0; j < k; j++) sum += weights[t * k + j] * y[slot[t * k + j] * hidden + i];
+                out[t * hidden + i] = to_bf(sum);
+            }
+        }
+    }
+    free(start), free(slot), free(token);
+    return failed ? -1 : 0;
+}
+
+/* moe_experts for the given experts and weights (the layer's router unused). */
+int moe_experts_forward(const uint16_t *x, int64_t M, int64_t hidden, const int64_t *experts, const float *weights,
+                        const struct moe_layer *moe, uint16_t *out) {
+    return moe_experts(x, M, hidden, experts, weights, moe, out);
+}
+
+/* The layer's experts for tokens x whose router logits are given (moe_route, then moe_experts). */
+int moe_layer_forward(const uint16_t *x, int64_t M, int64_t hidden, const uint16_t *logits,
+                      const struct moe_layer *moe, uint16_t *out) {
+    const size_t pairs = (size_t)(M * moe->top_k) + 1;
+    int64_t *experts = malloc(pairs * sizeof(int64_t));
+    float *weights = malloc(pairs * sizeof(float));
+    int failed = -1;
+    if (experts && weights) {
+        moe_route(logits, M, moe->num_experts, moe->top_k, moe->norm_topk_prob, experts, weights);
+        failed = moe_experts(x, M, hidden, experts, weights, moe, out);
+    }
+    free(experts), free(weights);
+    return failed;
+}
+
 /* The forward of a step (rows query tokens of num_reqs sequences, query_start's ranges: decodes,
  * prefill chunks or both): the final-normed hidden states into out (bfloat16 [rows, hidden]).
  * Returns 0, -1 if memory ran out, -2 if a token is not below vocab or a position not below
@@ -395,13 +633,16 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
     int64_t lora_width = 0; /* the widest of the LoRA products' widths (0: no LoRA rows this step) */
+    int64_t num_experts = 0; /* the most experts of a layer (their router's logits) */
+    for (int64_t l = 0; l < num_layers; l++)
+        if (layers[l].moe && layers[l].moe->num_experts > num_experts) num_experts = layers[l].moe->num_experts;
     for (int64_t l = 0; loras && num_lora_segments && l < num_layers; l++) {
         const struct lora_product *p = &loras[l].qkv;
         for (int i = 0; i < 4; i++) lora_width = p[i].width > lora_width ? p[i].width : lora_width;
     }
     const size_t bf16 = sizeof(uint16_t), row_sizes[] = {hidden, hidden, hidden, hidden, qkv_size, q_size,
                                                            2 * intermediate, intermediate, q_size, q_size,
-                                                           lora_width};
+                                                           lora_width, num_experts};
     enum { BUFFERS = sizeof(row_sizes) / sizeof(row_sizes[0]) };
     size_t bytes = (size_t)(rows * num_heads) * sizeof(float) + (BUFFERS + 1) * (BUFFERS + 2) * LINE;
     for (int i = 0; i < BUFFERS; i++) bytes += row_sizes[i] * (size_t)rows * bf16;
@@ -413,6 +654,7 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
     uint16_t *attn = buffers[5], *gate_up = buffers[6], *act = buffers[7], *queries = buffers[8];
     uint16_t *own = buffers[9];                                                  /* a cascade's own attention */
     uint16_t *lora_t = buffers[10];                                              /* LoRA: x @ A.T */
+    uint16_t *logits = buffers[11];                                              /* a router's */
     float *own_lse = carve(&at, (size_t)(rows * num_heads) * sizeof(float), BUFFERS); /* and its log-sum-exps */
     const uint8_t *skip_tiled = num_tile_requests ? skip : NULL;
     int failed = 0;
@@ -490,6 +732,12 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
         if ((failed = product(attn, rows, q_size, &layer->o, hidden, NULL, o))) break;
         if (lora_width) lora_add(attn, q_size, &lora->o, lora_segments, num_lora_segments, hidden, o, lora_t);
         add_rms_norm(h, o, layer->post_norm, rows, hidden, eps, x);
+        if (layer->moe) { /* the router's logits, then the experts' sum into d */
+            const struct moe_layer *moe = layer->moe;
+            if ((failed = product(x, rows, hidden, &moe->router, moe->num_experts, NULL, logits))) break;
+            if ((failed = moe_layer_forward(x, rows, hidden, logits, moe, d))) break;
+            continue;
+        }
         if (lora) { /* gate/up packed plain (no SiLU-mul epilogue): the delta joins before the activation */
             if ((failed = product(x, rows, hidden, &layer->gate_up, 2 * intermediate, NULL, gate_up))) break;
             if (lora_width) lora_add(x, hidden, &lora->gate_up, lora_segments, num_lora_segments, 2 * intermediate,
@@ -502,103 +750,5 @@ int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int
         if (lora_width) lora_add(act, intermediate, &lora->down, lora_segments, num_lora_segments, hidden, d, lora_t);
     }
     if (!failed) add_rms_norm(h, num_layers ? d : NULL, final_norm, rows, hidden, eps, out);
-    return failed ? -1 : 0;
-}
-
-/* -- a mixture-of-experts layer's experts (engine/models/moe.py) -- */
-
-static void *moe_scratch;
-static size_t moe_scratch_bytes;
-
-/* out [M, hidden] (bfloat16) = for each token t, the sum over its k experts e = experts[t, j] of
- * weights[t, j] * down_e(SiLU(gate_e x_t) * up_e x_t). The token-expert pairs are grouped by
- * expert (stable, so an expert's rows keep the tokens' order); each expert that got rows gathers
- * them and runs its two products once (silu_mul and product above); an expert with no row costs
- * nothing. Expert e's gate/up weight is at gate_up + e x gate_up_stride bytes, a struct
- * layer_product with gate_up_kind, _a and _b (the same for every expert), its down weight
- * likewise. The down products
- * come out in float32 and each token's k terms are summed in float32 in the order of its
- * experts, then rounded once: a token's output does not depend on the other tokens of the step.
- * Returns 0, -1 if memory ran out, or -2 if an expert id is out of range. */
-int moe_experts_forward(const uint16_t *x, int64_t M, int64_t hidden, const int64_t *experts, const float *weights,
-                        int64_t k, int64_t num_experts, const void *gate_up, int64_t gate_up_stride,
-                        int64_t gate_up_kind, int64_t gate_up_a, int64_t gate_up_b, const void *down,
-                        int64_t down_stride, int64_t down_kind, int64_t down_a, int64_t down_b, int64_t intermediate,
-                        uint16_t *out) {
-    const int64_t pairs = M * k;
-    int64_t *start = calloc((size_t)(num_experts + 1), sizeof(int64_t));
-    int64_t *slot = malloc((size_t)(pairs ? pairs : 1) * sizeof(int64_t)); /* pair -> its row in the groups */
-    int64_t *token = malloc((size_t)(pairs ? pairs : 1) * sizeof(int64_t)); /* a group row's token */
-    if (!start || !slot || !token) {
-        free(start), free(slot), free(token);
-        return -1;
-    }
-    for (int64_t p = 0; p < pairs; p++) {
-        if (experts[p] < 0 || experts[p] >= num_experts) {
-            free(start), free(slot), free(token);
-            return -2;
-        }
-        start[experts[p] + 1]++;
-    }
-    for (int64_t e = 0; e < num_experts; e++) start[e + 1] += start[e];
-    {
-        int64_t *next = malloc((size_t)num_experts * sizeof(int64_t));
-        if (!next) {
-            free(start), free(slot), free(token);
-            return -1;
-        }
-        memcpy(next, start, (size_t)num_experts * sizeof(int64_t));
-        for (int64_t p = 0; p < pairs; p++) {
-            slot[p] = next[experts[p]]++;
-            token[slot[p]] = p / k;
-        }
-        free(next);
-    }
-    /* the groups' rows, their gate/up scratch (quantized), activations and float32 outputs */
-    const size_t rows_bytes = (size_t)(pairs * hidden) * 2, gate_up_bytes = (size_t)(pairs * 2 * intermediate) * 2;
-    const size_t act_bytes = (size_t)(pairs * intermediate) * 2, y_bytes = (size_t)(pairs * hidden) * 4;
-    const size_t bytes = rows_bytes + gate_up_bytes + act_bytes + y_bytes + 12 * LINE; /* carve's offsets */
-    if (bytes > moe_scratch_bytes) {
-        free(moe_scratch);
-        if (posix_memalign(&moe_scratch, LINE, bytes)) moe_scratch = NULL;
-        moe_scratch_bytes = moe_scratch ? bytes : 0;
-    }
-    if (!moe_scratch) {
-        free(start), free(slot), free(token);
-        return -1;
-    }
-    char *at = moe_scratch;
-    uint16_t *rows = carve(&at, rows_bytes, 0), *gu = carve(&at, gate_up_bytes, 1), *act = carve(&at, act_bytes, 2);
-    float *y = carve(&at, y_bytes, 3);
-#pragma omp parallel for schedule(static) if (pairs >= PARALLEL_ROWS)
-    for (int64_t r = 0; r < pairs; r++) memcpy(rows + r * hidden, x + token[r] * hidden, (size_t)hidden * 2);
-    int failed = 0;
-    for (int64_t e = 0; e < num_experts && !failed; e++) {
-        const int64_t first = start[e], count = start[e + 1] - first;
-        if (!count) continue;
-        const struct layer_product up = {(const char *)gate_up + e * gate_up_stride, gate_up_kind, gate_up_a,
-                                         gate_up_b};
-        const struct layer_product d = {(const char *)down + e * down_stride, down_kind, down_a, down_b};
-        failed = silu_mul(rows + first * hidden, count, hidden, &up, intermediate, gu + first * 2 * intermediate,
-                          act + first * intermediate);
-        if (failed) break;
-        if (d.kind == BLOCKED)
-            packed_linear_bf16(act + first * intermediate, count, intermediate, d.weight, hidden, intermediate, NULL,
-                               (uint16_t *)(y + first * hidden), hidden, d.a, 1);
-        else
-            failed = quant_linear(act + first * intermediate, count, intermediate, 0, intermediate, d.weight,
-                                  (int)d.a, (int)(d.b & 1), hidden, NULL, y + first * hidden, hidden, 1, d.b >> 1);
-    }
-    if (!failed) {
-#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
-        for (int64_t t = 0; t < M; t++) {
-            for (int64_t i = 0; i < hidden; i++) {
-                float sum = 0.0f;
-                for (int64_t j = 0; j < k; j++) sum += weights[t * k + j] * y[slot[t * k + j] * hidden + i];
-                out[t * hidden + i] = to_bf(sum);
-            }
-        }
-    }
-    free(start), free(slot), free(token);
     return failed ? -1 : 0;
 }

@@ -524,7 +524,6 @@ void packed_linear_halves(const uint16_t *x, int64_t M, int64_t ldx, const uint1
 void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
                                  uint16_t *y, int64_t ldy, int64_t amx_min_rows) {
     const int64_t groups = (I + GROUP / 2 - 1) / (GROUP / 2);
-    const int64_t group_stride = (K + 1) / 2 * 2 * GROUP;
     int amx = 0;
     uint16_t *tail = NULL;
 #ifdef HAVE_AMX
@@ -543,10 +542,19 @@ void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, cons
         }
         else
 #endif
-        for (int64_t g = first; g < end; g++)
-            all_rows_silu_mul(x, ldx, M, w + g * group_stride, K, NULL, y, ldy, g * GROUP / 2, I);
+        packed_silu_mul_groups(x, M, ldx, w, I, K, y, ldy, first, end);
     }
     free(tail);
+}
+
+/* packed_silu_mul_linear_bf16's vector path for the activation groups [first, end) only (32
+ * activations each), on the calling thread (for callers that spread many small products over
+ * their own threads: a mixture of experts' experts). */
+void packed_silu_mul_groups(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
+                            uint16_t *y, int64_t ldy, int64_t first, int64_t end) {
+    const int64_t group_stride = (K + 1) / 2 * 2 * GROUP;
+    for (int64_t g = first; g < end; g++)
+        all_rows_silu_mul(x, ldx, M, w + g * group_stride, K, NULL, y, ldy, g * GROUP / 2, I);
 }
 #else
 int packed_linear_available(void) { return 0; }
@@ -568,5 +576,10 @@ void packed_linear_halves(const uint16_t *x, int64_t M, int64_t ldx, const uint1
                           int64_t out_f32) {
     (void)x, (void)M, (void)ldx, (void)w, (void)N, (void)K, (void)w_k, (void)bias, (void)y, (void)ldy, (void)first;
     (void)end, (void)out_f32;
+}
+
+void packed_silu_mul_groups(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
+                            uint16_t *y, int64_t ldy, int64_t first, int64_t end) {
+    (void)x, (void)M, (void)ldx, (void)w, (void)I, (void)K, (void)y, (void)ldy, (void)first, (void)end;
 }
 #endif

@@ -15,7 +15,19 @@
 #include <stdint.h>
 
 struct forward_layer;
+struct moe_layer;
 struct lora_layer;
+
+/* One product of quant_linear_many: x [M, K] bfloat16 (rows ldx apart) times w's features into
+ * y [M, N] (rows ldy apart). */
+struct quant_task {
+    const void *x;
+    int64_t M, ldx;
+    const uint8_t *w;
+    int64_t N;
+    void *y;
+    int64_t ldy;
+};
 
 /* -- probes: what this CPU runs (1) or not (0) -- */
 int packed_linear_available(void);
@@ -90,9 +102,12 @@ void packed_linear_halves(const uint16_t *x, int64_t M, int64_t ldx, const uint1
     int64_t w_k, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t first, int64_t end, int64_t out_f32);
 void packed_silu_mul_linear_bf16(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
     uint16_t *y, int64_t ldy, int64_t amx_min_rows);
+void packed_silu_mul_groups(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t I, int64_t K,
+    uint16_t *y, int64_t ldy, int64_t first, int64_t end);
 int64_t quant_group_bytes(int bits, int has_min);
 int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
     int has_min, int64_t N, const float *bias, void *y, int64_t ldy, int out_f32, int64_t amx_min_rows);
+int quant_linear_many(const struct quant_task *tasks, int64_t count, int64_t K, int bits, int has_min, int out_f32);
 int quant_linear_argmax(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, const uint8_t *w, int bits,
     int has_min, int64_t N, const float *bias, int64_t *ids, int64_t amx_min_rows);
 int quant_silu_mul_tiles(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
@@ -103,10 +118,12 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t intermediate, 
 int quant_silu_mul_linear(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int bits,
     int has_min, int64_t I, uint16_t *act, int64_t amx_min_rows, uint16_t *gate_up);
 int one_call_forward_set_exp16(void *fn);
+void moe_route(const uint16_t *logits, int64_t M, int64_t num_experts, int64_t k, int64_t norm, int64_t *experts,
+    float *weights);
 int moe_experts_forward(const uint16_t *x, int64_t M, int64_t hidden, const int64_t *experts, const float *weights,
-    int64_t k, int64_t num_experts, const void *gate_up, int64_t gate_up_stride, int64_t gate_up_kind,
-    int64_t gate_up_a, int64_t gate_up_b, const void *down, int64_t down_stride, int64_t down_kind, int64_t down_a,
-    int64_t down_b, int64_t intermediate, uint16_t *out);
+    const struct moe_layer *moe, uint16_t *out);
+int moe_layer_forward(const uint16_t *x, int64_t M, int64_t hidden, const uint16_t *logits,
+    const struct moe_layer *moe, uint16_t *out);
 int one_call_forward(const struct forward_layer *layers, int64_t num_layers, int64_t rows, const uint16_t *embed,
     const int64_t *tokens, const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
     int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start, const float *cos_table,
