@@ -42,7 +42,8 @@ _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (_CSRC / "paged_attention.c", _CSRC / "packed_linear.c", _CSRC / "tile_attention.c",
            _CSRC / "quant_linear.c", _CSRC / "one_call_forward.c")
 HEADER = _CSRC / "pagoda_kernels.h"  # the interface: every exported function, declared once
-HEADERS = (HEADER, _CSRC / "vector_exp.h", _CSRC / "vector_lanes.h", _CSRC / "amx_tiles.h")
+HEADERS = (HEADER, _CSRC / "vector_exp.h", _CSRC / "vector_lanes.h", _CSRC / "amx_tiles.h",
+           _CSRC / "work_share.h")
 DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
 # NOTE: never -ffast-math: linking with it turns on flush-to-zero for the whole process
 # (crtfastmath), which changes every float result in it. These are the parts of it that

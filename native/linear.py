@@ -248,6 +248,7 @@ def moe_layer_struct(gate_up: torch.Tensor, gate_up_product: tuple[int, int, int
     ``gate_up`` and ``down`` [experts, ...] each expert's packed weight and ``*_product`` the
     kernel's (kind, a, b) for them."""
     assert gate_up.is_contiguous() and down.is_contiguous() and gate_up.shape[0] == down.shape[0]
+    assert 0 < top_k <= gate_up.shape[0]
     return [*router, gate_up.data_ptr(), *gate_up_product, down.data_ptr(), *down_product, gate_up[0].nbytes,
             down[0].nbytes, gate_up.shape[0], top_k, int(norm_topk_prob), intermediate]
 

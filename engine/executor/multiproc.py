@@ -29,6 +29,17 @@ from typing import TYPE_CHECKING
 from pagoda.engine.config import compiles_model
 from pagoda.engine.cpu_affinity import WORKER_CPUS_ENV, format_cpus, worker_cpus
 from pagoda.engine.exceptions import WorkerDiedError
+from pagoda.engine.messages import (
+    KVCacheAllocation,
+    RunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    WorkerFailed,
+    WorkerInit,
+    WorkerMemory,
+    WorkerProgress,
+    WorkerReady,
+)
 
 #: glibc's allocator for the worker, unless GLIBC_TUNABLES is set already: blocks up to 64 MiB
 #: from the heap rather than mmap (a step's activations, 1-50 MB each, were mapped and unmapped
@@ -43,19 +54,9 @@ WORKER_MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim
 #: and over 4 KiB pages (the default where the kernel's THP mode is "madvise") each page costs
 #: a TLB miss and stops the prefetchers at its end. A sum over a 1 GiB buffer read 47-51 GB/s on
 #: 4 KiB pages, 62-66 on 2 MiB ones; a Qwen3-MoE layer's experts, one token, 695 -> 631 us
-#: (AMD EPYC Zen 4, 2026-12-08). Where THP is "never" it changes nothing.
+#: (AMD EPYC Zen 4, 2026-12-08). The price: an allocation's last huge page may be partly
+#: used. Where THP is "never" it changes nothing.
 WORKER_HUGE_PAGES = {"THP_MEM_ALLOC_ENABLE": "1"}
-from pagoda.engine.messages import (
-    KVCacheAllocation,
-    RunnerOutput,
-    SchedulerOutput,
-    Shutdown,
-    WorkerFailed,
-    WorkerInit,
-    WorkerMemory,
-    WorkerProgress,
-    WorkerReady,
-)
 
 if TYPE_CHECKING:
     from pagoda.engine.executor.base import SizeKVCache

@@ -15,12 +15,12 @@ bit for bit the eager path's so rounded). The compiled regions are not called.
 It runs where the model is a single rank in bfloat16 on the CPU, every linear layer of its
 decoder runs one of Pagoda's kernels (quantized weights: GGUF files' own types,
 ``--quantization int8``; bfloat16 weights packed "blocked" or "amx", see
-engine/models/linear.py; not oneDNN's), and so do a mixture of experts' router and experts
-(engine/models/moe.py: the layer's routing and experts are the function its op calls, LoRA
-slots aside), the attention backend is ``cpu_paged`` over a bfloat16 cache (with batch invariance, as the backend plans: neither attention tiles nor a
-cascade). A step whose sequences share a prefix that the backend attends to as a cascade
-runs layer by layer where the backend has no tiles for the shared part (head sizes other than
-64 and 128). ``PAGODA_ONE_CALL_FORWARD=0`` turns it off (for A/B measurements).
+engine/models/linear.py; not oneDNN's), and the attention backend is ``cpu_paged`` over a
+bfloat16 cache (with batch invariance, as the backend plans: neither attention tiles nor a
+cascade). A mixture of experts' layers take it too (engine/models/moe.py: the call runs the
+router's product, then the function the layer's op calls), but not beside LoRA slots. A step
+whose sequences share a prefix that the backend attends to as a cascade runs layer by layer
+where the backend has no tiles for the shared part (head sizes other than 64 and 128). ``PAGODA_ONE_CALL_FORWARD=0`` turns it off (for A/B measurements).
 """
 
 from __future__ import annotations
@@ -165,9 +165,10 @@ class OneCallForward:
         # Every layer's window (architecture_reason leaves the one call models whose layers all
         # have the same one, or none).
         self.window = attention.window
-        # NOTE: the dense layers' intermediate width (0: every layer a mixture of experts)
-        dense = max((layer.mlp.intermediate_size for layer in model.layers if not isinstance(layer.mlp, SparseMoE)),
-                    default=0)
+        # NOTE: the dense layers' intermediate width, the config's in every one of them (0: every
+        # layer a mixture of experts)
+        dense = next((layer.mlp.intermediate_size for layer in model.layers if not isinstance(layer.mlp, SparseMoE)),
+                     0)
         self.sizes = (config.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
                       dense, self.block_size, model.embed_tokens.num_embeddings,
                       model.rotary.cos.shape[0])

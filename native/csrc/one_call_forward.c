@@ -31,6 +31,7 @@
 #endif
 
 #include "vector_lanes.h"
+#include "work_share.h"
 
 /* A product's packed weight: QUANTIZED (a: bits, b: with minimums + 2 x the rows from which
  * AMX tiles run) or BLOCKED bfloat16 (a: the rows from which AMX tiles run; gate/up packed
@@ -374,7 +375,8 @@ static void *carve(char **at, size_t bytes, int index) {
 /* Each token's top_k experts (by its logits, bfloat16 [M, num_experts]; the lower id first
  * among equal logits, as a stable sort puts them) and their routing weights: a softmax over all
  * of its logits in float32, the top k's renormalized where norm, rounded to bfloat16 (as
- * SparseMoE.route computes them, to within float32's rounding). A NaN logit ranks lowest. */
+ * SparseMoE.route computes them, to within float32's rounding). A NaN logit's expert is picked
+ * last (torch's sort picks it first); its token's weights are NaN either way. */
 void moe_route(const uint16_t *logits, int64_t M, int64_t num_experts, int64_t k, int64_t norm, int64_t *experts,
                float *weights) {
     for (int64_t t = 0; t < M; t++) {
@@ -438,37 +440,37 @@ static int quantized_experts(const uint16_t *rows, const int64_t *start, int64_t
 
 /* The experts' products where both are packed bfloat16 and no expert's rows reach its AMX tiles
  * (rows, the groups start[e]..start[e + 1]): one parallel region, every expert's gate/up groups
- * (SiLU-mul in the product's epilogue) laid end to end and split into one contiguous range a
- * thread, then every down product's half-groups likewise, into y (float32). The sums of each
- * expert's own packed_silu_mul_linear_bf16 and packed_linear_bf16, output for output. */
+ * (SiLU-mul in the product's epilogue) laid end to end, each costing the expert's rows, and
+ * split into one contiguous range of the cost a thread (work_share.h), then every down
+ * product's half-groups likewise, into y (float32). The sums of each expert's own
+ * packed_silu_mul_linear_bf16 and packed_linear_bf16, output for output. */
 static void blocked_experts(const uint16_t *rows, const int64_t *start, int64_t hidden, const struct moe_layer *moe,
                             uint16_t *act, float *y) {
     const int64_t num_experts = moe->num_experts, intermediate = moe->intermediate;
-    int64_t active = 0;
-    for (int64_t e = 0; e < num_experts; e++) active += start[e + 1] > start[e];
     /* 32 activations a gate/up group, 32 features a down half-group (packed_linear.c's GROUP / 2) */
     const int64_t up_groups = (intermediate + 31) / 32, down_halves = (hidden + 31) / 32;
 #pragma omp parallel
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int pass = 0; pass < 2; pass++) {
-            const int64_t per_expert = pass ? down_halves : up_groups, items = active * per_expert;
-            const int64_t first = items * t / nt, last = items * (t + 1) / nt;
-            int64_t at = 0; /* the first item of expert e in the laid-out order */
+            const int64_t per_expert = pass ? down_halves : up_groups, cost = start[num_experts] * per_expert;
+            const int64_t first = cost * t / nt, last = cost * (t + 1) / nt;
+            int64_t at = 0; /* the cost before expert e's items */
             for (int64_t e = 0; e < num_experts && at < last; e++) {
                 const int64_t from_row = start[e], count = start[e + 1] - from_row;
+                int64_t from, to;
                 if (!count) continue;
-                const int64_t from = first > at ? first - at : 0, to = last - at < per_expert ? last - at : per_expert;
+                share_of(at, per_expert, count, first, last, &from, &to);
+                const char *gate_up = (const char *)moe->gate_up.weight + e * moe->gate_up_stride;
+                const char *down = (const char *)moe->down.weight + e * moe->down_stride;
                 if (from < to && !pass)
-                    packed_silu_mul_groups(rows + from_row * hidden, count, hidden,
-                                           (const uint16_t *)((const char *)moe->gate_up.weight + e * moe->gate_up_stride),
+                    packed_silu_mul_groups(rows + from_row * hidden, count, hidden, (const uint16_t *)gate_up,
                                            intermediate, hidden, act + from_row * intermediate, intermediate, from, to);
                 else if (from < to)
-                    packed_linear_halves(act + from_row * intermediate, count, intermediate,
-                                         (const uint16_t *)((const char *)moe->down.weight + e * moe->down_stride),
+                    packed_linear_halves(act + from_row * intermediate, count, intermediate, (const uint16_t *)down,
                                          hidden, intermediate, intermediate, NULL, (uint16_t *)(y + from_row * hidden),
                                          hidden, from, to, 1);
-                at += per_expert;
+                at += per_expert * count;
             }
             if (!pass) {
 #pragma omp barrier
@@ -538,8 +540,9 @@ static int moe_experts(const uint16_t *x, int64_t M, int64_t hidden, const int64
     int64_t most = 0; /* an expert's most rows */
     for (int64_t e = 0; e < num_experts; e++) most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
     /* all the experts' products at once, unless some expert's rows would run on AMX tiles */
-    const int quantized = moe->gate_up.kind == QUANTIZED && moe->down.kind == QUANTIZED && !(moe->gate_up.b >> 1) &&
-                          !(moe->down.b >> 1);
+    const int quantized = moe->gate_up.kind == QUANTIZED && moe->down.kind == QUANTIZED &&
+                          (!(moe->gate_up.b >> 1) || most < moe->gate_up.b >> 1) &&
+                          (!(moe->down.b >> 1) || most < moe->down.b >> 1);
     const int blocked = moe->gate_up.kind == BLOCKED && moe->down.kind == BLOCKED &&
                         (!moe->gate_up.a || most < moe->gate_up.a) && (!moe->down.a || most < moe->down.a);
     int failed = quantized ? quantized_experts(rows, start, hidden, moe, gu, act, y) : 0;

@@ -52,6 +52,7 @@
 #endif
 
 #include "vector_lanes.h"
+#include "work_share.h"
 
 #define QGROUP 32
 #define QBLOCK 16
@@ -839,23 +840,27 @@ int quant_linear(const void *x, int64_t M, int64_t ldx, int x_f32, int64_t K, co
  * task, y = x @ w.T over bfloat16 x [M, K] (rows ldx apart) into y [M, N] (rows ldy apart;
  * float32 with out_f32, else bfloat16), every weight of the same bits and minimums, no bias.
  * One parallel region for all: every task's rows quantized, then every task's blocks of
- * features laid end to end and split into one contiguous range a thread. Run one product at a
+ * features laid end to end, each costing its task's rows, and split into one contiguous range
+ * of the cost a thread (work_share.h). Run one product at a
  * time (quant_linear), a decode's experts opened two regions each and waited at their ends
  * (a Qwen3-MoE layer's 8 experts for one token, AMD Zen 4: 841 -> 805 us, alternated). The sums
  * are quant_linear's, output for output. Returns 0, or -1 if memory ran out. */
 int quant_linear_many(const struct quant_task *tasks, int64_t count, int64_t K, int bits, int has_min, int out_f32) {
-    const int64_t groups = K / QGROUP, sums = bits == 6 ? 2 * groups : groups;
+    const int64_t groups = K / QGROUP;
     if (bits == 6 && !quant_linear_q6()) return -2;
-    int64_t rows = 0, blocks = 0, *row_of = malloc((size_t)(count + 1) * sizeof(int64_t));
+    int64_t rows = 0, blocks = 0, cost = 0, *row_of = malloc((size_t)(count + 1) * sizeof(int64_t));
     if (!row_of) return -1;
     for (int64_t i = 0; i < count; i++) { /* the task's first quantized row */
         row_of[i] = rows;
         rows += tasks[i].M;
         blocks += (tasks[i].N + QBLOCK - 1) / QBLOCK;
+        cost += (tasks[i].N + QBLOCK - 1) / QBLOCK * tasks[i].M;
     }
     int8_t *xq = malloc((size_t)(rows * K) + 1);
     float *xs = malloc((size_t)(rows * groups) * sizeof(float) + 1);
-    int32_t *xsum = malloc((size_t)(rows * (groups + sums)) * sizeof(int32_t) + 1), *xhalf = xsum + rows * groups;
+    /* each row's sums of xq a group, then (6-bit) a half group */
+    int32_t *xsum = malloc((size_t)(rows * groups) * (bits == 6 ? 3 : 1) * sizeof(int32_t) + 1);
+    int32_t *xhalf = xsum + rows * groups;
     if (!xq || !xs || !xsum) {
         free(row_of), free(xq), free(xs), free(xsum);
         return -1;
@@ -872,16 +877,18 @@ int quant_linear_many(const struct quant_task *tasks, int64_t count, int64_t K, 
                 if (bits == 6) half_sums(xq + r * K, K, xhalf + 2 * r * groups);
             }
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t first = blocks * t / nt, last = blocks * (t + 1) / nt;
-        int64_t at = 0; /* the first block of task i in the laid-out order */
+        const int64_t first = cost * t / nt, last = cost * (t + 1) / nt;
+        int64_t at = 0; /* the cost before task i's blocks */
         for (int64_t i = 0; i < count && at < last; i++) {
             const struct quant_task *task = tasks + i;
-            const int64_t n = (task->N + QBLOCK - 1) / QBLOCK, from = first > at ? first - at : 0;
-            const int64_t to = last - at < n ? last - at : n, r = row_of[i];
+            const int64_t n = (task->N + QBLOCK - 1) / QBLOCK, r = row_of[i];
+            int64_t from, to;
+            if (!task->M) continue;
+            share_of(at, n, task->M, first, last, &from, &to);
             if (from < to)
                 quant_blocks(xq + r * K, xs + r * groups, bits == 6 ? xhalf + 2 * r * groups : xsum + r * groups,
                              task->M, K, task->w, bits, has_min, NULL, task->y, task->ldy, task->N, out_f32, from, to);
-            at += n;
+            at += n * task->M;
         }
     }
     free(row_of), free(xq), free(xs), free(xsum);
