@@ -485,10 +485,10 @@ static void blocked_experts(const uint16_t *rows, const int64_t *start, int64_t 
  * them and runs its two products once (silu_mul and product above); an expert with no row costs
  * nothing. The down products come out in float32 and each token's k terms are summed in
  * float32 in the order of its experts, then rounded once: a token's output does not depend on
- * the other tokens of the step. Returns 0, -1 if memory ran out, or -2 if an expert id is out
- * of range. */
-static int moe_experts(const uint16_t *x, int64_t M, int64_t hidden, const int64_t *experts, const float *weights,
-                       const struct moe_layer *moe, uint16_t *out) {
+ * the other tokens of the step; the layer's router is not used. Returns 0, -1 if memory ran out,
+ * or -2 if an expert id is out of range. */
+int moe_experts_forward(const uint16_t *x, int64_t M, int64_t hidden, const int64_t *experts, const float *weights,
+                        const struct moe_layer *moe, uint16_t *out) {
     const int64_t k = moe->top_k, num_experts = moe->num_experts, intermediate = moe->intermediate;
     const int64_t pairs = M * k;
     int64_t *start = calloc((size_t)(num_experts + 1), sizeof(int64_t));
@@ -577,13 +577,8 @@ static int moe_experts(const uint16_t *x, int64_t M, int64_t hidden, const int64
     return failed ? -1 : 0;
 }
 
-/* moe_experts for the given experts and weights (the layer's router unused). */
-int moe_experts_forward(const uint16_t *x, int64_t M, int64_t hidden, const int64_t *experts, const float *weights,
-                        const struct moe_layer *moe, uint16_t *out) {
-    return moe_experts(x, M, hidden, experts, weights, moe, out);
-}
-
-/* The layer's experts for tokens x whose router logits are given (moe_route, then moe_experts). */
+/* The layer's experts for tokens x whose router logits are given (moe_route, then
+ * moe_experts_forward). */
 int moe_layer_forward(const uint16_t *x, int64_t M, int64_t hidden, const uint16_t *logits,
                       const struct moe_layer *moe, uint16_t *out) {
     const size_t pairs = (size_t)(M * moe->top_k) + 1;
@@ -592,7 +587,7 @@ int moe_layer_forward(const uint16_t *x, int64_t M, int64_t hidden, const uint16
     int failed = -1;
     if (experts && weights) {
         moe_route(logits, M, moe->num_experts, moe->top_k, moe->norm_topk_prob, experts, weights);
-        failed = moe_experts(x, M, hidden, experts, weights, moe, out);
+        failed = moe_experts_forward(x, M, hidden, experts, weights, moe, out);
     }
     free(experts), free(weights);
     return failed;
